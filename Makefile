@@ -1,0 +1,30 @@
+# Quick start: `make serve` and `make test` on a fresh machine, nothing installed by hand.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: install test serve lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Without CUDA take the CPU build of torch that lies on disk: an unpinned torch pulls a
+	# multi-GB CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest $(ARGS)
+
+serve: $(STAMP)
+	$(PY) -m corun.serve $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check corun kernels models tests invariance_tests experiments
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

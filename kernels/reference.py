@@ -1,0 +1,412 @@
+"""Plain-torch references for every op in ``kernels/``: the numerics the Triton kernels must match.
+
+Conventions (the contract the launchers follow too):
+
+- A reference computes in ``float32`` (or in the input dtype when that is wider) and returns the
+  input dtype. Call it on ``float64`` copies to get the fp64 reference the tests compare against.
+- Layouts are the launchers' layouts: ``x`` [M, K] and ``w`` [N, K] (nn.Linear), token-major
+  activations [T, ...], paged KV caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` with
+  per-sequence int32 block tables, the MLA cache ``[num_blocks, block_size, kv_lora_rank + rope_dim]``.
+- Slot ``-1`` in a slot mapping means "padding, do not write".
+- References loop per sequence / per token where that makes them obviously right; speed is not
+  their job.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------
+# dense ops
+# ----------------------------------------------------------------------------------------------
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gemm_reference(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``y = x @ w.T (+ bias)`` with x [M, K], w [N, K]; fp32 (or fp64) accumulation."""
+    acc = _acc_dtype(x.dtype)
+    y = x.to(acc) @ w.to(acc).T
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype)
+
+
+def rmsnorm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim, as Qwen3/DeepSeek-V3 in transformers.
+
+    With ``residual``: ``h = x + residual`` (in the input dtype, as the HF decoder layer adds),
+    returns ``(rmsnorm(h), h)``; the second value is the new residual stream.
+    """
+    if residual is not None:
+        x = x + residual
+    acc = _acc_dtype(x.dtype)
+    h = x.to(acc)
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * normed.to(x.dtype)
+    return (out, x) if residual is not None else out
+
+
+def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """Gated-MLP activation: x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    inter = x.shape[-1] // 2
+    acc = _acc_dtype(x.dtype)
+    gate, up = x[..., :inter].to(acc), x[..., inter:].to(acc)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding on q [T, Hq, R] and k [T, Hk, R] (R = rotary dim), out of place.
+
+    ``cos_sin_cache`` is [max_position, R]: the first R/2 columns cos, the last R/2 sin (the cache
+    ``kernels.rope.build_rope_cache`` makes, YaRN's attention factor already folded in).
+    ``is_neox``: rotate-half pairs (i, i + R/2) as Qwen3; otherwise GPT-J interleaved pairs
+    (2i, 2i + 1) as DeepSeek-V3 (``rope_interleave``). The interleaved result stays interleaved;
+    q·k is unchanged by that layout as long as q and k share it.
+    """
+    acc = _acc_dtype(q.dtype)
+    half = cos_sin_cache.shape[-1] // 2
+    cos = cos_sin_cache[positions.long(), :half].to(acc).unsqueeze(1)  # [T, 1, R/2]
+    sin = cos_sin_cache[positions.long(), half:].to(acc).unsqueeze(1)
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(acc)
+        if is_neox:
+            x1, x2 = t[..., :half], t[..., half:]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x1, x2 = t[..., 0::2], t[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+    return rotate(q).to(q.dtype), rotate(k).to(k.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling: request-bound noise from Philox4x32-10 keyed by the request seed
+# ----------------------------------------------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+PHILOX_ROUNDS = 10
+
+
+def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of a * b for a constant a and uint32 values b held in int64."""
+    lo = (b * a) & _MASK32  # the int64 product may wrap; its low 32 bits are still exact
+    b_lo, b_hi = b & 0xFFFF, b >> 16
+    mid = b_lo * a
+    hi = ((b_hi * a) + (mid >> 16)) >> 16
+    return hi & _MASK32, lo
+
+
+def philox_4x32(
+    counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    key: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox4x32-10 on uint32 words held in int64 tensors (broadcasting). Returns 4 words."""
+    c0, c1, c2, c3 = (c & _MASK32 for c in counter)
+    k0, k1 = (k & _MASK32 for k in key)
+    for _ in range(PHILOX_ROUNDS):
+        hi0, lo0 = _mulhilo32(PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo32(PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + PHILOX_W0) & _MASK32
+        k1 = (k1 + PHILOX_W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def sampling_uniform_reference(
+    seeds: torch.Tensor, sample_indices: torch.Tensor, positions: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """The request-bound uniform noise u in (0, 1), [B, V] float32.
+
+    Key = the 64-bit request seed (low word, high word); counter = (vocab index, position,
+    sample index, 0). Word 0 of the Philox output, top 24 bits, centred: u = (x >> 8 + 0.5) / 2^24.
+    A row's noise is a function of its own (seed, sample index, position) only.
+    """
+    seeds = seeds.to(torch.int64).view(-1, 1)
+    key = (seeds & _MASK32, (seeds >> 32) & _MASK32)
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device).view(1, -1)
+    counter = (
+        vocab,
+        positions.to(torch.int64).view(-1, 1),
+        sample_indices.to(torch.int64).view(-1, 1),
+        torch.zeros_like(vocab),
+    )
+    word = philox_4x32(counter, key)[0]
+    return ((word >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def top_k_top_p_mask_reference(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Boolean [B, V] mask of the tokens a row may sample (after temperature scaling).
+
+    ``top_k`` <= 0 disables top-k; ``top_p`` = 1 disables top-p. Top-p keeps the smallest set of
+    highest-probability tokens whose mass reaches top_p (the token that crosses it is kept), over
+    the top-k survivors, as vLLM and HF apply them (top-k first).
+    """
+    batch, vocab = logits.shape
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    for row in range(batch):
+        row_logits = logits[row].to(torch.float64)
+        order = torch.argsort(row_logits, descending=True, stable=True)
+        k = int(top_k[row])
+        allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        n_keep = vocab if k <= 0 else min(k, vocab)
+        p = float(top_p[row])
+        if p < 1.0:
+            probs = torch.softmax(row_logits[order[:n_keep]], dim=0)
+            mass_before = torch.cumsum(probs, dim=0) - probs
+            n_keep = int((mass_before < p).sum())
+        allowed[order[: max(n_keep, 1)]] = True
+        keep[row] = allowed
+    return keep
+
+
+def sample_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    sample_indices: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """Sampled token ids [B] (int64). Temperature 0 is greedy (argmax, lowest id on ties).
+
+    Otherwise Gumbel-max over the allowed tokens: argmax(logits / T - log(-log(u))) with ``u`` from
+    ``sampling_uniform_reference``, which is an exact draw from softmax(logits / T) restricted to
+    the top-k/top-p set.
+    """
+    scaled = logits.to(torch.float32) / temperature.clamp_min(1e-6).view(-1, 1).to(torch.float32)
+    keep = top_k_top_p_mask_reference(scaled, top_k, top_p)
+    u = sampling_uniform_reference(seeds, sample_indices, positions, logits.shape[1])
+    gumbel = -torch.log(-torch.log(u))
+    noisy = torch.where(keep, scaled + gumbel, torch.full_like(scaled, float("-inf")))
+    sampled = noisy.argmax(dim=1)
+    greedy = logits.argmax(dim=1)
+    return torch.where(temperature.view(-1) == 0, greedy, sampled).to(torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# attention over the paged KV cache
+# ----------------------------------------------------------------------------------------------
+
+
+def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Tokens 0..length-1 of one sequence from a paged cache -> [length, ...]."""
+    block_size = cache.shape[1]
+    token = torch.arange(length, device=cache.device)
+    blocks = block_table.long()[token // block_size]
+    return cache[blocks, token % block_size]
+
+
+def store_kv_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, Hkv, D] at flat slots (block * block_size + offset); slot -1 is skipped."""
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        k_cache[slot // block_size, slot % block_size] = k[t]
+        v_cache[slot // block_size, slot % block_size] = v[t]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float):
+    """q [L, Hq, D], k/v [S, Hkv, D]; query i sees keys at positions <= q_pos[i]."""
+    acc = _acc_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    k = k.to(acc).repeat_interleave(group, dim=1)
+    v = v.to(acc).repeat_interleave(group, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q.to(acc), k) * scale
+    key_pos = torch.arange(k.shape[0], device=q.device)
+    scores = scores.masked_fill(key_pos.view(1, 1, -1) > q_pos.view(1, -1, 1), float("-inf"))
+    return torch.einsum("hls,shd->lhd", torch.softmax(scores, dim=-1), v)
+
+
+def prefill_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal (chunked) prefill over the paged cache, GQA, variable length.
+
+    q [T, Hq, D] holds each sequence's chunk back to back (``cu_seqlens_q`` [B + 1]);
+    ``context_lens`` [B] is each sequence's total length *including* this chunk, whose K/V must
+    already be in the cache. Query i of sequence b sits at position context_lens[b] - L_b + i.
+    """
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for b in range(len(cu) - 1):
+        q_len, ctx = cu[b + 1] - cu[b], int(context_lens[b])
+        k = _gather_paged(k_cache, block_tables[b], ctx)
+        v = _gather_paged(v_cache, block_tables[b], ctx)
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        out[cu[b] : cu[b + 1]] = _attend(q[cu[b] : cu[b + 1]], k, v, q_pos, scale).to(q.dtype)
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence, q [B, Hq, D], attending to its seq_lens[b] cached tokens.
+
+    A sequence of length 0 (a padded dummy slot) gives zeros.
+    """
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        length = int(seq_lens[b])
+        if length == 0:
+            continue
+        k = _gather_paged(k_cache, block_tables[b], length)
+        v = _gather_paged(v_cache, block_tables[b], length)
+        q_pos = torch.tensor([length - 1], device=q.device)
+        out[b] = _attend(q[b : b + 1], k, v, q_pos, scale)[0].to(q.dtype)
+    return out
+
+
+def store_mla_kv_reference(
+    latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write [latent | k_pe] ([T, Lkv] and [T, R]) into the MLA cache [NB, BS, Lkv + R]."""
+    block_size = kv_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        kv_cache[slot // block_size, slot % block_size] = torch.cat([latent[t], k_pe[t]])
+
+
+def mla_decode_reference(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA decode: MQA over the compressed cache, output in latent space.
+
+    q_latent [B, H, Lkv] (q_nope already multiplied by W_UK), q_pe [B, H, R], cache rows
+    [c (Lkv) | k_pe (R)]. score = scale * (q_latent·c + q_pe·k_pe); out = softmax · c, [B, H, Lkv].
+    """
+    acc = _acc_dtype(q_latent.dtype)
+    latent_dim = q_latent.shape[-1]
+    out = torch.zeros_like(q_latent)
+    for b in range(q_latent.shape[0]):
+        length = int(seq_lens[b])
+        if length == 0:
+            continue
+        rows = _gather_paged(kv_cache, block_tables[b], length).to(acc)  # [S, Lkv + R]
+        c, k_pe = rows[:, :latent_dim], rows[:, latent_dim:]
+        scores = (q_latent[b].to(acc) @ c.T + q_pe[b].to(acc) @ k_pe.T) * scale  # [H, S]
+        out[b] = (torch.softmax(scores, dim=-1) @ c).to(q_latent.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# mixture of experts
+# ----------------------------------------------------------------------------------------------
+
+
+def softmax_topk_reference(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE routing: softmax in fp32, top-k (sorted, lowest id first on ties), optional
+    renormalisation. Returns (weights fp32 [T, k], expert ids int32 [T, k])."""
+    probs = torch.softmax(router_logits.to(_acc_dtype(router_logits.dtype)), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1, sorted=True)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(torch.float32), ids.to(torch.int32)
+
+
+def grouped_topk_reference(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing (noaux_tc): sigmoid scores, + correction bias for the *choice* only,
+    group score = sum of each group's top-2 biased scores, keep the best ``topk_group`` groups
+    (others masked with -inf as vLLM and the DeepSeek reference do; HF masks with 0.0, which agrees
+    while every biased score is positive), top-k experts, weights gathered from the unbiased
+    scores, renormalised (sum + 1e-20) if asked, then always times routed_scaling_factor."""
+    acc = _acc_dtype(router_logits.dtype)
+    scores = torch.sigmoid(router_logits.to(acc))
+    choice = scores + correction_bias.to(acc)
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, n_group, experts // n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    group_ids = group_scores.topk(topk_group, dim=-1, sorted=True).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
+    masked = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = masked.topk(top_k, dim=-1, sorted=True).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * routed_scaling_factor
+    return weights.to(torch.float32), ids.to(torch.int32)
+
+
+def fused_moe_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    token_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed experts: out[t] = sum over rank r (in rank order) of
+    w[t, r] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, r].
+
+    x [T, H], w13 [E, 2I, H] (gate rows first, then up), w2 [E, H, I]. Each expert's intermediate
+    activation is rounded to x's dtype (as the grouped GEMM stores it); the combine accumulates in
+    fp32 and casts once. Tokens with ``token_mask`` False (padding) give zeros.
+    """
+    acc = _acc_dtype(x.dtype)
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    for t in range(x.shape[0]):
+        if token_mask is not None and not bool(token_mask[t]):
+            continue
+        for r in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, r])
+            gate_up = gemm_reference(x[t : t + 1], w13[e])
+            hidden = silu_mul_reference(gate_up)
+            expert_out = gemm_reference(hidden, w2[e]).to(acc)
+            out[t] += topk_weights[t, r].to(acc) * expert_out[0]
+    return out.to(x.dtype)

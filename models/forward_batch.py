@@ -1,0 +1,128 @@
+"""The explicit carriers of per-step metadata from the engine into a model.
+
+``ForwardBatch`` is the only way attention metadata reaches the layers: no module globals, no
+attributes patched onto layers. The CUDA-graph runner captures with a ForwardBatch whose tensors
+*are* its static buffers and replays after copying the next step's values into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kernels.mode import Mode
+
+Backend = Literal["triton", "torch"]
+
+
+@dataclass(frozen=True)
+class OpsConfig:
+    """How the layers compute: which kernel policy (mode) and which implementation.
+
+    ``backend="triton"`` runs every op through ``kernels/``; ``backend="torch"`` runs the plain
+    torch path in ``models/ops.py`` (the CPU engine in CI uses it: position-invariant at a fixed
+    shape, and batch-invariant under ``Mode.BATCH_INVARIANT`` by computing in fixed row tiles).
+    """
+
+    mode: Mode = Mode.CORUN
+    backend: Backend = "triton"
+    # Decode attention split size in tokens (corun / batch_invariant), DESIGN.md section 3.
+    decode_split_size: int = 256
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, Mode):
+            raise TypeError(f"mode: expected a kernels.Mode, got {type(self.mode).__name__}")
+        if self.backend not in ("triton", "torch"):
+            raise ValueError(f"backend: expected 'triton' or 'torch', got {self.backend!r}")
+        if self.decode_split_size < 16:
+            raise ValueError(f"decode_split_size: expected >= 16, got {self.decode_split_size}")
+
+
+@dataclass
+class ForwardBatch:
+    """One model step over a flat token batch.
+
+    Prefill (``is_prefill``): the tokens of each sequence's chunk back to back; ``cu_seqlens_q``
+    [B + 1] delimits them, ``context_lens`` [B] is each sequence's total length including the
+    chunk, ``max_q_len`` the longest chunk (host int). The chunk's K/V are written at
+    ``slot_mapping`` before attention reads the cache.
+
+    Decode: one token per slot; ``seq_lens`` [B] (including the new token; 0 for a padded dummy
+    slot, whose ``slot_mapping`` is -1 and whose output is ignored). ``max_seq_len`` (host int) is
+    the grid bound for decode attention: ``max_model_len`` under corun / batch_invariant (the
+    launch shape must not change with the batch), the batch's longest under default.
+
+    ``token_mask`` [T] bool marks real tokens (False for dummies) so MoE routing can skip them.
+    """
+
+    is_prefill: bool
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, -1 = do not write
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
+    kv_cache: KVCache
+    ops: OpsConfig
+    cu_seqlens_q: torch.Tensor | None = None  # prefill: [B + 1] int32
+    context_lens: torch.Tensor | None = None  # prefill: [B] int32
+    max_q_len: int = 0
+    seq_lens: torch.Tensor | None = None  # decode: [B] int32
+    max_seq_len: int = 0
+    token_mask: torch.Tensor | None = None  # [T] bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one model needs cached per token per layer.
+
+    ``kind="mha"``: a K and a V tensor per layer, ``[num_blocks, block_size, num_kv_heads,
+    head_dim]``. ``kind="mla"``: one tensor per layer, ``[num_blocks, block_size, entry_dim]``
+    with entry_dim = kv_lora_rank + qk_rope_head_dim (the compressed latent and the roped k_pe).
+    """
+
+    kind: Literal["mha", "mla"]
+    num_layers: int
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    entry_dim: int = 0
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_token = (
+            2 * self.num_kv_heads * self.head_dim if self.kind == "mha" else self.entry_dim
+        )
+        return self.num_layers * block_size * per_token * elem
+
+
+class KVCache:
+    """The paged KV storage of one model: per-layer tensors, handed to layers by index."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: expected >= 1, got {num_blocks}")
+        self.spec, self.num_blocks, self.block_size, self.dtype = spec, num_blocks, block_size, dtype
+        if spec.kind == "mha":
+            shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        else:
+            shape = (spec.num_layers, num_blocks, block_size, spec.entry_dim)
+        # One allocation for all layers; zeros so a never-written slot can not hold NaNs.
+        self.storage = torch.zeros(shape, dtype=dtype, device=device)
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of an MHA layer."""
+        return self.storage[layer, 0], self.storage[layer, 1]
+
+    def latent(self, layer: int) -> torch.Tensor:
+        """The MLA cache of a layer, [num_blocks, block_size, entry_dim]."""
+        return self.storage[layer]
