@@ -1,0 +1,77 @@
+"""Shared benchmark harness: do_bench medians, memory-bound figures, records with a header.
+
+Every figure CoRun publishes comes through here: timed with ``triton.testing.do_bench`` (median,
+after warm-up, CUDA events), compared with its peer *in the same run* as a ratio, and written to
+``experiments/results/<name>.json`` as a list whose first record is the header (machine, torch and
+triton versions, date, the exact command).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Measured device-to-device copy bandwidth of the H200 (KINDS.md, 2026-10-28 and 2026-11-04):
+# the memory-bound denominators the issues name.
+H200_BANDWIDTH_BYTES_PER_S = 4.3e12
+
+
+def bench_us(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median time of ``fn`` in microseconds (do_bench: CUDA events, L2 flushed between runs)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+
+
+def memory_bound_us(num_bytes: float, bandwidth: float = H200_BANDWIDTH_BYTES_PER_S) -> float:
+    """The time to move ``num_bytes`` once at the measured copy bandwidth, in microseconds."""
+    return num_bytes / bandwidth * 1e6
+
+
+def header(command: str | None = None, **extra: object) -> dict:
+    """The first record of every results file."""
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    return {
+        "header": True,
+        "machine": device,
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command or " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        **extra,
+    }
+
+
+def write_results(name: str, records: list[dict], out_dir: Path | str | None = None, **extra) -> Path:
+    """Write ``[header, *records]`` to ``<out_dir or results>/<name>.json``; returns the path."""
+    out = Path(out_dir or os.environ.get("CORUN_RESULTS_DIR", RESULTS_DIR))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps([header(**extra), *records], indent=1) + "\n")
+    return path
+
+
+def kernel_record(
+    op: str, policy: str, m: int, n: int, k: int, dtype: torch.dtype,
+    us: float, peer: str, peer_us: float, **extra: object,
+) -> dict:
+    """One row of kernels-h200.json; ratio = peer_us / us (higher is better for us)."""
+    return {
+        "op": op, "policy": policy, "M": m, "N": n, "K": k,
+        "dtype": str(dtype).removeprefix("torch."), "us": round(us, 3), "peer": peer,
+        "peer_us": round(peer_us, 3), "ratio": round(peer_us / us, 4) if us > 0 else None, **extra,
+    }
