@@ -1,0 +1,116 @@
+"""Render the recorded results (experiments/results/*.json) as the README's tables.
+
+The README shows only figures that a results file holds: this script rewrites the blocks between
+``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` from the file of that name, so a table
+can not drift from its measurement.
+
+    python -m experiments.report            # rewrite README.md in place
+    python -m experiments.report --check    # exit 1 if README.md is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "experiments" / "results"
+
+
+def _load(name: str) -> tuple[dict, list[dict]] | None:
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return None
+    records = json.loads(path.read_text())
+    head = next((r for r in records if r.get("header")), {})
+    return head, [r for r in records if not r.get("header")]
+
+
+def _source(head: dict, name: str) -> str:
+    return (f"_{head.get('machine', '?')}, torch {head.get('torch', '?')}, triton "
+            f"{head.get('triton', '?')}, {head.get('date', '?')}; `experiments/results/{name}.json`, "
+            f"command `{head.get('command', '?')}`_")
+
+
+def _table(header: list[str], rows: list[list[object]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def _fmt(value: object, digits: int = 2) -> str:
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return "—" if value is None else str(value)
+
+
+def kernels_block(head: dict, records: list[dict]) -> str:
+    timings = [r for r in records if "us" in r and not r.get("error")]
+    checks = [r for r in records if "passed" in r]
+    errors = [r for r in records if r.get("error")]
+    rows = [[r["op"], r["policy"], r["M"], r["N"], r["K"], r["dtype"], _fmt(r["us"], 1),
+             r["peer"], _fmt(r["peer_us"], 1), _fmt(r.get("ratio")),
+             _fmt(r.get("bw_fraction"))] for r in timings]
+    parts = [_source(head, "kernels-h200"), "",
+             _table(["op", "policy", "M", "N", "K", "dtype", "us", "peer", "peer us",
+                     "peer/ours", "of bw bound"], rows)]
+    if checks:
+        passed = sum(1 for c in checks if c["passed"])
+        parts += ["", f"Invariance checks at real shapes on the GPU: {passed} of {len(checks)} "
+                  "as expected.", "",
+                  _table(["op", "check", "mode", "shape", "result", "detail"],
+                         [[c["op"], c["check"], c["mode"], c.get("shape"),
+                           "pass" if c["passed"] else "FAIL", c.get("detail", "")]
+                          for c in checks])]
+    if errors:
+        parts += ["", "Families that failed to run: " + ", ".join(
+            f"{e.get('family')} ({e.get('stage')}: {e.get('error', '')[:80]})" for e in errors)]
+    return "\n".join(parts)
+
+
+def generic_block(name: str) -> Callable[[dict, list[dict]], str]:
+    """A table of every scalar field of the records, for result files without a custom view."""
+
+    def render(head: dict, records: list[dict]) -> str:
+        keys: list[str] = []
+        for r in records:
+            for k, v in r.items():
+                if k not in keys and not isinstance(v, (list, dict)):
+                    keys.append(k)
+        rows = [[_fmt(r.get(k)) for k in keys] for r in records]
+        return _source(head, name) + "\n\n" + _table(keys, rows)
+
+    return render
+
+
+VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {"kernels-h200": kernels_block}
+
+
+def render_readme(text: str) -> str:
+    def replace(match: re.Match) -> str:
+        name = match.group(1)
+        loaded = _load(name)
+        body = "_not measured yet_" if loaded is None else VIEWS.get(name, generic_block(name))(*loaded)
+        return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
+
+    return re.sub(r"<!-- results:([\w.-]+) -->.*?<!-- /results:\1 -->", replace, text, flags=re.S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if README.md is out of date")
+    args = parser.parse_args(argv)
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    new = render_readme(text)
+    if args.check:
+        return 0 if new == text else 1
+    readme.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
