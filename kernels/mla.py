@@ -1,0 +1,351 @@
+"""Multi-head latent attention (DeepSeek-V3 MLA): cache store, absorbed decode, expanded prefill.
+
+Layouts:
+
+- MLA cache per layer ``[num_blocks, block_size, latent_dim + rope_dim]`` (512 + 64 for V3): each
+  token's normalised latent ``c`` followed by its roped ``k_pe``; ``block_tables`` [B, max_blocks]
+  int32 maps a sequence's token t to block ``block_tables[b, t // block_size]``.
+- ``mla_decode``: the absorbed form. ``q_latent`` [B, H, latent_dim] (q_nope times W_UK),
+  ``q_pe`` [B, H, rope_dim]; score = scale * (q_latent.c + q_pe.k_pe), out = softmax . c in latent
+  space [B, H, latent_dim]. All H heads share the one latent "kv head" (MQA).
+- ``mla_prefill_attention``: the expanded form. q [T, H, Dqk], k [S, H, Dqk], v [S, H, Dv] dense,
+  variable length (cu_seqlens_q / cu_seqlens_k), causal, bottom-right aligned: query i of sequence
+  b sits at position k_len_b - q_len_b + i.
+
+Invariance (DESIGN.md, "Three modes, one engine"):
+
+- ``mla_decode`` under ``corun`` and ``batch_invariant``: each sequence's KV is split every
+  ``split_size`` tokens, so its split boundaries and merge order depend on its own length only, and
+  the grid is sized from the host int ``max_seq_len`` (max_model_len), never from the batch's
+  contents. A sequence's output bits do not depend on the other sequences nor on its batch slot.
+  Under ``default`` the split count is chosen from the batch size and the batch's longest sequence
+  to fill the GPU, so a sequence's bits change with its co-runners (position-invariant only at a
+  fixed batch).
+- ``mla_prefill_attention``: one tile config per (head dims, dtype) in every mode and keys walked
+  from key 0 in fixed BLOCK_N steps, so a query row's bits depend only on its own position and data:
+  invariant to the other sequences, its row index and how its prompt was chunked.
+- ``store_mla_kv`` is a copy: exact in every mode.
+
+The Triton kernels are in kernels/mla_kernels.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.mla_kernels import (
+    LOG2E,
+    _mla_decode_combine_kernel,
+    _mla_decode_split_kernel,
+    _mla_prefill_kernel,
+    _store_mla_kv_kernel,
+)
+from kernels.mode import Mode
+from kernels.utils import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    next_power_of_2,
+    upcast_dot_operands,
+)
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+# H200 streaming multiprocessors: the default-mode split heuristic fills them.
+NUM_SMS = 132
+# Default mode never splits below this many tokens per split (below it the combine dominates).
+MIN_DEFAULT_SPLIT_TOKENS = 64
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 operands would otherwise run as tf32 on the GPU; 16-bit operands ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _host_checkable(tensor: torch.Tensor) -> bool:
+    """Data-dependent checks (lengths) read values on the host; only where that costs no device
+    sync, so a launch under CUDA-graph capture never syncs."""
+    return tensor.device.type == "cpu"
+
+
+# ----------------------------------------------------------------------------------------------
+# store
+# ----------------------------------------------------------------------------------------------
+
+
+def store_mla_kv(
+    latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``[latent | k_pe]`` ([T, Lkv], [T, R]) at flat slots of the MLA cache [NB, BS, Lkv + R].
+
+    Slot ``-1`` (a padded token) is skipped. A copy: exact and invariant in every mode.
+    """
+    check_tensor("latent", latent, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_tensor("k_pe", k_pe, ndim=2, dtypes=(latent.dtype,), last_dim_contiguous=True)
+    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(latent.dtype,), last_dim_contiguous=True)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
+    check_same_device(latent=latent, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    num_tokens, latent_dim = latent.shape
+    rope_dim = k_pe.shape[1]
+    check_shape("k_pe", k_pe, (num_tokens, -1))
+    check_shape("kv_cache", kv_cache, (-1, -1, latent_dim + rope_dim))
+    check_shape("slot_mapping", slot_mapping, (num_tokens,))
+    num_blocks, block_size, _ = kv_cache.shape
+    if _host_checkable(slot_mapping) and num_tokens > 0:
+        if int(slot_mapping.max()) >= num_blocks * block_size:
+            raise ValueError(f"slot_mapping: slot beyond the cache's {num_blocks * block_size} slots")
+    if num_tokens == 0:
+        return
+    _store_mla_kv_kernel[(num_tokens,)](
+        latent, k_pe, kv_cache, slot_mapping,
+        latent_dim, rope_dim, block_size,
+        latent.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        BLOCK_L=next_power_of_2(latent_dim), BLOCK_R=next_power_of_2(rope_dim),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Tile and split choices of one ``mla_decode`` launch."""
+
+    block_h: int  # query heads per program (>= 16 rows for tl.dot)
+    block_n: int  # cache tokens per inner step
+    block_dv: int  # latent dim, padded to a power of 2 (one tile: the fp32 acc is [block_h, 512])
+    block_r: int  # rope dim, padded to a power of 2
+    num_splits: int  # grid size along the KV axis
+    split_size: int  # tokens per split when is_fixed_split
+    is_fixed_split: bool
+    num_warps: int
+    num_stages: int
+
+
+def mla_decode_config(
+    batch: int,
+    num_heads: int,
+    latent_dim: int,
+    rope_dim: int,
+    max_seq_len: int,
+    dtype: torch.dtype,
+    mode: Mode,
+    split_size: int = 256,
+) -> MLADecodeConfig:
+    """The decode policy, a pure function of its arguments.
+
+    Tiles depend on (num_heads, latent_dim, rope_dim, dtype) only. ``corun`` / ``batch_invariant``:
+    splits of ``split_size`` tokens, ``num_splits`` = ceil(max_seq_len / split_size) (max_seq_len is
+    max_model_len there, so it is a constant of the engine) and batch is not read. ``default``:
+    ``num_splits`` from batch, num_heads and max_seq_len (the batch's longest) to give about two
+    programs per SM, each split at least MIN_DEFAULT_SPLIT_TOKENS long.
+    """
+    mode = Mode.parse(mode)
+    block_h = 16
+    # A [block_n, 512] latent tile is 32 KB in 16-bit; halve the tokens for 4-byte elements.
+    block_n = 32 if torch.empty((), dtype=dtype).element_size() <= 2 else 16
+    block_dv = max(16, next_power_of_2(latent_dim))
+    block_r = max(16, next_power_of_2(rope_dim))
+    if mode == Mode.DEFAULT:
+        head_blocks = cdiv(num_heads, block_h)
+        wanted = cdiv(2 * NUM_SMS, max(1, batch * head_blocks))
+        most = max(1, cdiv(max_seq_len, MIN_DEFAULT_SPLIT_TOKENS))
+        num_splits, is_fixed = max(1, min(wanted, most)), False
+    else:
+        num_splits, is_fixed = max(1, cdiv(max_seq_len, split_size)), True
+    return MLADecodeConfig(
+        block_h=block_h, block_n=block_n, block_dv=block_dv, block_r=block_r,
+        num_splits=num_splits, split_size=split_size, is_fixed_split=is_fixed,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+
+
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int,
+    mode: Mode = Mode.CORUN,
+    split_size: int = 256,
+) -> torch.Tensor:
+    """Absorbed MLA decode, one query token per sequence -> [B, H, latent_dim] in q's dtype.
+
+    ``seq_lens`` [B] int32 counts each sequence's cached tokens (0 = padded dummy slot -> zeros);
+    ``max_seq_len`` (host int) bounds them: max_model_len under corun / batch_invariant, the batch's
+    longest under default. Numerics: ``kernels.reference.mla_decode_reference``. Invariance: see
+    the module docstring.
+    """
+    mode = Mode.parse(mode)
+    check_tensor("q_latent", q_latent, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_tensor("q_pe", q_pe, ndim=3, dtypes=(q_latent.dtype,), last_dim_contiguous=True)
+    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(q_latent.dtype,), last_dim_contiguous=True)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), last_dim_contiguous=True)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), contiguous=True)
+    check_same_device(
+        q_latent=q_latent, q_pe=q_pe, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens
+    )
+    batch, num_heads, latent_dim = q_latent.shape
+    check_shape("q_pe", q_pe, (batch, num_heads, -1))
+    rope_dim = q_pe.shape[2]
+    if kv_cache.shape[2] != latent_dim + rope_dim:
+        raise ValueError(
+            f"kv_cache: last dim {kv_cache.shape[2]} != q_latent's latent dim {latent_dim} + "
+            f"q_pe's rope dim {rope_dim}"
+        )
+    check_shape("block_tables", block_tables, (batch, -1))
+    check_shape("seq_lens", seq_lens, (batch,))
+    if not isinstance(max_seq_len, int) or max_seq_len < 0:
+        raise ValueError(f"max_seq_len: expected a non-negative int, got {max_seq_len!r}")
+    if not isinstance(split_size, int) or split_size < 16:
+        raise ValueError(f"split_size: expected an int >= 16, got {split_size!r}")
+    capacity = block_tables.shape[1] * kv_cache.shape[1]
+    if max_seq_len > capacity:
+        raise ValueError(f"max_seq_len: {max_seq_len} exceeds the block table's {capacity} tokens")
+    if _host_checkable(seq_lens) and batch > 0:
+        longest, shortest = int(seq_lens.max()), int(seq_lens.min())
+        if longest > max_seq_len or shortest < 0:
+            raise ValueError(f"seq_lens: values must lie in [0, max_seq_len={max_seq_len}], got "
+                             f"[{shortest}, {longest}]")
+
+    out = torch.empty_like(q_latent)
+    if batch == 0 or num_heads == 0:
+        return out
+    cfg = mla_decode_config(
+        batch, num_heads, latent_dim, rope_dim, max_seq_len, q_latent.dtype, mode, split_size
+    )
+    mid_out = torch.empty(
+        (batch, num_heads, cfg.num_splits, latent_dim), dtype=torch.float32, device=q_latent.device
+    )
+    mid_lse = torch.empty((batch, num_heads, cfg.num_splits), dtype=torch.float32, device=q_latent.device)
+    grid = (batch, cdiv(num_heads, cfg.block_h), cfg.num_splits)
+    _mla_decode_split_kernel[grid](
+        q_latent, q_pe, kv_cache, block_tables, seq_lens, mid_out, mid_lse,
+        num_heads, latent_dim, rope_dim, kv_cache.shape[1], cfg.split_size, cfg.num_splits,
+        scale * LOG2E,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv, BLOCK_R=cfg.block_r,
+        IS_FIXED_SPLIT=cfg.is_fixed_split, UPCAST=upcast_dot_operands(q_latent.dtype),
+        DOT_PRECISION=_dot_precision(q_latent.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    _mla_decode_combine_kernel[(batch, num_heads)](
+        mid_out, mid_lse, seq_lens, out,
+        latent_dim, cfg.split_size, cfg.num_splits,
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv, IS_FIXED_SPLIT=cfg.is_fixed_split,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLAPrefillConfig:
+    """Tile choices of one ``mla_prefill_attention`` launch."""
+
+    block_m: int
+    block_n: int
+    block_d1: int  # first power-of-2 part of the qk head dim (128 of 192)
+    block_d2: int  # the rest, padded to a power of 2 >= 16 (64 of 192); 0 when Dqk is a power of 2
+    block_dv: int
+    num_warps: int
+    num_stages: int
+
+
+def mla_prefill_config(qk_dim: int, v_dim: int, dtype: torch.dtype, mode: Mode) -> MLAPrefillConfig:
+    """The prefill policy: a pure function of the head dims and dtype, the same in every mode.
+
+    It never reads the batch, the chunk lengths or the context lengths, which (with keys walked
+    from key 0) makes a row's bits independent of chunking and co-runners.
+    """
+    Mode.parse(mode)
+    block_d1 = 1 << (max(qk_dim, 1).bit_length() - 1)  # largest power of 2 <= qk_dim
+    rest = qk_dim - block_d1
+    block_d2 = max(16, next_power_of_2(rest)) if rest > 0 else 0
+    block_d1 = max(16, block_d1)
+    wide = torch.empty((), dtype=dtype).element_size() > 2
+    return MLAPrefillConfig(
+        block_m=64 if wide else 128, block_n=32 if wide else 64, block_d1=block_d1,
+        block_d2=block_d2, block_dv=max(16, next_power_of_2(v_dim)),
+        num_warps=4 if wide else 8, num_stages=2,
+    )  # fmt: skip
+
+
+def mla_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int,
+    mode: Mode = Mode.CORUN,
+) -> torch.Tensor:
+    """Dense varlen causal attention with qk dim != v dim -> [T, H, Dv] in q's dtype.
+
+    q [T, H, Dqk], k [S, H, Dqk], v [S, H, Dv]; ``cu_seqlens_q`` / ``cu_seqlens_k`` [B + 1] int32
+    delimit each sequence's queries and keys (k_len_b >= q_len_b); ``max_q_len`` (host int) is the
+    longest chunk and sizes the grid only. Query i of sequence b sees keys 0 .. k_len_b - q_len_b + i.
+    """
+    mode = Mode.parse(mode)
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), last_dim_contiguous=True)
+    check_tensor("v", v, ndim=3, dtypes=(q.dtype,), last_dim_contiguous=True)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), contiguous=True)
+    check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), contiguous=True)
+    check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    num_tokens, num_heads, qk_dim = q.shape
+    check_shape("k", k, (-1, num_heads, qk_dim))
+    check_shape("v", v, (k.shape[0], num_heads, -1))
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q: expected B + 1 >= 1 entries")
+    check_shape("cu_seqlens_k", cu_seqlens_k, (cu_seqlens_q.shape[0],))
+    if not isinstance(max_q_len, int) or max_q_len < 0:
+        raise ValueError(f"max_q_len: expected a non-negative int, got {max_q_len!r}")
+    batch = cu_seqlens_q.shape[0] - 1
+    if _host_checkable(cu_seqlens_q):
+        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        q_lens = [cu_q[i + 1] - cu_q[i] for i in range(batch)]
+        k_lens = [cu_k[i + 1] - cu_k[i] for i in range(batch)]
+        if cu_q[0] != 0 or min(q_lens, default=0) < 0 or cu_q[-1] != num_tokens:
+            raise ValueError(f"cu_seqlens_q: expected 0 .. {num_tokens} non-decreasing, got {cu_q}")
+        if cu_k[0] != 0 or cu_k[-1] != k.shape[0]:
+            raise ValueError(f"cu_seqlens_k: expected 0 .. {k.shape[0]} non-decreasing, got {cu_k}")
+        if any(kl < ql for ql, kl in zip(q_lens, k_lens)):
+            raise ValueError(f"cu_seqlens_k: a sequence has fewer keys {k_lens} than queries {q_lens}")
+        if max(q_lens, default=0) > max_q_len:
+            raise ValueError(f"max_q_len: {max_q_len} is below the longest chunk {max(q_lens)}")
+
+    out = torch.empty((num_tokens, num_heads, v.shape[2]), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or batch == 0 or max_q_len == 0:
+        return out
+    cfg = mla_prefill_config(qk_dim, v.shape[2], q.dtype, mode)
+    grid = (cdiv(max_q_len, cfg.block_m), num_heads, batch)
+    _mla_prefill_kernel[grid](
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+        qk_dim, v.shape[2], scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D1=cfg.block_d1, BLOCK_D2=cfg.block_d2,
+        BLOCK_DV=cfg.block_dv, UPCAST=upcast_dot_operands(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
