@@ -1,0 +1,345 @@
+"""Routed mixture-of-experts: routers, token-to-expert alignment, grouped GEMMs, fixed-order combine.
+
+Layouts: x [T, H]; w13 [E, 2I, H] (gate rows first, then up, as transformers v5 fuses them);
+w2 [E, H, I]; routing weights fp32 [T, k] and expert ids int32 [T, k], rank 0 the best expert.
+Numerics are those of ``softmax_topk_reference``, ``grouped_topk_reference`` and
+``fused_moe_reference`` in ``kernels/reference.py``.
+
+Pipeline of ``fused_moe``:
+1. ``moe_align_block_size``: the T*k (token, rank) pairs, in token-major order, stably sorted by
+   expert id and padded to a multiple of BLOCK_M per expert (vLLM's moe_align_block_size layout).
+   Buffer sizes depend only on (T, k, E, BLOCK_M), so the step is CUDA-graph capturable.
+2. gate_up grouped GEMM with SiLU-mul fused in the epilogue -> act [T*k, I], one row per pair.
+3. down grouped GEMM -> y [T*k, H], one row per pair (no atomics, no scatter-add).
+4. combine: out[t] = sum over ranks 0..k-1 of w[t, r] * y[t*k + r] in fp32, cast once.
+
+Invariance. Routers work one token per program, so a token's (weights, ids) are a function of its
+own logits in every mode. The grouped GEMMs never split K, and their tile config comes from
+``moe_config`` (the total token count and expert shapes, never the per-expert counts), so a
+pair's bits do not depend on which other pairs share its expert, nor on where it lands in the
+sorted order. Hence, at a fixed T, a token's output is position-invariant in every mode (the
+CoRun guarantee, the engine fixes T); under ``batch_invariant`` the config is the same for every T,
+so a token's output is also batch-invariant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels.mode import Mode
+from kernels.moe_kernels import (
+    _grouped_topk_kernel,
+    _moe_combine_kernel,
+    _moe_down_kernel,
+    _moe_gate_up_kernel,
+    _softmax_topk_kernel,
+)
+from kernels.utils import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    next_power_of_2,
+    upcast_dot_operands,
+)
+
+MAX_EXPERTS = 256  # routers hold a token's whole expert row in one block
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tile config of both expert GEMMs (BLOCK_N is per half for gate_up) and the combine."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    block_h: int = 1024  # combine: hidden columns per program (elementwise, order-free)
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "block_h"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}: expected a power of two >= 16, got {value}")
+
+    def gemm_meta(self) -> dict:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
+                "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def moe_config(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    intermediate: int,
+    dtype: torch.dtype,
+    mode: Mode = Mode.CORUN,
+) -> MoEConfig:
+    """Pure policy: tiles from the total token count and expert shapes, never per-expert counts.
+
+    May depend on: ``batch_invariant`` -> expert shapes only (one config for every T);
+    ``default``/``corun`` -> also ``num_tokens * top_k / num_experts``, the expected rows per
+    expert (vLLM likewise picks from the total M). BLOCK_K changes a row's bits, BLOCK_M/N do not.
+    Tiles are clamped to the expert dims (a shape-only rule) so tiny test shapes stay small.
+    """
+    del dtype  # one table for 16-bit types; fp32 only runs in tests
+    mode = Mode.parse(mode)
+    if mode is Mode.BATCH_INVARIANT:
+        block_m, block_n, block_k, stages = 32, 64, 64, 4
+    else:
+        rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+        if rows_per_expert <= 16:  # decode: memory-bound on weights, long K tiles in flight
+            block_m, block_n, block_k, stages = 16, 64, 128, 3
+        elif rows_per_expert <= 64:
+            block_m, block_n, block_k, stages = 32, 64, 64, 4
+        else:
+            block_m, block_n, block_k, stages = 64, 64, 64, 3
+    dim_cap = max(16, next_power_of_2(min(hidden, intermediate)))
+    return MoEConfig(
+        block_m=block_m,
+        block_n=min(block_n, dim_cap),
+        block_k=min(block_k, dim_cap),
+        num_warps=4,
+        num_stages=stages,
+        block_h=min(1024, max(16, next_power_of_2(hidden))),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# routers
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_router_logits(router_logits: torch.Tensor, top_k: int) -> tuple[int, int]:
+    check_tensor("router_logits", router_logits, ndim=2, dtypes=FLOAT_DTYPES,
+                 last_dim_contiguous=True)
+    num_tokens, num_experts = router_logits.shape
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"router_logits: expected 1..{MAX_EXPERTS} experts, got {num_experts}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k: expected an int in 1..{num_experts} (experts), got {top_k!r}")
+    return num_tokens, num_experts
+
+
+def softmax_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, *, mode: Mode = Mode.CORUN
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE routing: fp32 softmax over E, top-k (lowest id on ties), optional renorm.
+
+    Returns (weights fp32 [T, k], ids int32 [T, k]). One token per program: invariant to the
+    batch in every mode (``mode`` is accepted for the uniform launcher API).
+    """
+    Mode.parse(mode)
+    num_tokens, num_experts = _check_router_logits(router_logits, top_k)
+    device = router_logits.device
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+    if num_tokens == 0:
+        return weights, ids
+    _softmax_topk_kernel[(num_tokens,)](
+        router_logits, weights, ids,
+        num_experts,
+        router_logits.stride(0), weights.stride(0), ids.stride(0),
+        TOP_K=top_k, RENORMALIZE=bool(renormalize),
+        BLOCK_E=next_power_of_2(num_experts), BLOCK_K=next_power_of_2(top_k),
+    )
+    return weights, ids
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+    *,
+    mode: Mode = Mode.CORUN,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing (noaux_tc): sigmoid, biased choice, best ``topk_group`` of ``n_group``
+    groups by top-2 sum, top-k experts there, weights from unbiased scores, renorm (+1e-20),
+    times ``routed_scaling_factor``. Returns (weights fp32 [T, k], ids int32 [T, k]).
+
+    One token per program: invariant to the batch in every mode.
+    """
+    Mode.parse(mode)
+    num_tokens, num_experts = _check_router_logits(router_logits, top_k)
+    check_tensor("correction_bias", correction_bias, ndim=1, dtypes=FLOAT_DTYPES, contiguous=True)
+    check_shape("correction_bias", correction_bias, (num_experts,))
+    check_same_device(router_logits=router_logits, correction_bias=correction_bias)
+    if not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group: expected a positive divisor of {num_experts}, got {n_group!r}")
+    group_size = num_experts // n_group
+    if group_size < 2:
+        raise ValueError(f"n_group: groups need >= 2 experts (top-2 score), got {group_size}")
+    if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group: expected an int in 1..{n_group}, got {topk_group!r}")
+    if topk_group * group_size < top_k:
+        raise ValueError(f"top_k: {top_k} exceeds the {topk_group * group_size} experts "
+                         f"of the kept groups")
+    device = router_logits.device
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+    if num_tokens == 0:
+        return weights, ids
+    _grouped_topk_kernel[(num_tokens,)](
+        router_logits, correction_bias, weights, ids,
+        n_group, group_size, float(routed_scaling_factor),
+        router_logits.stride(0), weights.stride(0), ids.stride(0),
+        TOP_K=top_k, TOPK_GROUP=topk_group, RENORMALIZE=bool(renormalize),
+        BLOCK_G=next_power_of_2(n_group), BLOCK_GS=next_power_of_2(group_size),
+        BLOCK_K=next_power_of_2(top_k),
+    )
+    return weights, ids
+
+
+# ----------------------------------------------------------------------------------------------
+# alignment and the expert GEMMs
+# ----------------------------------------------------------------------------------------------
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, token_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the (token, rank) pairs by expert, stably, and pad each expert to BLOCK_M rows.
+
+    Returns ``sorted_pair_ids`` int32 [num_blocks * BLOCK_M] (pair = t * k + r; padding holds
+    T * k) and ``block_expert_ids`` int32 [num_blocks] (-1 past the last used block). Within an
+    expert, pairs keep token-major order (torch.sort stable). Masked tokens and ids outside
+    [0, E) count toward no expert. num_blocks bounds every routing, T*k + min(E, T*k)*(BLOCK_M-1)
+    rows, so no size depends on the data (no host sync; graph capturable).
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    device = topk_ids.device
+    num_blocks = cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    max_rows = num_blocks * block_m
+
+    expert = topk_ids.reshape(-1).to(torch.int64)
+    dropped = (expert < 0) | (expert >= num_experts)
+    if token_mask is not None:
+        dropped = dropped | ~token_mask.view(-1, 1).expand(num_tokens, top_k).reshape(-1)
+    expert = torch.where(dropped, torch.full_like(expert, num_experts), expert)  # sentinel E
+
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))  # integer adds: order-free
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = torch.cat([padded_end.new_zeros(1), padded_end])  # [E + 1]
+    count_start = torch.cumsum(counts, 0) - counts  # [E + 1]
+
+    sorted_expert, pair = torch.sort(expert, stable=True)
+    rank_in_expert = torch.arange(num_pairs, device=device) - count_start[sorted_expert]
+    # dropped pairs go to distinct slots past max_rows, which are cut off below
+    trash = max_rows + torch.arange(num_pairs, device=device)
+    dest = torch.where(sorted_expert < num_experts,
+                       padded_start[sorted_expert] + rank_in_expert, trash)
+    sorted_pair_ids = torch.full((max_rows + num_pairs,), num_pairs, dtype=torch.int32,
+                                 device=device)
+    sorted_pair_ids.scatter_(0, dest, pair.to(torch.int32))
+
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pair_ids[:max_rows], block_expert_ids
+
+
+def _check_moe_args(x, w13, w2, topk_weights, topk_ids, token_mask) -> tuple[int, int, int, int]:
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    num_tokens, hidden = x.shape
+    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), last_dim_contiguous=True)
+    num_experts, two_inter, _ = w13.shape
+    if two_inter % 2:
+        raise ValueError(f"w13: expected [E, 2I, H] with an even middle dim, got {tuple(w13.shape)}")
+    inter = two_inter // 2
+    check_shape("w13", w13, (-1, -1, hidden))
+    check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), last_dim_contiguous=True)
+    check_shape("w2", w2, (num_experts, hidden, inter))
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES)
+    top_k = topk_ids.shape[1]
+    check_shape("topk_ids", topk_ids, (num_tokens, -1))
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"topk_ids: top_k {top_k} must be in 1..{num_experts} (experts)")
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES)
+    check_shape("topk_weights", topk_weights, (num_tokens, top_k))
+    if topk_weights.stride(1) != 1:
+        raise ValueError(f"topk_weights: expected stride 1 in the last dim, got {topk_weights.stride()}")
+    tensors = {"x": x, "w13": w13, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids}
+    if token_mask is not None:
+        check_tensor("token_mask", token_mask, ndim=1, dtypes=(torch.bool,), contiguous=True)
+        check_shape("token_mask", token_mask, (num_tokens,))
+        tensors["token_mask"] = token_mask
+    check_same_device(**tensors)
+    # a range check needs a host sync, which a CUDA graph capture forbids; while capturing,
+    # out-of-range ids are dropped by moe_align_block_size instead
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if num_tokens and not capturing:
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids: expected ids in [0, {num_experts}), got [{lo}, {hi}]")
+    return num_tokens, hidden, inter, num_experts
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    mode: Mode = Mode.CORUN,
+    token_mask: torch.Tensor | None = None,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """Routed experts: out[t] = sum_r w[t, r] * down_e(silu(gate_e(x_t)) * up_e(x_t)), [T, H].
+
+    ``token_mask`` False marks padding tokens: they count toward no expert and give zeros.
+    ``config`` overrides the policy (tests, tuning). At a fixed T a token's bits do not depend on
+    the other tokens in any mode; under ``batch_invariant`` not on T either.
+    """
+    mode = Mode.parse(mode)
+    num_tokens, hidden, inter, num_experts = _check_moe_args(
+        x, w13, w2, topk_weights, topk_ids, token_mask)
+    top_k = topk_ids.shape[1]
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    if config is None:
+        config = moe_config(num_tokens, num_experts, top_k, hidden, inter, x.dtype, mode)
+    sorted_pair_ids, block_expert_ids = moe_align_block_size(
+        topk_ids, num_experts, config.block_m, token_mask)
+    num_pairs = num_tokens * top_k
+    num_blocks = block_expert_ids.shape[0]
+    dot_flags = {"UPCAST": upcast_dot_operands(x.dtype),
+                 "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+
+    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    _moe_gate_up_kernel[(num_blocks, cdiv(inter, config.block_n))](
+        x, w13, act, sorted_pair_ids, block_expert_ids,
+        num_pairs, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+        TOP_K=top_k, **config.gemm_meta(), **dot_flags,
+    )
+    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    _moe_down_kernel[(num_blocks, cdiv(hidden, config.block_n))](
+        act, w2, y, sorted_pair_ids, block_expert_ids,
+        num_pairs, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
+        **config.gemm_meta(), **dot_flags,
+    )
+    mask_arg = token_mask.view(torch.uint8) if token_mask is not None else y  # y: unused dummy
+    _moe_combine_kernel[(num_tokens, cdiv(hidden, config.block_h))](
+        y, topk_weights, mask_arg, out,
+        hidden,
+        y.stride(0), topk_weights.stride(0), out.stride(0),
+        TOP_K=top_k, HAS_MASK=token_mask is not None, BLOCK_H=config.block_h,
+    )
+    return out
