@@ -36,13 +36,15 @@ CHAT_TEMPLATE = (
 
 
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode map, the alphabet of the ByteLevel pre-tokenizer.
+    """GPT-2's reversible byte -> printable unicode map: the ByteLevel pre-tokenizer alphabet.
 
     Printable Latin-1 bytes map to themselves; the other 68 bytes map to U+0100 upwards, so every
     byte is one visible symbol and the BPE model needs no unknown token.
     """
     printable = [
-        *range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
     ]
     mapping = {b: chr(b) for b in printable}
     next_code = 256
@@ -62,10 +64,14 @@ def build_tokenizer() -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     specials = sorted(SPECIAL_TOKENS.items(), key=lambda item: item[1])
-    tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False) for text, _ in specials])
+    tokenizer.add_special_tokens(
+        [AddedToken(text, special=True, normalized=False) for text, _ in specials]
+    )
     for text, token_id in specials:
         if tokenizer.token_to_id(text) != token_id:
-            raise RuntimeError(f"special token {text} got id {tokenizer.token_to_id(text)}, expected {token_id}")
+            raise RuntimeError(
+                f"special token {text} got id {tokenizer.token_to_id(text)}, expected {token_id}"
+            )
     return tokenizer
 
 
@@ -80,8 +86,14 @@ def tokenizer_config() -> dict:
         "model_max_length": 4096,
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {
-            str(token_id): {"content": text, "special": True, "lstrip": False, "rstrip": False,
-                            "normalized": False, "single_word": False}
+            str(token_id): {
+                "content": text,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
             for text, token_id in SPECIAL_TOKENS.items()
         },
     }
@@ -91,7 +103,8 @@ def asset_texts() -> dict[str, str]:
     """File name -> exact text of each shipped asset, as ``write_assets`` writes it."""
     return {
         "tokenizer.json": build_tokenizer().to_str(pretty=True) + "\n",
-        "tokenizer_config.json": json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n",
+        "tokenizer_config.json": json.dumps(tokenizer_config(), indent=2, ensure_ascii=False)
+        + "\n",
     }
 
 

@@ -1,0 +1,499 @@
+"""Serving benchmark: drive a running ``corun.serve`` over HTTP, as ``vllm bench serve`` does.
+
+Requests arrive as a Poisson process at each ``--request-rate`` (``inf`` = all at t=0; gaps are
+Gamma(burstiness, 1/(rate*burstiness)), burstiness 1 = Poisson), optionally capped by a client-side
+``--max-concurrency`` semaphore. Prompts are random token ids (``--random-input-len`` and
+``--random-output-len`` with ``--random-range-ratio``: lengths uniform in [L(1-r), L(1+r)]), sent
+to ``/v1/completions`` with ``stream: true``, ``ignore_eos`` and a per-request seed, so every run of
+the same arguments sends the same requests.
+
+Per request: TTFT (first chunk with choices), ITL (every later chunk gap), E2EL (last token chunk)
+and TPOT = (E2EL - TTFT) / (output_len - 1). Reported with vLLM's key names (``mean_ttft_ms``,
+``p99_itl_ms``, ``request_throughput``, ...) and its printed " Serving Benchmark Result " block.
+
+Two ways to run it:
+
+- against a server you started: ``python experiments/bench_serving.py --base-url URL
+  --request-rate 1,4,16,inf``;
+- as the driver that starts ``python -m corun.serve`` itself once per mode and writes
+  ``experiments/results/<--result-name>.json`` (header from ``experiments.harness``) plus one
+  latency-vs-rate PNG per mode: ``python experiments/bench_serving.py --launch --modes
+  corun,batch_invariant,default --model qwen3-8b --request-rate 2,8,32 --max-concurrency 64
+  --time-budget-s 480``. ``--time-budget-s`` splits the budget over the modes and the runs and cuts
+  each run's request count to fit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from experiments.harness import RESULTS_DIR, write_results  # noqa: E402
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+SERVER_START_TIMEOUT_S = 600.0
+
+
+@dataclass
+class RequestResult:
+    """One request's timings, as vLLM's ``RequestFuncOutput``."""
+
+    prompt_len: int
+    success: bool = False
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    start_time: float = 0.0
+    error: str = ""
+
+
+def make_requests(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab_range: int,
+    seed: int,
+) -> list[tuple[list[int], int, int]]:
+    """(prompt token ids, max output tokens, request seed) per request; reproducible from seed."""
+    rng = random.Random(seed)
+
+    def length(mean: int) -> int:
+        return max(
+            1, rng.randint(int(mean * (1 - range_ratio)), int(math.ceil(mean * (1 + range_ratio))))
+        )
+
+    return [
+        (
+            [rng.randrange(vocab_range) for _ in range(length(input_len))],
+            length(output_len),
+            rng.randrange(2**63),
+        )
+        for _ in range(num_prompts)
+    ]
+
+
+async def send_request(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    seed: int,
+    temperature: float,
+) -> RequestResult:
+    """Stream one completion and time its chunks."""
+    result = RequestResult(prompt_len=len(prompt))
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": temperature,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    result.start_time = start
+    last = start
+    try:
+        async with client.stream("POST", url, json=payload) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue  # blank separators and SSE comments
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"])
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+        result.latency = last - start
+        result.success = result.ttft > 0.0
+        if not result.success:
+            result.error = "no token chunk received"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = repr(exc)
+    return result
+
+
+def arrival_gaps(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Inter-arrival gaps in seconds: Gamma(burstiness, 1/(rate*burstiness)); zeros for inf."""
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = np.random.default_rng(seed)
+    return list(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num))
+
+
+async def run_benchmark(
+    base_url: str,
+    model: str,
+    requests: list[tuple[list[int], int, int]],
+    rate: float,
+    max_concurrency: int | None,
+    burstiness: float,
+    temperature: float,
+    seed: int,
+    deadline_s: float | None = None,
+) -> tuple[list[RequestResult], float]:
+    """Send ``requests`` on the arrival schedule; returns per-request results and the duration.
+
+    With ``deadline_s``, no request starts after that many seconds (the rest count as not sent).
+    """
+    url = base_url.rstrip("/") + "/v1/completions"
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+
+        async def limited(prompt: list[int], out_len: int, req_seed: int) -> RequestResult:
+            if semaphore is None:
+                return await send_request(
+                    client, url, model, prompt, out_len, req_seed, temperature
+                )
+            async with semaphore:
+                return await send_request(
+                    client, url, model, prompt, out_len, req_seed, temperature
+                )
+
+        tasks = []
+        start = time.perf_counter()
+        for (prompt, out_len, req_seed), gap in zip(
+            requests, arrival_gaps(len(requests), rate, burstiness, seed), strict=False
+        ):
+            if gap > 0:
+                await asyncio.sleep(gap)
+            if deadline_s is not None and time.perf_counter() - start > deadline_s:
+                break
+            tasks.append(asyncio.create_task(limited(prompt, out_len, req_seed)))
+        results = list(await asyncio.gather(*tasks))
+        return results, time.perf_counter() - start
+
+
+def summarize(
+    results: list[RequestResult], duration: float, percentiles: tuple[float, ...] = (99,)
+) -> dict:
+    """vLLM ``calculate_metrics``: totals, throughputs, and mean/median/std/pXX per metric in ms."""
+    ok = [r for r in results if r.success]
+    values: dict[str, list[float]] = {m: [] for m in METRICS}
+    for r in ok:
+        values["ttft"].append(r.ttft)
+        values["itl"].extend(r.itl)
+        values["e2el"].append(r.latency)
+        if r.output_tokens > 1:
+            values["tpot"].append((r.latency - r.ttft) / (r.output_tokens - 1))
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    record = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": total_out / duration if duration else 0.0,
+        "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
+        "max_concurrent_requests": _peak_concurrency(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+    for metric, xs in values.items():
+        arr = np.asarray(xs or [0.0]) * 1000.0
+        record[f"mean_{metric}_ms"] = float(arr.mean())
+        record[f"median_{metric}_ms"] = float(np.median(arr))
+        record[f"std_{metric}_ms"] = float(arr.std())
+        for p in percentiles:
+            record[f"p{p:g}_{metric}_ms"] = float(np.percentile(arr, p))
+    return record
+
+
+def _peak_concurrency(results: list[RequestResult]) -> int:
+    events = sorted(
+        [(r.start_time, 1) for r in results] + [(r.start_time + r.latency, -1) for r in results]
+    )
+    peak = level = 0
+    for _, delta in events:
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+def print_result(record: dict) -> None:
+    """The block ``vllm bench serve`` prints (log parsers key on these strings)."""
+    line = "{:<40} {:<10}"
+    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
+    print(line.format("Successful requests:", record["completed"]))
+    print(line.format("Failed requests:", record["failed"]))
+    print(line.format("Benchmark duration (s):", f"{record['duration']:.2f}"))
+    print(line.format("Total input tokens:", record["total_input_tokens"]))
+    print(line.format("Total generated tokens:", record["total_output_tokens"]))
+    print(line.format("Request throughput (req/s):", f"{record['request_throughput']:.2f}"))
+    print(line.format("Output token throughput (tok/s):", f"{record['output_throughput']:.2f}"))
+    print(line.format("Peak concurrent requests:", record["max_concurrent_requests"]))
+    print(line.format("Total Token throughput (tok/s):", f"{record['total_token_throughput']:.2f}"))
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
+    for metric, title in titles.items():
+        name = metric.upper()
+        print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
+        print(line.format(f"Mean {name} (ms):", f"{record[f'mean_{metric}_ms']:.2f}"))
+        print(line.format(f"Median {name} (ms):", f"{record[f'median_{metric}_ms']:.2f}"))
+        print(line.format(f"P99 {name} (ms):", f"{record[f'p99_{metric}_ms']:.2f}"))
+    print("=" * 50)
+
+
+def served_model(base_url: str) -> str:
+    return httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def sweep(args: argparse.Namespace, base_url: str, mode: str, budget_s: float | None) -> list[dict]:
+    """Every rate of ``--request-rate`` (plus the max-concurrency run) against one server."""
+    model = args.served_model or served_model(base_url)
+    runs = [
+        (rate, args.max_concurrency if rate == math.inf else None) for rate in args.request_rate
+    ]
+    if args.max_concurrency and math.inf not in args.request_rate:
+        runs.append((math.inf, args.max_concurrency))
+    per_run_s = budget_s / len(runs) if budget_s else None
+    records = []
+    for index, (rate, concurrency) in enumerate(runs):
+        num = args.num_prompts
+        if per_run_s is not None and not math.isinf(rate):
+            num = max(1, min(num, int(rate * per_run_s * 0.7)))  # arrivals end at 70% of the slice
+        requests = make_requests(
+            num,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.vocab_range,
+            args.seed + index,
+        )
+        results, duration = asyncio.run(
+            run_benchmark(
+                base_url,
+                model,
+                requests,
+                rate,
+                concurrency,
+                args.burstiness,
+                args.temperature,
+                args.seed + index,
+                deadline_s=per_run_s,
+            )
+        )
+        record = {
+            "mode": mode,
+            "model": model,
+            "request_rate": rate if not math.isinf(rate) else "inf",
+            "max_concurrency": concurrency,
+            "burstiness": args.burstiness,
+            "num_prompts": num,
+            "random_input_len": args.random_input_len,
+            "random_output_len": args.random_output_len,
+            **summarize(results, duration),
+        }
+        print(f"\nmode={mode} rate={record['request_rate']} max_concurrency={concurrency}")
+        print_result(record)
+        records.append(record)
+    return records
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_server(mode: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
+    """Start ``python -m corun.serve`` for one mode and wait for /health."""
+    command = [
+        sys.executable,
+        "-m",
+        "corun.serve",
+        "--mode",
+        mode,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args.server_args.split(),
+    ]
+    if args.model:
+        command += ["--model", args.model]
+    print("starting:", " ".join(command), flush=True)
+    proc = subprocess.Popen(command, cwd=Path(__file__).resolve().parent.parent)
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server for mode {mode} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    proc.kill()
+    raise TimeoutError(f"server for mode {mode} did not become healthy")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def plot(records: list[dict], mode: str, out_dir: Path, name: str) -> Path:
+    """Median and p99 TTFT, TPOT and E2EL against the request rate, for one mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(
+        (r for r in records if r["mode"] == mode and r["request_rate"] != "inf"),
+        key=lambda r: r["request_rate"],
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, metric in zip(axes, ("ttft", "tpot", "e2el"), strict=False):
+        rates = [r["request_rate"] for r in rows]
+        for stat, style in (("median", "o-"), ("p99", "s--")):
+            ax.plot(rates, [r[f"{stat}_{metric}_ms"] for r in rows], style, label=stat)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{metric.upper()} (ms)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{name}: latency vs request rate, mode {mode}")
+    fig.tight_layout()
+    path = out_dir / f"{name}-{mode}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def parse_rates(text: str) -> list[float]:
+    return [math.inf if item.strip() == "inf" else float(item) for item in text.split(",")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running server")
+    p.add_argument(
+        "--launch",
+        action="store_true",
+        help="start python -m corun.serve per --modes instead of using --base-url",
+    )
+    p.add_argument("--modes", default="corun,batch_invariant,default", help="with --launch")
+    p.add_argument("--model", default=None, help="with --launch: --model of the server")
+    p.add_argument("--server-args", default="", help="with --launch: more corun.serve flags")
+    p.add_argument(
+        "--served-model", default=None, help="model field (default: first of /v1/models)"
+    )
+    p.add_argument(
+        "--request-rate",
+        type=parse_rates,
+        default=[math.inf],
+        help="comma-separated req/s, 'inf' = all at once",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="client-side cap on requests in flight; also adds an inf-rate run",
+    )
+    p.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson arrivals")
+    p.add_argument(
+        "--num-prompts", type=int, default=200, help="requests per run (before the budget)"
+    )
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument(
+        "--random-range-ratio", type=float, default=0.5, help="lengths uniform in [L(1-r), L(1+r)]"
+    )
+    p.add_argument(
+        "--vocab-range",
+        type=int,
+        default=256,
+        help="prompt ids are drawn from [0, this): 256 is valid for every CoRun model",
+    )
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="total wall budget, split over modes and runs",
+    )
+    p.add_argument("--result-name", default="serving-h200")
+    p.add_argument("--result-dir", default=str(RESULTS_DIR))
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        raise SystemExit("--random-range-ratio must be in [0, 1)")
+    out_dir = Path(args.result_dir)
+    if not args.launch:
+        records = sweep(args, args.base_url, mode="external", budget_s=args.time_budget_s)
+        print(json.dumps(records, indent=1))
+        return
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    budget = args.time_budget_s / len(modes) if args.time_budget_s else None
+    records: list[dict] = []
+    for mode in modes:
+        port = free_port()
+        proc = launch_server(mode, port, args)
+        try:
+            records += sweep(args, f"http://127.0.0.1:{port}", mode, budget)
+        finally:
+            stop_server(proc)
+        path = write_results(
+            args.result_name,
+            records,
+            out_dir,
+            bench="serving",
+            args={k: str(v) for k, v in vars(args).items()},
+        )
+        plot(records, mode, out_dir, args.result_name)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
