@@ -1,0 +1,182 @@
+"""EngineConfig: every knob of one engine instance, frozen and validated at construction.
+
+The mode (DESIGN.md, "Three modes, one engine") picks both the kernel policy (``OpsConfig.mode``)
+and the batching policy of the scheduler; everything else is sizing. Derived values (the torch
+dtype, the resolved device and backend, the decode graph buckets) are properties, never written
+back: a changed config is a new value made with ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels.mode import Mode
+
+_DTYPES = ("float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+                  "bf16": "bfloat16"}
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine: which model, which mode, how large.
+
+    - ``model``: a named config of ``models`` (``tiny-qwen3``, ``qwen3-8b``, ...) or a checkpoint
+      directory.
+    - ``dtype``: ``"bfloat16"`` / ``"float16"`` / ``"float32"`` (a torch.dtype is accepted too and
+      kept as given; ``torch_dtype`` normalises).
+    - ``device``: ``"cuda"``, ``"cpu"``, ... or None for CUDA when present, else CPU.
+    - ``backend``: ``"triton"`` or ``"torch"``; None picks triton on CUDA, torch on the CPU.
+    - ``num_kv_blocks``: KV blocks of ``block_size`` tokens; None sizes the cache from free GPU
+      memory times ``gpu_memory_utilization`` (on the CPU: enough for ``max_num_seqs`` full-length
+      sequences).
+    - ``decode_batch_size``: ``B``, the fixed decode batch of corun mode (None = max_num_seqs).
+    - ``prefill_chunk_size``: corun prefills one request per step in chunks of this many tokens,
+      aligned at its multiples; the dynamic modes cap a single chunk by it as well.
+    - ``max_num_batched_tokens``: the token budget of one dynamic-mode step (prefill chunks and
+      decode tokens together).
+    - ``max_prefill_steps_between_decodes``: corun's stall bound: while requests are decoding, at
+      most this many isolated prefill steps run between two decode steps.
+    - ``cuda_graphs``: capture decode steps as CUDA graphs (ignored off CUDA).
+    - ``seed``: the seed of the random model weights (named configs); request seeds are separate.
+    - ``max_queue_len``: waiting requests beyond this are refused (None = unbounded).
+    """
+
+    model: str = "tiny-qwen3"
+    dtype: object = "bfloat16"
+    device: str | None = None
+    mode: Mode | str = Mode.CORUN
+    backend: str | None = None
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    decode_batch_size: int | None = None
+    prefill_chunk_size: int = 512
+    max_num_batched_tokens: int = 2048
+    max_prefill_steps_between_decodes: int = 1
+    decode_split_size: int = 256
+    cuda_graphs: bool = True
+    seed: int = 0
+    max_queue_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model: expected a named config or a checkpoint path, got {self.model!r}")
+        if not isinstance(self.mode, Mode):
+            # Mode.parse raises the ValueError naming the field; a frozen dataclass keeps what it
+            # was given, so the parsed value is exposed as the ``kernel_mode`` property.
+            Mode.parse(self.mode, "mode")
+        self._dtype_name()  # validates dtype
+        if self.backend not in (None, "triton", "torch"):
+            raise ValueError(f"backend: expected 'triton', 'torch' or None, got {self.backend!r}")
+        for name in ("max_num_seqs", "max_model_len", "block_size", "prefill_chunk_size",
+                     "max_num_batched_tokens", "max_prefill_steps_between_decodes"):
+            _positive(name, getattr(self, name))
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: expected a power of two, got {self.block_size}")
+        if self.decode_batch_size is not None:
+            _positive("decode_batch_size", self.decode_batch_size)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+            # One full-length sequence must always fit, or preemption could not make progress.
+            if self.num_kv_blocks * self.block_size < self.max_model_len:
+                raise ValueError(
+                    f"num_kv_blocks: {self.num_kv_blocks} blocks of {self.block_size} tokens cannot "
+                    f"hold one sequence of max_model_len {self.max_model_len}"
+                )
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization: expected in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} is below max_num_seqs "
+                f"{self.max_num_seqs}, so a full decode step would not fit the token budget"
+            )
+        if self.decode_split_size < 16:
+            raise ValueError(f"decode_split_size: expected >= 16, got {self.decode_split_size}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed: expected an int in [0, 2**64), got {self.seed!r}")
+        if self.max_queue_len is not None:
+            _positive("max_queue_len", self.max_queue_len)
+
+    # -- derived values --------------------------------------------------------------------------
+
+    @property
+    def kernel_mode(self) -> Mode:
+        return Mode.parse(self.mode)
+
+    @property
+    def is_corun(self) -> bool:
+        return self.kernel_mode is Mode.CORUN
+
+    @property
+    def num_decode_slots(self) -> int:
+        """B: the fixed decode batch under corun."""
+        return self.decode_batch_size or self.max_num_seqs
+
+    @property
+    def max_running_seqs(self) -> int:
+        """Admission cap: corun never runs more decodes than its B slots hold."""
+        return min(self.max_num_seqs, self.num_decode_slots) if self.is_corun else self.max_num_seqs
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def decode_buckets(self) -> list[int]:
+        """Decode batch sizes a step is padded to (and graphs captured at), ascending.
+
+        corun: exactly [B]. Dynamic modes: 1, 2, 4, ... up to the first power of two that holds
+        max_num_seqs (the last bucket is max_num_seqs itself when it is not a power of two).
+        """
+        if self.is_corun:
+            return [self.num_decode_slots]
+        buckets, size = [], 1
+        while size < self.max_num_seqs:
+            buckets.append(size)
+            size *= 2
+        return [*buckets, self.max_num_seqs]
+
+    def _dtype_name(self) -> str:
+        value = self.dtype
+        if not isinstance(value, str):
+            value = str(value).removeprefix("torch.")
+        value = _DTYPE_ALIASES.get(value, value)
+        if value not in _DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        return value
+
+    @property
+    def torch_dtype(self):  # -> torch.dtype; torch is imported lazily to keep this module light
+        import torch
+
+        return getattr(torch, self._dtype_name())
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.resolved_device.startswith("cuda")
+
+    @property
+    def resolved_backend(self) -> str:
+        return self.backend or ("triton" if self.is_cuda else "torch")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return bool(self.cuda_graphs) and self.is_cuda

@@ -1,0 +1,90 @@
+"""Sequence: one sample of one request, as the scheduler and the engine track it.
+
+A request with ``n`` samples becomes ``n`` sequences (sample indices 0..n-1) that share the
+prompt, the params and the seed, and are prefilled separately (isolated prefill per sample). No
+class-level mutable state: the block size lives in the block manager, not here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from corun.fingerprint import Fingerprint
+from corun.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # admitted to the queue, no KV yet
+    RUNNING = "running"  # KV on the device, scheduled for prefill or decode
+    SWAPPED = "swapped"  # preempted: KV copied to host memory, blocks returned
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids, cached-KV progress, block table and results of one sample.
+
+    ``num_computed_tokens`` counts the tokens whose K/V are in the cache; a prefill step advances it
+    by its chunk, a decode step by one. The next decode feeds ``token_ids[-1]`` at position
+    ``num_tokens - 1``.
+    """
+
+    seq_id: int
+    request_id: str
+    sample_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_time: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[float] = field(default_factory=list)
+    fingerprint: Fingerprint = field(default_factory=Fingerprint)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_reported_tokens: int = 0  # output tokens already handed out as deltas
+    num_preemptions: int = 0
+    stop_text_len: int | None = None  # output text is cut here when a stop string matched
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    # -- lengths -------------------------------------------------------------------------------
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last token is missing from the cache: the next step is a prefill chunk."""
+        return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(int(token_id))

@@ -1,0 +1,47 @@
+"""SamplingParams and EngineConfig reject bad input with a ValueError naming the field."""
+
+import pytest
+
+from corun.config import EngineConfig
+from corun.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("n", 0), ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0),
+     ("top_p", 1.5), ("top_k", -2), ("max_tokens", 0), ("seed", -1), ("seed", 2**64),
+     ("seed", 1.5), ("stop", [""]), ("stop_token_ids", [-3]), ("logprobs", -1)],
+    ids=lambda v: repr(v),
+)
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**{field: value})
+
+
+def test_valid_edges_are_accepted():
+    params = SamplingParams(temperature=0, top_p=1.0, top_k=-1, seed=2**64 - 1, stop="x",
+                            stop_token_ids=[0], max_tokens=1)
+    assert params.is_greedy and params.effective_top_k == 0
+    assert params.stop_strings == ("x",) and params.stop_token_set == frozenset({0})
+    assert SamplingParams(top_k=5).effective_top_k == 5
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("mode", "fast"), ("dtype", "int8"), ("backend", "cuda"), ("max_num_seqs", 0),
+     ("block_size", 12), ("num_kv_blocks", 2), ("decode_batch_size", 0),
+     ("gpu_memory_utilization", 0.0), ("decode_split_size", 8), ("max_num_batched_tokens", 4),
+     ("seed", -5)],
+)
+def test_bad_engine_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        EngineConfig(**{"max_model_len": 64, "max_num_seqs": 8, field: value})
+
+
+def test_engine_config_derived_values():
+    config = EngineConfig(mode="corun", device="cpu", max_num_seqs=6, decode_batch_size=4)
+    assert config.decode_buckets == [4] and config.max_running_seqs == 4
+    assert config.resolved_backend == "torch" and not config.use_cuda_graphs
+    dynamic = EngineConfig(mode="default", device="cpu", max_num_seqs=8)
+    assert dynamic.decode_buckets == [1, 2, 4, 8] and dynamic.max_running_seqs == 8
+    assert str(EngineConfig(dtype="bf16").torch_dtype) == "torch.bfloat16"

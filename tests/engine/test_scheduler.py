@@ -1,0 +1,163 @@
+"""Scheduler policies without a model: corun's isolated aligned prefill and fixed B, the dynamic
+token budget and buckets, the stall bound, and preemption by swapping that never recomputes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from corun.config import EngineConfig
+from corun.sampling_params import SamplingParams
+from corun.scheduler import Scheduler, SchedulerOutput
+from corun.sequence import Sequence
+
+
+def _config(mode: str, **kw) -> EngineConfig:
+    base = dict(model="tiny-qwen3", mode=mode, device="cpu", max_num_seqs=4, max_model_len=64,
+                block_size=4, prefill_chunk_size=8, max_num_batched_tokens=16)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+class Sim:
+    """Drives a Scheduler like the engine does, appending a fake token for every sampled row."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.sched = Scheduler(config, num_blocks)
+        self.next_id = 0
+        self.steps: list[SchedulerOutput] = []
+        self.computed: dict[int, list[int]] = {}  # seq id -> positions run, in order
+        self.swapped_out: set[int] = set()
+
+    def add(self, prompt_len: int, max_tokens: int) -> Sequence:
+        seq = Sequence(self.next_id, f"r{self.next_id}", 0, [1] * prompt_len,
+                       SamplingParams(max_tokens=max_tokens), seed=1)
+        self.next_id += 1
+        self.sched.add(seq)
+        return seq
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        for seq, blocks in out.swap_out:
+            assert len(blocks) == self.sched.block_manager.blocks_for(seq.num_computed_tokens)
+            self.swapped_out.add(seq.seq_id)
+        for seq in out.swap_in:
+            assert seq.seq_id in self.swapped_out
+            self.swapped_out.discard(seq.seq_id)
+        for chunk in out.chunks:
+            self.computed.setdefault(chunk.seq.seq_id, []).extend(range(chunk.start, chunk.end))
+            assert len(chunk.seq.block_table) * 4 >= chunk.end  # every token has a slot
+        samplers = [c.seq for c in out.chunks if c.samples]
+        self.sched.commit(out)
+        for seq in samplers:
+            seq.append_token(2)
+            if seq.num_output_tokens == seq.params.max_tokens:
+                self.sched.finish(seq)
+        self.steps.append(out)
+        return out
+
+    def run(self, max_steps: int = 500) -> None:
+        while self.sched.has_unfinished():
+            self.step()
+            assert len(self.steps) < max_steps, "scheduler made no progress"
+
+
+def test_corun_prefill_is_isolated_aligned_and_decode_is_fixed_b():
+    sim = Sim(_config("corun", decode_batch_size=3, max_num_seqs=3), num_blocks=64)
+    lengths = [5, 19, 8, 1, 17]
+    for n in lengths:
+        sim.add(n, max_tokens=3)
+    sim.run()
+    for out in sim.steps:
+        if out.is_decode:
+            assert out.num_decode_slots == 3 and 1 <= len(out.chunks) <= 3
+        else:
+            (chunk,) = out.chunks  # one sequence per prefill step
+            assert chunk.start % 8 == 0
+            assert chunk.end % 8 == 0 or chunk.end == chunk.seq.num_prompt_tokens
+    for seq_id, n in enumerate(lengths):  # every position computed exactly once, in order
+        assert sim.computed[seq_id] == list(range(n + 2))
+
+
+def test_corun_chunks_of_a_request_do_not_depend_on_corunners():
+    def target_chunks(corunner_lengths: list[int]) -> list[tuple[int, int]]:
+        sim = Sim(_config("corun"), num_blocks=64)
+        for n in corunner_lengths:
+            sim.add(n, max_tokens=4)
+        target = sim.add(21, max_tokens=2)
+        sim.run()
+        return [(c.start, c.num_tokens) for out in sim.steps if not out.is_decode
+                for c in out.chunks if c.seq is target]
+
+    alone = target_chunks([])
+    assert alone == [(0, 8), (8, 8), (16, 5)]
+    assert target_chunks([3, 30, 9]) == alone
+
+
+@pytest.mark.parametrize("quota", [1, 2])
+def test_corun_stall_bound(quota):
+    """While sequences decode, at most ``quota`` prefill steps run between two decode steps."""
+    sim = Sim(_config("corun", max_prefill_steps_between_decodes=quota), num_blocks=64)
+    sim.add(3, max_tokens=12)
+    for n in (30, 25, 17):
+        sim.add(n, max_tokens=2)
+    run = 0
+    while sim.sched.has_unfinished():
+        decoding = any(not s.is_prefilling for s in sim.sched.running)
+        out = sim.step()
+        run = 0 if out.is_decode else run + 1
+        if decoding:
+            assert run <= quota
+
+
+def test_dynamic_budget_mixing_and_buckets():
+    config = _config("default", max_num_seqs=5, max_num_batched_tokens=12)
+    assert config.decode_buckets == [1, 2, 4, 5]
+    sim = Sim(config, num_blocks=64)
+    for n in (20, 3, 6, 2, 9):
+        sim.add(n, max_tokens=4)
+    sim.run()
+    mixed = [out for out in sim.steps if not out.is_decode and len(out.chunks) > 1]
+    assert mixed, "prefill chunks and other work never shared a step"
+    for out in sim.steps:
+        assert out.num_tokens <= 12
+        assert all(c.num_tokens <= 8 for c in out.chunks)
+        if out.is_decode:
+            assert out.num_decode_slots == min(b for b in config.decode_buckets if b >= len(out.chunks))
+
+
+@pytest.mark.parametrize("mode", ["corun", "default", "batch_invariant"])
+def test_preemption_swaps_and_never_recomputes(mode):
+    # 16 blocks of 4 tokens = 64 tokens of cache for 4 sequences growing to ~30 tokens each.
+    sim = Sim(_config(mode, max_num_seqs=4, max_num_batched_tokens=16), num_blocks=16)
+    rng = random.Random(0)
+    lengths = [rng.randint(10, 20) for _ in range(6)]
+    for n in lengths:
+        sim.add(n, max_tokens=12)
+    sim.run()
+    assert sim.sched.num_preemptions > 0, "the test did not force a preemption"
+    assert any(out.swap_out for out in sim.steps) and any(out.swap_in for out in sim.steps)
+    for seq_id, n in enumerate(lengths):
+        assert sim.computed[seq_id] == list(range(n + 11)), f"seq {seq_id} recomputed or skipped"
+    assert sim.sched.block_manager.num_free_blocks == 16
+
+
+def test_abort_frees_blocks_and_leaves_others_running():
+    sim = Sim(_config("corun"), num_blocks=32)
+    a, b = sim.add(6, max_tokens=5), sim.add(6, max_tokens=5)
+    for _ in range(3):
+        sim.step()
+    removed = sim.sched.abort(a.request_id)
+    assert removed == [a] and a.block_table == []
+    sim.run()
+    assert b.num_output_tokens == 5 and sim.sched.block_manager.num_free_blocks == 32
+
+
+def test_corun_admission_never_exceeds_b():
+    sim = Sim(_config("corun", max_num_seqs=8, decode_batch_size=2), num_blocks=64)
+    for _ in range(5):
+        sim.add(4, max_tokens=3)
+    while sim.sched.has_unfinished():
+        sim.step()
+        assert len(sim.sched.running) <= 2
