@@ -1,0 +1,386 @@
+"""Paged attention: ``store_kv``, causal (chunked) ``prefill_attention`` and split-KV
+``decode_attention``, with their configs and per-mode policies. Kernels: ``attention_kernels.py``.
+
+Layouts: K/V caches [num_blocks, block_size, num_kv_heads, head_dim] (block_size a power of 2
+>= 8), per-sequence int32 block-table rows, GQA with num_q_heads a multiple of num_kv_heads,
+head_dim a power of 2 in [16, 256]. Numerics: ``kernels.reference`` (softmax in fp32, output in
+q's dtype).
+
+Invariance, per op:
+
+- ``prefill_attention`` (every mode): a query row's output depends only on its own query, its
+  position and the keys at positions <= it; the config depends on (head_dim, dtype) only. So a
+  prompt prefilled whole or in chunks gives bitwise the same output rows, for ANY chunk boundaries
+  (aligned at multiples of C or not): each row walks KV tiles of BLOCK_N keys from key 0 whatever
+  its query tile, and fully masked tiles are exact no-ops. The KV written by ``store_kv`` is a copy,
+  identical by construction. Rows are also independent of the other sequences in the batch.
+- ``decode_attention`` under ``corun`` and ``batch_invariant``: a sequence is cut into splits of a
+  fixed ``split_size`` tokens, so its bits depend only on its own query, length and KV: not on the
+  other sequences, the batch size, its slot, or ``max_seq_len`` (which only sizes the grid, so one
+  launch shape serves every step of a CUDA graph). Under ``default`` the split size follows the
+  batch's longest sequence and the batch size to fill the GPU, so a sequence's bits change when
+  only the other sequences change.
+
+Host-side checks: shapes, dtypes, devices and host ints always. Checks that read tensor values
+(cu_seqlens consistency, lengths vs table capacity, block ids < num_blocks, slots in range) run
+only when the tensors are on the CPU: on a GPU they would cost a device sync per call and break
+CUDA-graph capture. ``max_seq_len`` / ``max_q_len`` vs the table capacity are host ints and are
+always checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention_kernels import (
+    LOG2E,
+    _decode_combine_kernel,
+    _decode_split_kernel,
+    _prefill_attention_kernel,
+    _store_kv_kernel,
+)
+from kernels.mode import Mode
+from kernels.utils import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    next_power_of_2,
+    upcast_dot_operands,
+)
+
+# H200 streaming multiprocessors; the default decode policy sizes its grid to fill them.
+NUM_SMS = 132
+# Default-mode decode aims at this many stage-1 programs (two waves hide the tail of the first).
+DECODE_TARGET_PROGRAMS = 2 * NUM_SMS
+# Cap on the default mode's splits, bounding the partial-output buffer and the combine loop.
+DECODE_MAX_SPLITS_DEFAULT = 64
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not silently drop to tf32 on the GPU; 16-bit inputs ignore the setting.
+    return "ieee" if dtype == torch.float32 or upcast_dot_operands(dtype) else "tf32"
+
+
+# ----------------------------------------------------------------------------------------------
+# store_kv
+# ----------------------------------------------------------------------------------------------
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, Hkv, D] into the paged caches at flat slots (block * block_size + offset).
+
+    Slot -1 skips the token (padded decode slots). A pure copy: bitwise, in every mode.
+    """
+    check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_tensor("v", v, ndim=3, dtypes=(k.dtype,), last_dim_contiguous=True)
+    check_shape("v", v, k.shape)
+    _check_caches(k_cache, v_cache, k.dtype)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32))
+    check_shape("slot_mapping", slot_mapping, (k.shape[0],))
+    check_shape("k", k, (-1, k_cache.shape[2], k_cache.shape[3]))
+    check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
+        if int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < -1:
+            raise ValueError(f"slot_mapping: slots must lie in [-1, {num_slots}), got "
+                             f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens, num_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping,
+        head_dim, k_cache.shape[1],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_D=next_power_of_2(head_dim),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# shared validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> None:
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(dtype,), last_dim_contiguous=True)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(dtype,), last_dim_contiguous=True)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if v_cache.stride() != k_cache.stride():
+        # The kernels address both caches with one set of strides.
+        raise ValueError(f"v_cache: expected the strides of k_cache {k_cache.stride()}, "
+                         f"got {v_cache.stride()}")
+    if not _is_pow2(k_cache.shape[1]) or k_cache.shape[1] < 8:
+        raise ValueError(f"k_cache: block_size must be a power of 2 >= 8, got {k_cache.shape[1]}")
+
+
+def _check_paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> None:
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    _check_caches(k_cache, v_cache, q.dtype)
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache: head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q: num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
+                         f"{num_kv_heads}")
+    if not _is_pow2(head_dim) or not 16 <= head_dim <= 256:
+        raise ValueError(f"q: head_dim must be a power of 2 in [16, 256], got {head_dim}")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
+    if block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables: expected contiguous rows, got strides "
+                         f"{block_tables.stride()}")
+
+
+def _check_block_ids(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
+                     num_blocks: int) -> None:
+    """CPU only: the blocks each sequence uses exist in the cache."""
+    for b, length in enumerate(lengths.tolist()):
+        used = block_tables[b, : cdiv(int(length), block_size)]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+            raise ValueError(f"block_tables: row {b} points outside the cache "
+                             f"(ids must lie in [0, {num_blocks}))")
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillAttentionConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_attention_config(head_dim: int, dtype: torch.dtype, mode: Mode) -> PrefillAttentionConfig:
+    """Tile config of prefill attention. Depends on (head_dim, dtype) only: never on the chunk
+    length or the batch, so chunked and whole prefill walk the same KV tiles. The same in every
+    mode (the kernel is already chunk- and batch-invariant)."""
+    if dtype == torch.float32:  # 4-byte tiles: halve them to stay within shared memory
+        return PrefillAttentionConfig(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    if head_dim >= 128:
+        return PrefillAttentionConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return PrefillAttentionConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int,
+    mode: Mode = Mode.CORUN,
+    config: PrefillAttentionConfig | None = None,
+) -> torch.Tensor:
+    """Causal, variable-length, chunked prefill over the paged cache -> [T, Hq, D] in q's dtype.
+
+    q [T, Hq, D] holds each sequence's chunk back to back (``cu_seqlens_q`` [B + 1] int32);
+    ``context_lens`` [B] int32 is each sequence's length including the chunk, whose K/V must
+    already be stored; query i of sequence b sits at position context_lens[b] - q_len_b + i.
+    Chunk- and batch-invariant in every mode (module docstring). ``config`` overrides the policy
+    (tests use small tiles to exercise many tiles cheaply).
+    """
+    _check_paged_attention(q, k_cache, v_cache, block_tables)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_seqs < 1:
+        raise ValueError("cu_seqlens_q: expected at least 2 entries (B + 1)")
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
+    check_shape("context_lens", context_lens, (num_seqs,))
+    check_shape("block_tables", block_tables, (num_seqs, -1))
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                      cu_seqlens_q=cu_seqlens_q, context_lens=context_lens)
+    block_size, capacity = k_cache.shape[1], block_tables.shape[1] * k_cache.shape[1]
+    if not isinstance(max_q_len, int) or max_q_len < 0:
+        raise ValueError(f"max_q_len: expected a host int >= 0, got {max_q_len!r}")
+    if max_q_len > capacity:
+        raise ValueError(f"max_q_len: {max_q_len} exceeds the block-table capacity {capacity}")
+    if cu_seqlens_q.device.type == "cpu":
+        cu = cu_seqlens_q.tolist()
+        q_lens = [cu[i + 1] - cu[i] for i in range(num_seqs)]
+        if cu[0] != 0 or cu[-1] != q.shape[0] or min(q_lens) < 0:
+            raise ValueError(f"cu_seqlens_q: expected non-decreasing offsets from 0 to "
+                             f"T={q.shape[0]}, got {cu}")
+        if max(q_lens) > max_q_len:
+            raise ValueError(f"max_q_len: {max_q_len} < the longest chunk {max(q_lens)}")
+        ctx = context_lens.tolist()
+        if any(c < n for c, n in zip(ctx, q_lens)) or max(ctx) > capacity:
+            raise ValueError(f"context_lens: each must lie in [q_len, {capacity}] "
+                             f"(q_lens {q_lens}, table capacity {capacity}), got {ctx}")
+        _check_block_ids(block_tables, context_lens, block_size, k_cache.shape[0])
+
+    out = torch.empty_like(q)
+    if q.shape[0] == 0 or max_q_len == 0:
+        return out
+    cfg = config or prefill_attention_config(q.shape[2], q.dtype, mode)
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_m_tiles = cdiv(max_q_len, cfg.BLOCK_M)
+    grid = (num_q_heads, num_m_tiles, num_seqs)
+    _prefill_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
+        num_m_tiles, num_q_heads // k_cache.shape[2], block_size, float(scale) * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=head_dim,
+        UPCAST=upcast_dot_operands(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeAttentionConfig:
+    split_size: int  # tokens per split; splits of a sequence start at multiples of it
+    max_num_splits: int  # cdiv(max_seq_len, split_size): the partial buffers' split dim
+    num_split_programs: int  # stage-1 lanes per (sequence, kv head); lane s does s, s + lanes, ...
+    BLOCK_N: int
+    BLOCK_H: int  # query heads of one kv head, padded to >= 16 rows for tl.dot
+    num_warps: int
+    num_stages: int
+
+
+def _decode_block_n(split_size: int) -> int:
+    return next(bn for bn in (64, 32, 16) if split_size % bn == 0)
+
+
+def decode_attention_config(
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_seq_len: int,
+    dtype: torch.dtype,
+    mode: Mode,
+    split_size: int = 256,
+) -> DecodeAttentionConfig:
+    """Split-KV policy of decode attention.
+
+    - corun / batch_invariant: the split size is ``split_size`` (a multiple of 16), whatever the
+      batch, so a sequence's split count is cdiv(its length, split_size). ``max_seq_len`` and the
+      batch only size the grid (lanes), which never changes a split's arithmetic.
+    - default: the split count fills the GPU from (batch, num_kv_heads, max_seq_len): about
+      DECODE_TARGET_PROGRAMS stage-1 programs, split size cdiv(max_seq_len, num_splits) rounded up
+      to BLOCK_N. A sequence's splits then follow the batch's longest sequence: not invariant.
+    """
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len: expected >= 1, got {max_seq_len}")
+    group = num_q_heads // num_kv_heads
+    block_h = max(16, next_power_of_2(group))
+    programs_per_split = max(1, batch * num_kv_heads)
+    if mode == Mode.DEFAULT:
+        block_n = 64
+        num_splits = cdiv(DECODE_TARGET_PROGRAMS, programs_per_split)
+        num_splits = max(1, min(num_splits, DECODE_MAX_SPLITS_DEFAULT, cdiv(max_seq_len, block_n)))
+        size = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
+        max_num_splits = cdiv(max_seq_len, size)
+        lanes = max_num_splits  # one split per program
+    else:
+        if split_size < 16 or split_size % 16:
+            raise ValueError(f"split_size: expected a positive multiple of 16, got {split_size}")
+        size, block_n = split_size, _decode_block_n(split_size)
+        max_num_splits = cdiv(max_seq_len, size)
+        # Enough lanes to fill the GPU; programs loop over the remaining splits.
+        lanes = min(max_num_splits, cdiv(DECODE_TARGET_PROGRAMS, programs_per_split))
+    num_warps = 4 if head_dim <= 128 else 8
+    return DecodeAttentionConfig(
+        split_size=size, max_num_splits=max_num_splits, num_split_programs=max(1, lanes),
+        BLOCK_N=block_n, BLOCK_H=block_h, num_warps=num_warps, num_stages=2,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int,
+    mode: Mode = Mode.CORUN,
+    split_size: int = 256,
+    config: DecodeAttentionConfig | None = None,
+) -> torch.Tensor:
+    """One query per sequence over its ``seq_lens[b]`` cached tokens -> [B, Hq, D] in q's dtype.
+
+    Split-KV flash decoding: stage 1 writes per-split fp32 partial outputs and log-sum-exps, each
+    program reading a KV tile once for all query heads of its kv head; stage 2 combines a
+    sequence's real splits in split order. ``max_seq_len`` (host int) bounds every seq_len:
+    max_model_len under corun / batch_invariant (fixed launch shape), the batch's longest under
+    default. seq_len 0 (a dummy slot) gives zeros. Invariance per mode: module docstring.
+    """
+    _check_paged_attention(q, k_cache, v_cache, block_tables)
+    num_seqs, num_q_heads, head_dim = q.shape
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
+    check_shape("seq_lens", seq_lens, (num_seqs,))
+    check_shape("block_tables", block_tables, (num_seqs, -1))
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                      seq_lens=seq_lens)
+    block_size, capacity = k_cache.shape[1], block_tables.shape[1] * k_cache.shape[1]
+    if not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len: expected a host int >= 1, got {max_seq_len!r}")
+    if max_seq_len > capacity:
+        raise ValueError(f"max_seq_len: {max_seq_len} exceeds the block-table capacity {capacity}")
+    if seq_lens.device.type == "cpu" and num_seqs:
+        lens = seq_lens.tolist()
+        if min(lens) < 0 or max(lens) > max_seq_len:
+            raise ValueError(f"seq_lens: each must lie in [0, max_seq_len={max_seq_len}], "
+                             f"got {lens}")
+        _check_block_ids(block_tables, seq_lens, block_size, k_cache.shape[0])
+
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    num_kv_heads = k_cache.shape[2]
+    cfg = config or decode_attention_config(num_seqs, num_q_heads, num_kv_heads, head_dim,
+                                            max_seq_len, q.dtype, mode, split_size)
+    mid_o = torch.empty((num_seqs, num_q_heads, cfg.max_num_splits, head_dim),
+                        dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((num_seqs, num_q_heads, cfg.max_num_splits),
+                          dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, cfg.num_split_programs)](
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
+        num_q_heads // num_kv_heads, block_size, cfg.num_split_programs, float(scale) * LOG2E,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        SPLIT_SIZE=cfg.split_size, BLOCK_N=cfg.BLOCK_N, BLOCK_H=cfg.BLOCK_H, BLOCK_D=head_dim,
+        UPCAST=upcast_dot_operands(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _decode_combine_kernel[(num_seqs, num_q_heads)](
+        mid_o, mid_lse, seq_lens, out,
+        head_dim,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        SPLIT_SIZE=cfg.split_size, BLOCK_D=head_dim,
+        num_warps=1 if head_dim <= 64 else 2,
+    )
+    return out

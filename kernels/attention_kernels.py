@@ -1,0 +1,295 @@
+"""Triton kernels of paged attention: KV store, causal prefill, split-KV decode and its combine.
+
+The launchers, configs and policies live in ``kernels/attention.py``; this file holds only the
+``@triton.jit`` code. Layouts: q [T or B, Hq, D]; K/V caches [num_blocks, block_size, Hkv, D];
+block tables [B, max_blocks] int32. Every KV tile is gathered token by token through the block
+table (``_paged_offsets``), so a sequence's blocks may sit anywhere in the cache.
+
+Invariance comes from the loop structure, not from special arithmetic:
+- prefill: every query row walks the KV tiles [0, BLOCK_N), [BLOCK_N, 2 BLOCK_N), ... from key 0,
+  whatever query tile it sits in, and tiles that are fully masked for a row leave its state
+  bit-for-bit unchanged (``_prefill_tile``), so a row's bits depend only on its own position and
+  the keys it can see.
+- decode: a split is SPLIT_SIZE consecutive tokens of one sequence starting at a multiple of
+  SPLIT_SIZE; its partial result depends only on that sequence, and the combine folds the splits
+  in index order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# exp2-based softmax: fold log2(e) into the scale once.
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _store_kv_kernel(
+    # pointers
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    # sizes
+    head_dim, block_size,
+    # strides
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_co, stride_ch,
+    # constexprs
+    BLOCK_D: tl.constexpr,
+):
+    """One program per (token, kv head): copy one head row of k and v into its cache slot."""
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + pid_t).to(tl.int64)
+    if slot < 0:  # padded decode slot: nothing to write
+        return
+    block = slot // block_size
+    offset = slot % block_size
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = offs_d < head_dim
+    k = tl.load(k_ptr + pid_t * stride_kt + pid_h * stride_kh + offs_d, mask=mask)
+    v = tl.load(v_ptr + pid_t * stride_vt + pid_h * stride_vh + offs_d, mask=mask)
+    dst = block * stride_cb + offset * stride_co + pid_h * stride_ch + offs_d
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _paged_offsets(table_row_ptr, tokens, token_mask, block_size, stride_cb, stride_co):
+    """Element offsets (int64) of ``tokens`` of one sequence in a paged cache (head 0, dim 0)."""
+    page = tl.load(table_row_ptr + tokens // block_size, mask=token_mask, other=0).to(tl.int64)
+    return page * stride_cb + (tokens % block_size).to(tl.int64) * stride_co
+
+
+@triton.jit
+def _prefill_tile(
+    acc, m_i, l_i, q, q_pos,
+    k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off, start_n, kv_len,
+    block_size, stride_cb, stride_co, qk_scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N).
+
+    MASKED=False is only used for tiles every row of the query tile fully sees; it computes the
+    same bits as MASKED=True does for such rows (the mask is a select on the raw scores, never an
+    add, and the rest of the arithmetic is the same expression graph).
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    if MASKED:
+        n_mask = offs_n < kv_len
+    else:
+        n_mask = offs_n >= 0  # all true; keeps one code path for the loads
+    kv_off = _paged_offsets(table_row_ptr, offs_n, n_mask, block_size, stride_cb, stride_co)
+    kv_off = kv_off[:, None] + kv_head_off + offs_d[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED:
+        # Mask the raw scores, before the scale: then both variants compute the same
+        # `scores * qk_scale - m` expression, which the compiler may contract into one FMA.
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    qk = scores * qk_scale
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # m_new is finite: key 0 is visible to every row and is in the first tile each row walks.
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    p_dot = p.to(v.dtype)
+    if UPCAST:
+        p_dot = p_dot.to(tl.float32)
+        v = v.to(tl.float32)
+    acc_new = tl.dot(p_dot, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    if MASKED:
+        # A row that sees no key of this tile keeps its state exactly: adding the all-zero
+        # product would still turn an accumulated -0.0 into +0.0.
+        live = start_n <= q_pos
+        acc_new = tl.where(live[:, None], acc_new, acc)
+        l_new = tl.where(live, l_new, l_i)
+        m_new = tl.where(live, m_new, m_i)
+    return acc_new, m_new, l_new
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    # pointers
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    # sizes
+    num_m_tiles, group_size, block_size, qk_scale,
+    # strides
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_cb, stride_co, stride_ch,
+    # constexprs
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program per (q head, query tile, sequence): causal flash attention over the cache."""
+    pid_h = tl.program_id(0)
+    # Heaviest (last) query tiles first: causal work grows with the tile index.
+    pid_m = num_m_tiles - 1 - tl.program_id(1)
+    pid_b = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + pid_b)
+    q_len = tl.load(cu_seqlens_q_ptr + pid_b + 1) - q_start
+    if pid_m * BLOCK_M >= q_len:
+        return
+    kv_len = tl.load(context_lens_ptr + pid_b)
+    first_pos = kv_len - q_len  # position of the chunk's first query
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    q_pos = first_pos + offs_m
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + pid_h * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None], other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    table_row_ptr = block_tables_ptr + pid_b.to(tl.int64) * stride_bt
+    kv_head_off = (pid_h // group_size).to(tl.int64) * stride_ch
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    tile_first_pos = first_pos + pid_m * BLOCK_M
+    tile_last_pos = tl.minimum(first_pos + (pid_m + 1) * BLOCK_M, kv_len) - 1
+    # Tiles wholly at or below the tile's first query position: every row sees every key.
+    full_end = ((tile_first_pos + 1) // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _prefill_tile(
+            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off,
+            start_n, kv_len, block_size, stride_cb, stride_co, qk_scale,
+            BLOCK_N, BLOCK_D, False, UPCAST, DOT_PRECISION,
+        )
+    # The diagonal tiles, with the causal and length mask.
+    for start_n in range(full_end, tile_last_pos + 1, BLOCK_N):
+        acc, m_i, l_i = _prefill_tile(
+            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off,
+            start_n, kv_len, block_size, stride_cb, stride_co, qk_scale,
+            BLOCK_N, BLOCK_D, True, UPCAST, DOT_PRECISION,
+        )
+    out = acc / l_i[:, None]
+    tl.store(
+        o_ptr + q_rows[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None],
+    )
+
+
+@triton.jit
+def _decode_split_kernel(
+    # pointers
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    # sizes
+    group_size, block_size, num_programs_s, qk_scale,
+    # strides
+    stride_qb, stride_qh, stride_bt, stride_cb, stride_co, stride_ch,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    # constexprs
+    SPLIT_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Stage 1: one program per (sequence, kv head, split lane); the lane handles splits
+    pid_s, pid_s + num_programs_s, ... of its sequence. A split's partial output (normalised, fp32)
+    and log2-sum-exp depend only on the split's tokens, never on which lane computed them."""
+    pid_b = tl.program_id(0)
+    pid_kvh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + pid_b)
+    num_splits = tl.cdiv(seq_len, SPLIT_SIZE)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < group_size
+    heads = pid_kvh * group_size + offs_h  # the query heads sharing this kv head
+    q = tl.load(
+        q_ptr + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None], other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    table_row_ptr = block_tables_ptr + pid_b.to(tl.int64) * stride_bt
+    kv_head_off = pid_kvh.to(tl.int64) * stride_ch
+
+    # Lanes whose first split starts past the sequence do zero iterations (early exit).
+    for split in range(pid_s, num_splits, num_programs_s):
+        split_start = split * SPLIT_SIZE
+        split_end = tl.minimum(split_start + SPLIT_SIZE, seq_len)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for start_n in range(split_start, split_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < split_end
+            kv_off = _paged_offsets(table_row_ptr, offs_n, n_mask, block_size, stride_cb, stride_co)
+            kv_off = kv_off[:, None] + kv_head_off + offs_d[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            qk = tl.where(n_mask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile has a real key
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p_dot = p.to(v.dtype)
+            if UPCAST:
+                p_dot = p_dot.to(tl.float32)
+                v = v.to(tl.float32)
+            acc = tl.dot(p_dot, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            m_i = m_new
+        mid_o = acc / l_i[:, None]
+        base_o = pid_b.to(tl.int64) * stride_mb + split * stride_ms
+        tl.store(
+            mid_o_ptr + base_o + heads[:, None] * stride_mh + offs_d[None, :],
+            mid_o, mask=h_mask[:, None],
+        )
+        tl.store(
+            mid_lse_ptr + pid_b.to(tl.int64) * stride_lb + heads * stride_lh + split,
+            m_i + tl.log2(l_i), mask=h_mask,
+        )
+
+
+@triton.jit
+def _decode_combine_kernel(
+    # pointers
+    mid_o_ptr, mid_lse_ptr, seq_lens_ptr, o_ptr,
+    # sizes
+    head_dim,
+    # strides
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    # constexprs
+    SPLIT_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Stage 2: one program per (sequence, q head); folds that sequence's real splits in index
+    order (a fixed order, so the result depends only on the split partials). Length 0 -> zeros."""
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + pid_b)
+    num_splits = tl.cdiv(seq_len, SPLIT_SIZE)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    base_o = mid_o_ptr + pid_b.to(tl.int64) * stride_mb + pid_h * stride_mh
+    base_l = mid_lse_ptr + pid_b.to(tl.int64) * stride_lb + pid_h * stride_lh
+    m_i = tl.full([], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for split in range(0, num_splits):
+        lse = tl.load(base_l + split)
+        part = tl.load(base_o + split * stride_ms + offs_d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp2(m_i - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha + weight * part
+        l_i = l_i * alpha + weight
+        m_i = m_new
+    out = tl.where(l_i > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
+    tl.store(
+        o_ptr + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh + offs_d,
+        out.to(o_ptr.dtype.element_ty), mask=d_mask,
+    )
