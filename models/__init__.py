@@ -1,0 +1,68 @@
+"""CoRun models: Qwen3, Qwen3-MoE and DeepSeek-V3 built from shared layers.
+
+``build_model(name_or_path, dtype=..., device=...)`` returns ``(model, ModelConfig)``: a name from
+``NAMED_CONFIGS`` gives seeded random weights, a directory loads a HF checkpoint. The model runs
+``model(input_ids, batch)`` -> hidden and ``model.compute_logits(hidden)``; how it computes
+(backend, mode) travels in ``batch.ops``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.config import NAMED_CONFIGS, ModelConfig
+
+# HF architecture name -> (module, class), imported only when used.
+MODEL_REGISTRY: dict[str, tuple[str, str]] = {
+    "Qwen3ForCausalLM": ("models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV3ForCausalLM": ("models.deepseek_v3", "DeepseekV3ForCausalLM"),
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    """The CoRun class of a HF architecture name; ValueError for an unsupported one."""
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(f"architecture: unsupported {architecture!r}; "
+                         f"expected one of {sorted(MODEL_REGISTRY)}")
+    module_name, class_name = MODEL_REGISTRY[architecture]
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def create_model(config: ModelConfig, *, dtype: torch.dtype,
+                 device: torch.device | str) -> nn.Module:
+    """Construct on the meta device and materialise on ``device`` (weights uninitialised)."""
+    from models.weights import materialize
+
+    with torch.device("meta"):
+        model = model_class(config.architecture)(config)
+    return materialize(model, dtype, device).eval()
+
+
+def build_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype,
+                device: torch.device | str, seed: int = 0) -> tuple[nn.Module, ModelConfig]:
+    """A named config with random weights drawn from ``seed``, or a HF checkpoint directory."""
+    from models.weights import init_random_weights
+
+    name = str(name_or_path)
+    if name in NAMED_CONFIGS:
+        config = NAMED_CONFIGS[name]
+        model = create_model(config, dtype=dtype, device=device)
+        init_random_weights(model, config.num_hidden_layers, seed)
+        model.process_weights_after_loading()
+        return model, config
+    if Path(name).is_dir():
+        from models.loader import load_model
+
+        return load_model(name, dtype=dtype, device=device)
+    raise ValueError(f"name_or_path: {name!r} is neither a named config "
+                     f"({', '.join(NAMED_CONFIGS)}) nor a checkpoint directory")
+
+
+__all__ = ["MODEL_REGISTRY", "NAMED_CONFIGS", "ModelConfig", "build_model", "create_model",
+           "model_class"]

@@ -1,0 +1,36 @@
+"""Qwen3 dense (``Qwen3ForCausalLM``): GQA with per-head q/k RMSNorm, NeoX RoPE, SwiGLU MLP,
+tied or untied embeddings. Invariances are those of ``models.ops`` under the step's OpsConfig."""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+from models.forward_batch import KVCacheSpec
+from models.layers.attention import GQAAttention
+from models.layers.decoder import CausalLM, DecoderLayer
+from models.layers.mlp import GatedMLP
+
+# q/k/v and gate/up are fused into one GEMM each; the loader writes HF shards into their rows.
+QWEN3_PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def mha_cache_spec(config: ModelConfig) -> KVCacheSpec:
+    return KVCacheSpec(kind="mha", num_layers=config.num_hidden_layers,
+                       num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim)
+
+
+class Qwen3ForCausalLM(CausalLM):
+    packed_modules_mapping = QWEN3_PACKED_MODULES
+
+    def __init__(self, config: ModelConfig) -> None:
+        layers = [
+            DecoderLayer(config, GQAAttention(config, i),
+                         GatedMLP(config.hidden_size, config.intermediate_size), is_moe=False)
+            for i in range(config.num_hidden_layers)
+        ]
+        super().__init__(config, layers)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return mha_cache_spec(self.config)
