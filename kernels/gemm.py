@@ -1,0 +1,315 @@
+"""GEMM ``y = x @ w.T (+ bias)``: x [M, K], w [N, K] (nn.Linear layout), fp16/bf16/fp32 in, fp32
+accumulation, output in x's dtype. The jit kernels live in ``gemm_kernels.py``.
+
+Invariance, by mode (DESIGN.md, "The two properties"):
+
+- every mode is **position-invariant**: at a fixed (M, N, K) a row's bits depend only on its own
+  data, never on its row index or the other rows. The config is a pure function of the shape, a
+  row's K walk is fixed by (block_k, split_k), and split-K partials are summed in split order.
+- ``batch_invariant`` is also **batch-invariant**: one config for every M (its policy never reads
+  M), no split-K, so a row's reduction order is the same at every batch size.
+- ``default`` and ``corun`` pick the fastest config per shape (block_k and split-K chosen by M), so
+  a row's bits may change with M; corun gets determinism by fixing M (isolated prefill, padded
+  decode), default does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.gemm_kernels import _gemm_kernel, _splitk_reduce_kernel
+from kernels.mode import Mode
+from kernels.reference import gemm_reference
+from kernels.utils import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    next_power_of_2,
+    upcast_dot_operands,
+)
+
+__all__ = ["GemmConfig", "TunedTable", "gemm", "gemm_config", "gemm_reference", "load_tuned_table"]
+
+TUNED_PATH = Path(__file__).resolve().parent / "tuned" / "gemm_h200.json"
+
+# H200 facts the literal fallback policy is reasoned from.
+H200_NUM_SMS = 132
+# Two CTAs per SM: small-M GEMMs stream the weights, and one CTA per SM cannot keep enough loads
+# in flight to reach HBM bandwidth.
+TARGET_NUM_CTAS = 2 * H200_NUM_SMS
+MAX_SPLIT_K = 16
+# Per-CTA shared memory the pipeline may use (H200: 227 KB per block; keep room for the epilogue).
+SMEM_BUDGET_BYTES = 200 * 1024
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration. ``block_k`` and ``split_k`` fix a row's reduction order;
+    the rest (tile shape, grouping, warps, stages, persistence) only change speed."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    # Persistent: at most one program per SM, each looping over tiles.
+    persistent: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"{name}: expected a power of two >= 16, got {value!r}")
+        for name in ("split_k", "group_m", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not isinstance(self.persistent, bool):
+            raise ValueError(f"persistent: expected a bool, got {self.persistent!r}")
+
+    def smem_bytes(self, itemsize: int) -> int:
+        """Shared memory of the software pipeline: one x and one w tile per stage."""
+        return (self.block_m + self.block_n) * self.block_k * itemsize * self.num_stages
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GemmConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            raise ValueError(f"config: unknown fields {sorted(unknown)}")
+        return cls(**data)
+
+
+# ----------------------------------------------------------------------------------------------
+# tuned table: kernels/tuned/gemm_h200.json, written by experiments/tune_gemm.py
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TunedTable:
+    """Configs measured fastest on the H200, per (N, K) and tuned M, for 16-bit inputs.
+
+    ``lookup`` takes the entry at the smallest tuned M >= m (the largest tuned M past the end):
+    a config tuned at M serves every batch size up to M.
+    """
+
+    entries: dict[tuple[int, int], tuple[tuple[int, GemmConfig], ...]]
+    batch_invariant: GemmConfig | None = None
+
+    def lookup(self, m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig | None:
+        rows = self.entries.get((n, k))
+        if not rows or dtype.itemsize != 2:  # tuned in bf16; fp16 has the same tile economics
+            return None
+        for tuned_m, config in rows:
+            if m <= tuned_m:
+                return config
+        return rows[-1][1]
+
+
+def load_tuned_table(path: Path | str) -> TunedTable:
+    """Parse a tuned file (``{"header", "batch_invariant", "entries": [{m, n, k, config}]}``).
+
+    A missing file gives an empty table; a malformed one raises ValueError naming the path, since
+    silently falling back would change which configs (and so which bits) the engine runs.
+    """
+    path = Path(path)
+    if not path.exists():
+        return TunedTable(entries={})
+    try:
+        data = json.loads(path.read_text())
+        grouped: dict[tuple[int, int], list[tuple[int, GemmConfig]]] = {}
+        for entry in data.get("entries", []):
+            key = (int(entry["n"]), int(entry["k"]))
+            grouped.setdefault(key, []).append((int(entry["m"]), GemmConfig.from_dict(entry["config"])))
+        bi = data.get("batch_invariant")
+        return TunedTable(
+            entries={key: tuple(sorted(rows, key=lambda r: r[0])) for key, rows in grouped.items()},
+            batch_invariant=GemmConfig.from_dict(bi) if bi else None,
+        )
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: malformed GEMM tuned table ({err})") from err
+
+
+@functools.lru_cache(maxsize=1)
+def _tuned_table() -> TunedTable:
+    return load_tuned_table(TUNED_PATH)
+
+
+# ----------------------------------------------------------------------------------------------
+# config policy
+# ----------------------------------------------------------------------------------------------
+
+# The batch-invariant baseline: one tile for every M (128x128x64, 8 warps, persistent), the shape
+# batch_invariant_ops-style kernels use. Overridden by the tuned file's single choice if present.
+_BATCH_INVARIANT_16BIT = GemmConfig(128, 128, 64, split_k=1, group_m=8, num_warps=8,
+                                    num_stages=4, persistent=True)
+
+
+def _fit_smem(config: GemmConfig, itemsize: int) -> GemmConfig:
+    """Drop pipeline stages until the config fits in shared memory (never changes bits)."""
+    while config.num_stages > 1 and config.smem_bytes(itemsize) > SMEM_BUDGET_BYTES:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    return config
+
+
+def _for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
+    """Tables are for 16-bit inputs; fp32 tiles take half the K depth to keep the same bytes."""
+    if dtype == torch.float32 and config.block_k > 16:
+        config = dataclasses.replace(config, block_k=config.block_k // 2)
+    return _fit_smem(config, dtype.itemsize)
+
+
+def auto_split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int) -> int:
+    """Split-K count that lifts a small-M GEMM to ~TARGET_NUM_CTAS programs.
+
+    Capped by the K blocks available, by MAX_SPLIT_K, and so the fp32 workspace round trip
+    (2 * split * M * N * 4 bytes) stays under 1/8 of the 16-bit weight bytes (N * K * 2):
+    split <= K / (32 * M). Large M never splits.
+    """
+    num_tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    k_blocks = cdiv(k, block_k)
+    split = min(TARGET_NUM_CTAS // max(num_tiles, 1), k_blocks, MAX_SPLIT_K, k // (32 * max(m, 1)))
+    if split <= 1:
+        return 1
+    split = 1 << (split.bit_length() - 1)  # a power of two: fewer distinct configs to tune
+    return cdiv(k_blocks, cdiv(k_blocks, split))  # no empty splits
+
+
+def _fallback_config(m: int, n: int, k: int) -> GemmConfig:
+    """Literal H200 table for 16-bit inputs, used for shapes the tuned file does not cover.
+
+    Small M (decode) streams the weights: narrow N tiles, deep K tiles, split-K when the tiles
+    alone leave SMs idle. Large M is compute bound: big tiles, the largest that still fills the
+    132 SMs.
+    """
+    if m <= 64:
+        tile = GemmConfig(max(16, next_power_of_2(m)), 64, 128, num_warps=4, num_stages=4)
+    elif m <= 128:
+        tile = GemmConfig(64, 128, 64, num_warps=4, num_stages=4)
+    elif m <= 256:
+        tile = GemmConfig(128, 128, 64, num_warps=8, num_stages=4)
+    else:
+        options = (GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+                   GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+                   GemmConfig(64, 128, 64, num_warps=4, num_stages=4))
+        tile = next((c for c in options
+                     if cdiv(m, c.block_m) * cdiv(n, c.block_n) >= H200_NUM_SMS), options[-1])
+    return tile
+
+
+def gemm_config(m: int, n: int, k: int, dtype: torch.dtype, mode: Mode | str) -> GemmConfig:
+    """The config ``gemm`` runs for x [m, k] @ w[n, k].T; a pure function of its arguments.
+
+    - ``batch_invariant``: depends on dtype only (never on m, n or k); no split-K.
+    - ``default`` / ``corun``: depends on (m, n, k, dtype): the tuned entry for (n, k) at the
+      smallest tuned M >= m, else the literal fallback with split-K from ``auto_split_k``.
+    """
+    mode = Mode.parse(mode)
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype}")
+    if m < 1 or n < 1 or k < 0:
+        raise ValueError(f"shape: expected m >= 1, n >= 1, k >= 0, got ({m}, {n}, {k})")
+    table = _tuned_table()
+    if mode is Mode.BATCH_INVARIANT:
+        return _for_dtype(table.batch_invariant or _BATCH_INVARIANT_16BIT, dtype)
+    tuned = table.lookup(m, n, k, dtype)
+    if tuned is not None:
+        return _fit_smem(tuned, dtype.itemsize)
+    config = _for_dtype(_fallback_config(m, n, k), dtype)
+    split = auto_split_k(m, n, k, config.block_m, config.block_n, config.block_k)
+    return dataclasses.replace(config, split_k=split)
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a few programs, so the persistent loop really loops in tests
+
+
+def gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    mode: Mode | str = Mode.CORUN,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` in x's dtype with fp32 accumulation.
+
+    ``config`` overrides the policy (tests and tuning); otherwise ``gemm_config`` picks it from
+    the shape and ``mode``. See the module docstring for which invariance each mode keeps.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("w", w, ndim=2, dtypes=(x.dtype,))
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w: expected K = {x.shape[1]} (x.shape[1]), got shape {tuple(w.shape)}")
+    m, k = x.shape
+    n = w.shape[0]
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
+        check_shape("bias", bias, (n,))
+        device = check_same_device(x=x, w=w, bias=bias)
+    else:
+        device = check_same_device(x=x, w=w)
+    mode = Mode.parse(mode)
+    if config is not None and not isinstance(config, GemmConfig):
+        raise ValueError(f"config: expected a GemmConfig, got {type(config).__name__}")
+
+    out = torch.empty((m, n), dtype=x.dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config if config is not None else gemm_config(m, n, k, x.dtype, mode)
+
+    k_blocks = cdiv(k, cfg.block_k)
+    k_blocks_per_split = max(1, cdiv(k_blocks, cfg.split_k))
+    split_k = max(1, cdiv(k_blocks, k_blocks_per_split))  # no empty splits
+    use_workspace = split_k > 1
+    target = torch.empty((split_k, m, n), dtype=torch.float32, device=device) if use_workspace else out
+    num_work = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) * split_k
+    grid = (min(num_work, _num_sms(device)) if cfg.persistent else num_work,)
+    bias_arg = bias if bias is not None else out  # never read when HAS_BIAS is False
+    stride_os = target.stride(0) if use_workspace else 0
+    stride_om, stride_on = target.stride(-2), target.stride(-1)
+
+    _gemm_kernel[grid](
+        x, w, bias_arg, target,
+        m, n, k, split_k, k_blocks_per_split,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), stride_os, stride_om, stride_on,
+        HAS_BIAS=bias is not None and not use_workspace,
+        USE_WORKSPACE=use_workspace,
+        EVEN_K=k % cfg.block_k == 0,
+        UPCAST=upcast_dot_operands(x.dtype),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if use_workspace:
+        block_size = 1024
+        _splitk_reduce_kernel[(cdiv(m * n, block_size),)](
+            target, bias_arg, out,
+            m, n, split_k,
+            target.stride(0), out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, BLOCK_SIZE=block_size,
+            num_warps=4,
+        )
+    return out
