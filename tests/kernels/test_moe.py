@@ -1,0 +1,232 @@
+"""Correctness of kernels/moe.py against the fp64 references: routers, alignment, fused_moe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.mode import Mode
+from kernels.moe import (
+    MoEConfig,
+    fused_moe,
+    grouped_topk,
+    moe_align_block_size,
+    moe_config,
+    softmax_topk,
+)
+from kernels.reference import fused_moe_reference, grouped_topk_reference, softmax_topk_reference
+from tests.utils import assert_close
+
+
+def _tie_free_logits(num_tokens: int, num_experts: int, gen: torch.Generator, dtype) -> torch.Tensor:
+    """Distinct multiples of 1/16 per row: exact in bf16 for E <= 256, so ids have no ties."""
+    rows = [torch.randperm(num_experts, generator=gen) for _ in range(num_tokens)]
+    return ((torch.stack(rows).float() - num_experts / 2) / 16).to(dtype)
+
+
+def _moe_weights(num_experts, hidden, inter, gen, dtype):
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# routers
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "num_tokens, num_experts, top_k, renormalize",
+    [(7, 8, 2, True), (3, 60, 4, False), (5, 128, 8, True)],
+    ids=["E8k2", "E60k4-raw", "E128k8"],
+)
+def test_softmax_topk_matches_reference(num_tokens, num_experts, top_k, renormalize, dtype):
+    gen = torch.Generator().manual_seed(num_experts)
+    logits = _tie_free_logits(num_tokens, num_experts, gen, dtype)
+    weights, ids = softmax_topk(logits, top_k, renormalize)
+    ref_weights, ref_ids = softmax_topk_reference(logits.double(), top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    assert_close(weights, ref_weights, torch.float32, reduce_dim=num_experts)
+
+
+@pytest.mark.parametrize(
+    "num_experts, top_k, n_group, topk_group, renormalize, scale",
+    [(16, 4, 4, 2, True, 2.5), (24, 3, 3, 2, False, 1.0), (256, 8, 8, 4, True, 2.5)],
+    ids=["E16k4g4", "E24k3g3-raw", "E256k8g8"],
+)
+def test_grouped_topk_matches_reference(num_experts, top_k, n_group, topk_group, renormalize, scale):
+    gen = torch.Generator().manual_seed(num_experts + top_k)
+    logits = torch.randn(6, num_experts, generator=gen)
+    bias = torch.randn(num_experts, generator=gen) * 0.2  # negative entries too (-inf masking)
+    weights, ids = grouped_topk(logits, bias, top_k, n_group, topk_group, renormalize, scale)
+    ref_weights, ref_ids = grouped_topk_reference(
+        logits.double(), bias.double(), top_k, n_group, topk_group, renormalize, scale)
+    assert torch.equal(ids, ref_ids)
+    assert_close(weights, ref_weights, torch.float32, reduce_dim=top_k)
+
+
+# ----------------------------------------------------------------------------------------------
+# alignment
+# ----------------------------------------------------------------------------------------------
+
+
+def test_moe_align_block_size_layout():
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, top_k, num_experts, block_m = 9, 2, 5, 16
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    mask = torch.ones(num_tokens, dtype=torch.bool)
+    mask[[2, 7]] = False
+    sorted_pairs, block_experts = moe_align_block_size(ids, num_experts, block_m, mask)
+    num_pairs = num_tokens * top_k
+    assert sorted_pairs.numel() == block_experts.numel() * block_m
+    blocks = sorted_pairs.view(-1, block_m)
+    seen = []
+    for b, expert in enumerate(block_experts.tolist()):
+        rows = [p for p in blocks[b].tolist() if p != num_pairs]
+        if expert < 0:
+            assert rows == []
+            continue
+        assert all(int(ids.view(-1)[p]) == expert for p in rows)
+        seen.extend(rows)
+    expected = [p for e in range(num_experts) for p in range(num_pairs)
+                if int(ids.view(-1)[p]) == e and bool(mask[p // top_k])]
+    assert seen == expected  # grouped by expert id, token-major (stable) inside, masked dropped
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_moe
+# ----------------------------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize(
+    "num_tokens, num_experts, top_k, hidden, inter, grouped",
+    [(5, 8, 2, 32, 16, False), (6, 16, 4, 32, 16, True), (4, 8, 3, 40, 24, False)],
+    ids=["E8k2", "E16k4-grouped", "odd-H40-I24"],
+)
+def test_fused_moe_matches_reference(num_tokens, num_experts, top_k, hidden, inter, grouped, dtype):
+    gen = torch.Generator().manual_seed(num_tokens * 100 + num_experts)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13, w2 = _moe_weights(num_experts, hidden, inter, gen, dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    if grouped:
+        bias = torch.rand(num_experts, generator=gen) * 0.1
+        weights, ids = grouped_topk(logits, bias, top_k, 4, 2, True, 2.5)
+    else:
+        weights, ids = softmax_topk(logits, top_k, True)
+    out = fused_moe(x, w13, w2, weights, ids)
+    ref = fused_moe_reference(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, reduce_dim=max(hidden, inter))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [MoEConfig(16, 16, 16), MoEConfig(32, 32, 16), MoEConfig(64, 16, 32)],
+    ids=["m16n16k16", "m32n32k16", "m64n16k32"],
+)
+def test_fused_moe_configs_match_reference(config):
+    gen = torch.Generator().manual_seed(11)
+    num_tokens, num_experts, top_k, hidden, inter = 7, 4, 2, 48, 32
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13, w2 = _moe_weights(num_experts, hidden, inter, gen, torch.float32)
+    weights, ids = softmax_topk(torch.randn(num_tokens, num_experts, generator=gen), top_k, False)
+    out = fused_moe(x, w13, w2, weights, ids, config=config)
+    ref = fused_moe_reference(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    assert_close(out, ref, torch.float32, reduce_dim=hidden)
+
+
+def test_fused_moe_token_mask_gives_zeros():
+    gen = torch.Generator().manual_seed(5)
+    num_tokens, num_experts, top_k, hidden, inter = 6, 8, 2, 32, 16
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13, w2 = _moe_weights(num_experts, hidden, inter, gen, torch.float32)
+    weights, ids = softmax_topk(torch.randn(num_tokens, num_experts, generator=gen), top_k, True)
+    mask = torch.tensor([True, False, True, False, False, True])
+    weights[~mask] = float("nan")  # a padding slot's routing may hold anything
+    out = fused_moe(x, w13, w2, weights, ids, token_mask=mask)
+    ref = fused_moe_reference(x.double(), w13.double(), w2.double(), weights.double(), ids, mask)
+    assert torch.equal(out[~mask], torch.zeros_like(out[~mask]))
+    assert_close(out, ref, torch.float32, reduce_dim=hidden)
+
+
+def test_fused_moe_empty_batch():
+    w13, w2 = _moe_weights(4, 32, 16, torch.Generator().manual_seed(0), torch.float32)
+    out = fused_moe(torch.empty(0, 32), w13, w2, torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int32))
+    assert out.shape == (0, 32)
+
+
+# ----------------------------------------------------------------------------------------------
+# policy and argument checks
+# ----------------------------------------------------------------------------------------------
+
+
+def test_moe_config_policy():
+    shapes = dict(num_experts=128, top_k=8, hidden=2048, intermediate=768, dtype=torch.bfloat16)
+    fixed = {moe_config(t, mode=Mode.BATCH_INVARIANT, **shapes) for t in (1, 64, 2048, 16384)}
+    assert len(fixed) == 1  # batch_invariant: one config for every token count
+    decode, prefill = (moe_config(t, mode=Mode.CORUN, **shapes) for t in (64, 16384))
+    assert decode.block_m == 16 and prefill.block_m == 64
+    assert moe_config(64, mode=Mode.DEFAULT, **shapes) == decode
+    tiny = moe_config(4, 8, 2, 32, 16, torch.float32, Mode.CORUN)
+    assert tiny.block_n == 16 and tiny.block_k == 16  # clamped to the expert dims
+
+
+def _valid_args(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 32, generator=gen).to(dtype)
+    w13, w2 = _moe_weights(4, 32, 16, gen, dtype)
+    weights = torch.full((3, 2), 0.5)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize(
+    "field, change",
+    [
+        ("w13", lambda a: {**a, "w13": a["w13"][:, :, :16]}),
+        ("w13", lambda a: {**a, "w13": a["w13"].to(torch.float16)}),
+        ("w2", lambda a: {**a, "w2": a["w2"][:, :, :8]}),
+        ("w2", lambda a: {**a, "w2": a["w2"][:3]}),
+        ("topk_ids", lambda a: {**a, "topk_ids": a["topk_ids"] + 2}),
+        ("topk_ids", lambda a: {**a, "topk_ids": a["topk_ids"] - 1}),
+        ("topk_ids", lambda a: {**a, "topk_ids": torch.zeros(3, 5, dtype=torch.int32),
+                                "topk_weights": torch.ones(3, 5)}),
+        ("topk_ids", lambda a: {**a, "topk_ids": a["topk_ids"].float()}),
+        ("topk_weights", lambda a: {**a, "topk_weights": a["topk_weights"][:, :1]}),
+        ("token_mask", lambda a: {**a, "token_mask": torch.ones(3)}),
+        ("token_mask", lambda a: {**a, "token_mask": torch.ones(4, dtype=torch.bool)}),
+        ("x", lambda a: {**a, "x": a["x"].t()}),
+    ],
+    ids=["w13-hidden", "w13-dtype", "w2-inter", "w2-experts", "ids-high", "ids-negative",
+         "topk-gt-E", "ids-dtype", "weights-shape", "mask-dtype", "mask-shape", "x-strided"],
+)
+def test_fused_moe_rejects_bad_arguments(field, change):
+    x, w13, w2, weights, ids = _valid_args()
+    args = change({"x": x, "w13": w13, "w2": w2, "topk_weights": weights, "topk_ids": ids})
+    with pytest.raises(ValueError, match=field):
+        fused_moe(args.pop("x"), args.pop("w13"), args.pop("w2"), args.pop("topk_weights"),
+                  args.pop("topk_ids"), **args)
+
+
+def test_routers_reject_bad_arguments():
+    logits = torch.randn(3, 16)
+    bias = torch.zeros(16)
+    with pytest.raises(ValueError, match="top_k"):
+        softmax_topk(logits, 17, True)
+    with pytest.raises(ValueError, match="top_k"):
+        grouped_topk(logits, bias, 17, 4, 2, True, 1.0)
+    with pytest.raises(ValueError, match="n_group"):
+        grouped_topk(logits, bias, 4, 3, 2, True, 1.0)  # 3 does not divide 16
+    with pytest.raises(ValueError, match="topk_group"):
+        grouped_topk(logits, bias, 4, 4, 5, True, 1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        grouped_topk(logits, bias, 9, 4, 2, True, 1.0)  # only 8 experts in the kept groups
+    with pytest.raises(ValueError, match="correction_bias"):
+        grouped_topk(logits, torch.zeros(15), 4, 4, 2, True, 1.0)
+    with pytest.raises(ValueError, match="router_logits"):
+        softmax_topk(logits.to(torch.int32), 2, True)
