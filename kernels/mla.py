@@ -297,12 +297,14 @@ def mla_prefill_attention(
     *,
     max_q_len: int,
     mode: Mode = Mode.CORUN,
+    config: MLAPrefillConfig | None = None,
 ) -> torch.Tensor:
     """Dense varlen causal attention with qk dim != v dim -> [T, H, Dv] in q's dtype.
 
     q [T, H, Dqk], k [S, H, Dqk], v [S, H, Dv]; ``cu_seqlens_q`` / ``cu_seqlens_k`` [B + 1] int32
     delimit each sequence's queries and keys (k_len_b >= q_len_b); ``max_q_len`` (host int) is the
     longest chunk and sizes the grid only. Query i of sequence b sees keys 0 .. k_len_b - q_len_b + i.
+    ``config`` overrides the policy (tests and tuning only; the engine never passes it).
     """
     mode = Mode.parse(mode)
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
@@ -336,7 +338,7 @@ def mla_prefill_attention(
     out = torch.empty((num_tokens, num_heads, v.shape[2]), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or batch == 0 or max_q_len == 0:
         return out
-    cfg = mla_prefill_config(qk_dim, v.shape[2], q.dtype, mode)
+    cfg = config or mla_prefill_config(qk_dim, v.shape[2], q.dtype, mode)
     grid = (cdiv(max_q_len, cfg.block_m), num_heads, batch)
     _mla_prefill_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k,

@@ -1,0 +1,235 @@
+"""Correctness of kernels/mla.py against fp64 references (kernels/reference.py and a local
+expanded-attention reference for prefill), plus argument validation and the config policies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.mla import (
+    mla_decode,
+    mla_decode_config,
+    mla_prefill_attention,
+    mla_prefill_config,
+    store_mla_kv,
+)
+from kernels.mode import Mode
+from kernels.reference import mla_decode_reference, store_mla_kv_reference
+from tests.utils import assert_bitwise_equal, assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
+
+
+def mla_prefill_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Per sequence: softmax(scale q k^T, bottom-right causal) v, in q's dtype (fp64 for fp64)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        qb = q[cu_q[b] : cu_q[b + 1]].to(acc)
+        kb, vb = k[cu_k[b] : cu_k[b + 1]].to(acc), v[cu_k[b] : cu_k[b + 1]].to(acc)
+        q_len, k_len = qb.shape[0], kb.shape[0]
+        q_pos = torch.arange(k_len - q_len, k_len).view(1, -1, 1)
+        scores = torch.einsum("lhd,shd->hls", qb, kb) * scale
+        scores = scores.masked_fill(torch.arange(k_len).view(1, 1, -1) > q_pos, float("-inf"))
+        out[cu_q[b] : cu_q[b + 1]] = torch.einsum("hls,shd->lhd", scores.softmax(-1), vb).to(q.dtype)
+    return out
+
+
+def make_decode_inputs(
+    seq_lens: list[int], num_heads: int, latent_dim: int, rope_dim: int, block_size: int,
+    max_blocks: int, dtype: torch.dtype, seed: int = 0,
+):  # fmt: skip
+    """Random q and a random paged cache; every sequence's blocks are a disjoint random subset."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    num_blocks = batch * max_blocks + 1
+    cache = torch.randn(num_blocks, block_size, latent_dim + rope_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks]
+    block_tables = perm.view(batch, max_blocks).to(torch.int32)
+    q_latent = torch.randn(batch, num_heads, latent_dim, generator=gen).to(dtype)
+    q_pe = torch.randn(batch, num_heads, rope_dim, generator=gen).to(dtype)
+    return q_latent, q_pe, cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# store
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_store_mla_kv_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    latent = torch.randn(7, 32, generator=gen).to(dtype)
+    k_pe = torch.randn(7, 16, generator=gen).to(dtype)
+    cache = torch.randn(5, 4, 48, generator=gen).to(dtype)
+    expected = cache.clone()
+    slots = torch.tensor([3, -1, 19, 0, 7, -1, 12], dtype=torch.int64)
+    store_mla_kv(latent, k_pe, cache, slots)
+    store_mla_kv_reference(latent, k_pe, expected, slots)
+    assert_bitwise_equal(cache, expected, "store_mla_kv")
+
+
+# ----------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------
+
+DECODE_CASES = [
+    # (seq_lens, heads, latent_dim, rope_dim, block_size, split_size)
+    pytest.param([40, 0, 64, 17], 4, 32, 16, 16, 16, id="tiny-H4-L32-R16"),
+    pytest.param([1, 33, 100], 20, 32, 16, 8, 32, id="H20-odd-lens-bs8"),
+    pytest.param([300, 0], 2, 512, 64, 64, 256, id="v3-dims-H2"),
+]
+
+
+@pytest.mark.parametrize("mode", list(Mode), ids=[m.value for m in Mode])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("seq_lens,heads,latent_dim,rope_dim,block_size,split_size", DECODE_CASES)
+def test_mla_decode_matches_reference(
+    seq_lens, heads, latent_dim, rope_dim, block_size, split_size, dtype, mode
+) -> None:
+    max_blocks = -(-max(seq_lens) // block_size) + 1
+    q_latent, q_pe, cache, tables, lens = make_decode_inputs(
+        seq_lens, heads, latent_dim, rope_dim, block_size, max_blocks, dtype
+    )
+    scale = (latent_dim + rope_dim) ** -0.5
+    max_seq_len = max(seq_lens) if mode == Mode.DEFAULT else max_blocks * block_size
+    out = mla_decode(
+        q_latent, q_pe, cache, tables, lens, scale,
+        max_seq_len=max_seq_len, mode=mode, split_size=split_size,
+    )  # fmt: skip
+    expected = mla_decode_reference(
+        q_latent.double(), q_pe.double(), cache.double(), tables, lens, scale
+    )
+    assert_close(out, expected, dtype, reduce_dim=latent_dim + rope_dim)
+    for b, length in enumerate(seq_lens):
+        if length == 0:  # a padded dummy slot gives exact zeros
+            assert torch.count_nonzero(out[b]) == 0
+
+
+def test_mla_decode_scale_of_deepseek_v3() -> None:
+    """The V3 softmax scale 192^-0.5 * mscale^2 = 0.1352338 (notes C.4) at the real head dims."""
+    q_latent, q_pe, cache, tables, lens = make_decode_inputs(
+        [70], 1, 512, 64, 64, 2, torch.float32, seed=3
+    )
+    out = mla_decode(q_latent, q_pe, cache, tables, lens, 0.1352338, max_seq_len=128)
+    expected = mla_decode_reference(
+        q_latent.double(), q_pe.double(), cache.double(), tables, lens, 0.1352338
+    )
+    assert_close(out, expected, torch.float32, reduce_dim=576)
+
+
+def test_mla_decode_config_policy() -> None:
+    """corun / batch_invariant read neither the batch nor the contents; default fills the SMs."""
+    args = (128, 512, 64, 16384, torch.bfloat16)
+    for mode in (Mode.CORUN, Mode.BATCH_INVARIANT):
+        configs = {mla_decode_config(b, *args, mode) for b in (1, 8, 64, 128)}
+        assert len(configs) == 1
+        (cfg,) = configs
+        assert cfg.is_fixed_split and cfg.num_splits == 16384 // 256 and cfg.block_h >= 16
+    small = mla_decode_config(1, *args, Mode.DEFAULT)
+    large = mla_decode_config(128, *args, Mode.DEFAULT)
+    assert not small.is_fixed_split and small.num_splits > large.num_splits >= 1
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------------------
+
+PREFILL_CASES = [
+    # (q_lens, k_lens, heads, qk_dim, v_dim)
+    pytest.param([5, 33, 1], [5, 70, 9], 4, 24, 16, id="Dqk24=16+8-Dv16-chunked"),
+    pytest.param([40, 0, 17], [40, 3, 17], 3, 32, 16, id="Dqk32-pow2-empty-chunk"),
+    pytest.param([65], [130], 2, 48, 32, id="Dqk48=32+16-Dv32"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("q_lens,k_lens,heads,qk_dim,v_dim", PREFILL_CASES)
+def test_mla_prefill_attention_matches_reference(q_lens, k_lens, heads, qk_dim, v_dim, dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(sum(q_lens), heads, qk_dim, generator=gen).to(dtype)
+    k = torch.randn(sum(k_lens), heads, qk_dim, generator=gen).to(dtype)
+    v = torch.randn(sum(k_lens), heads, v_dim, generator=gen).to(dtype)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    scale = qk_dim**-0.5
+    out = mla_prefill_attention(q, k, v, cu_q, cu_k, scale, max_q_len=max(q_lens))
+    expected = mla_prefill_reference(q.double(), k.double(), v.double(), cu_q, cu_k, scale)
+    assert_close(out, expected, dtype, reduce_dim=qk_dim)
+
+
+def test_mla_prefill_config_is_shape_only() -> None:
+    """192 = 128 + 64 parts, Dv 128; the same config in every mode (no batch or length input)."""
+    configs = {mla_prefill_config(192, 128, torch.bfloat16, mode) for mode in Mode}
+    assert len(configs) == 1
+    (cfg,) = configs
+    assert (cfg.block_d1, cfg.block_d2, cfg.block_dv) == (128, 64, 128)
+    assert mla_prefill_config(128, 128, torch.bfloat16, Mode.CORUN).block_d2 == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _decode_args(dtype=torch.float32):
+    q_latent, q_pe, cache, tables, lens = make_decode_inputs([10, 20], 4, 32, 16, 16, 2, dtype)
+    return dict(q_latent=q_latent, q_pe=q_pe, kv_cache=cache, block_tables=tables, seq_lens=lens)
+
+
+@pytest.mark.parametrize(
+    "change,name",
+    [
+        (lambda a: a.update(q_latent=a["q_latent"][..., :24].contiguous()), "kv_cache"),
+        (lambda a: a.update(q_pe=a["q_pe"].half()), "q_pe"),
+        (lambda a: a.update(kv_cache=a["kv_cache"].half()), "kv_cache"),
+        (lambda a: a.update(q_latent=a["q_latent"].int()), "q_latent"),
+        (lambda a: a.update(block_tables=a["block_tables"].long()), "block_tables"),
+        (lambda a: a.update(seq_lens=a["seq_lens"].long()), "seq_lens"),
+        (lambda a: a.update(seq_lens=a["seq_lens"][:1]), "seq_lens"),
+        (lambda a: a.update(q_pe=a["q_pe"][:, :3]), "q_pe"),
+        (lambda a: a.update(seq_lens=torch.tensor([10, 33], dtype=torch.int32)), "seq_lens"),
+        (lambda a: a.update(max_seq_len=64), "max_seq_len"),
+        (lambda a: a.update(split_size=8), "split_size"),
+    ],
+    ids=["latent-dim-mismatch", "q_pe-dtype", "cache-dtype", "int-q", "tables-int64",
+         "lens-int64", "lens-batch", "q_pe-heads", "len-beyond-max", "beyond-block-table",
+         "split-too-small"],
+)  # fmt: skip
+def test_mla_decode_rejects_bad_input(change, name) -> None:
+    args = _decode_args()
+    args.update(max_seq_len=32)
+    change(args)
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        mla_decode(scale=0.1, **args)
+
+
+def test_store_and_prefill_reject_bad_input() -> None:
+    latent, k_pe, cache = torch.randn(3, 32), torch.randn(3, 16), torch.zeros(2, 4, 48)
+    slots = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="^kv_cache:"):
+        store_mla_kv(latent, k_pe, torch.zeros(2, 4, 40), slots)
+    with pytest.raises(ValueError, match="^k_pe:"):
+        store_mla_kv(latent, k_pe.half(), cache, slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_mla_kv(latent, k_pe, cache, torch.tensor([0, 1, 8]))
+    q, k, v = torch.randn(4, 2, 24), torch.randn(6, 2, 24), torch.randn(6, 2, 16)
+    cu_q, cu_k = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^k:"):
+        mla_prefill_attention(q, torch.randn(6, 3, 24), v, cu_q, cu_k, 0.1, max_q_len=4)
+    with pytest.raises(ValueError, match="^v:"):
+        mla_prefill_attention(q, k, v.half(), cu_q, cu_k, 0.1, max_q_len=4)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        mla_prefill_attention(q, k[:3], v[:3], cu_q, torch.tensor([0, 3], dtype=torch.int32), 0.1,
+                              max_q_len=4)
+    with pytest.raises(ValueError, match="max_q_len"):
+        mla_prefill_attention(q, k, v, cu_q, cu_k, 0.1, max_q_len=2)
