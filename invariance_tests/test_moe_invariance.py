@@ -1,0 +1,122 @@
+"""Position and batch invariance of the MoE layer (router + fused_moe), bitwise.
+
+The other tokens of a batch decide how many pairs each expert gets and where a token's pairs land
+in the expert-sorted order; none of that may touch a token's bits. Tensors come from a
+torch.Generator seeded by the drawn seed; hypothesis draws the structure.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from kernels.mode import Mode
+from kernels.moe import MoEConfig, fused_moe, grouped_topk, moe_config, softmax_topk
+from tests.utils import assert_bitwise_equal
+
+NUM_EXPERTS, HIDDEN, INTER = 8, 32, 16
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1234)
+    w13 = torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen) / HIDDEN**0.5
+    w2 = torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen) / INTER**0.5
+    bias = torch.rand(NUM_EXPERTS, generator=gen) * 0.1
+    return w13.to(dtype), w2.to(dtype), bias
+
+
+def _moe_layer(x, logits, weights, router, top_k, mode, token_mask=None, config=None):
+    w13, w2, bias = weights
+    if router == "softmax":
+        topk_weights, topk_ids = softmax_topk(logits, top_k, True, mode=mode)
+    else:  # DeepSeek-V3 style: 4 groups of 2, keep 2
+        topk_weights, topk_ids = grouped_topk(logits, bias, top_k, 4, 2, True, 2.5, mode=mode)
+    return fused_moe(x, w13, w2, topk_weights, topk_ids, mode=mode, token_mask=token_mask,
+                     config=config)
+
+
+def _batch_with_token(token_x, token_logits, num_tokens, row, seed, dtype):
+    """A batch of ``num_tokens`` fresh random tokens from ``seed`` with the given one at ``row``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
+    logits = torch.randn(num_tokens, NUM_EXPERTS, generator=gen)
+    x[row], logits[row] = token_x, token_logits
+    return x, logits
+
+
+@given(
+    num_tokens=st.integers(1, 12),
+    row_a=st.integers(0, 11),
+    row_b=st.integers(0, 11),
+    seed=st.integers(0, 2**63 - 1),
+    mode=st.sampled_from(list(Mode)),
+    router=st.sampled_from(["softmax", "grouped"]),
+    dtype_name=st.sampled_from(list(DTYPES)),
+)
+@example(num_tokens=9, row_a=0, row_b=8, seed=0, mode=Mode.CORUN, router="softmax",
+         dtype_name="bf16")
+def test_token_output_independent_of_other_tokens(
+    num_tokens, row_a, row_b, seed, mode, router, dtype_name
+):
+    """At a fixed token count, a token's MoE output bits do not depend on its row or on the
+    other tokens (hence not on the per-expert counts), in every mode, with padding masked."""
+    dtype = DTYPES[dtype_name]
+    top_k = 2 if router == "softmax" else 4
+    row_a, row_b = row_a % num_tokens, row_b % num_tokens
+    gen = torch.Generator().manual_seed(seed)
+    token_x = torch.randn(HIDDEN, generator=gen).to(dtype)
+    token_logits = torch.randn(NUM_EXPERTS, generator=gen)
+    weights = _weights(dtype)
+
+    x_a, logits_a = _batch_with_token(token_x, token_logits, num_tokens, row_a, seed + 1, dtype)
+    x_b, logits_b = _batch_with_token(token_x, token_logits, num_tokens, row_b, seed + 2, dtype)
+    # batch b also pads some of its other slots, which changes the expert counts further
+    mask_b = torch.rand(num_tokens, generator=gen) < 0.7
+    mask_b[row_b] = True
+    out_a = _moe_layer(x_a, logits_a, weights, router, top_k, mode)
+    out_b = _moe_layer(x_b, logits_b, weights, router, top_k, mode, token_mask=mask_b)
+    assert_bitwise_equal(out_b[row_b], out_a[row_a], f"token at row {row_a} vs {row_b}, {mode}")
+
+
+@given(
+    num_tokens_a=st.integers(1, 12),
+    num_tokens_b=st.sampled_from([1, 2, 15, 16, 17, 33]),
+    seed=st.integers(0, 2**63 - 1),
+    dtype_name=st.sampled_from(list(DTYPES)),
+)
+def test_token_output_independent_of_token_count_batch_invariant(
+    num_tokens_a, num_tokens_b, seed, dtype_name
+):
+    """Under batch_invariant, a token's MoE output bits are the same at every token count."""
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(seed)
+    token_x = torch.randn(HIDDEN, generator=gen).to(dtype)
+    token_logits = torch.randn(NUM_EXPERTS, generator=gen)
+    weights = _weights(dtype)
+    mode = Mode.BATCH_INVARIANT
+    x_a, logits_a = _batch_with_token(token_x, token_logits, num_tokens_a, 0, seed + 1, dtype)
+    x_b, logits_b = _batch_with_token(
+        token_x, token_logits, num_tokens_b, num_tokens_b - 1, seed + 2, dtype)
+    out_a = _moe_layer(x_a, logits_a, weights, "softmax", 2, mode)
+    out_b = _moe_layer(x_b, logits_b, weights, "softmax", 2, mode)
+    assert_bitwise_equal(out_b[-1], out_a[0], f"T={num_tokens_a} vs T={num_tokens_b}")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_negative_control_block_k_changes_bits(seed):
+    """Negative control: the same batch under two BLOCK_K values differs in some bits, so the
+    bitwise checks above can fail (and a count-dependent BLOCK_K would break them)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, HIDDEN, generator=gen)
+    logits = torch.randn(6, NUM_EXPERTS, generator=gen)
+    weights = _weights(torch.float32)
+    base = moe_config(6, NUM_EXPERTS, 2, HIDDEN, INTER, torch.float32, Mode.CORUN)
+    out_k16 = _moe_layer(x, logits, weights, "softmax", 2, Mode.CORUN,
+                         config=MoEConfig(base.block_m, 16, 16))
+    out_k32 = _moe_layer(x, logits, weights, "softmax", 2, Mode.CORUN,
+                         config=MoEConfig(base.block_m, 16, 32))
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(out_k16, out_k32, "BLOCK_K 16 vs 32")
