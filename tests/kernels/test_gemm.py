@@ -1,0 +1,171 @@
+"""Correctness of kernels.gemm against the fp64 reference, its policy, and its argument checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kernels.gemm import GemmConfig, auto_split_k, gemm, gemm_config, load_tuned_table
+from kernels.mode import Mode
+from kernels.reference import gemm_reference
+from tests.utils import assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
+MODES = list(Mode)
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, bias: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return x, w, b
+
+
+def _check(x, w, b, **kwargs) -> None:
+    out = gemm(x, w, b, **kwargs)
+    expected = gemm_reference(x.double(), w.double(), None if b is None else b.double())
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], w.shape[0])
+    assert_close(out, expected, x.dtype, reduce_dim=x.shape[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+@pytest.mark.parametrize(
+    "m, n, k",
+    [(1, 64, 256), (33, 81, 145), (70, 123, 128)],  # split-K decode; 2^k+17 / odd; 123
+    ids=["decode-splitk", "odd", "n123"],
+)
+def test_gemm_matches_reference(m, n, k, mode, dtype):
+    _check(*_inputs(m, n, k, dtype, bias=(m == 33)), mode=mode)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    "config",
+    [
+        GemmConfig(16, 32, 32, split_k=3),  # uneven split: 5 K blocks -> splits of 2, 2, 1
+        GemmConfig(32, 16, 64, split_k=8),  # more splits than K blocks: clamped, none empty
+        GemmConfig(16, 16, 32, group_m=2, persistent=True),  # persistent loop over 4 programs
+        GemmConfig(64, 64, 16, split_k=2, persistent=True),
+    ],
+    ids=["split3", "split-clamped", "persistent", "persistent-split"],
+)
+def test_gemm_explicit_configs(config, dtype):
+    _check(*_inputs(37, 48, 145, dtype, seed=1, bias=True), config=config)
+
+
+def test_gemm_strided_inputs_and_fp32_bias():
+    x, w, _ = _inputs(21, 40, 96, torch.float16, seed=2)
+    x_t = x.t().contiguous().t()  # column-major view of the same values
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(3))
+    out = gemm(x_t, w[:, :], bias, config=GemmConfig(16, 32, 32, split_k=2))
+    assert_close(out, gemm_reference(x.double(), w.double(), bias.double()), torch.float16, 96)
+
+
+def test_gemm_empty_and_k_zero():
+    x, w, _ = _inputs(0, 8, 16, torch.float32)
+    assert gemm(x, w).shape == (0, 8)
+    bias = torch.arange(8, dtype=torch.float32)
+    out = gemm(torch.empty(3, 0), torch.empty(8, 0), bias)
+    assert torch.equal(out, bias.expand(3, 8))
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda x, w, b: (x.to(torch.int32), w, b), "x"),
+        (lambda x, w, b: (x, w.to(torch.float16), b), "w"),
+        (lambda x, w, b: (x, w[:, :-1], b), "w"),
+        (lambda x, w, b: (x[0], w, b), "x"),
+        (lambda x, w, b: (x, w.unsqueeze(0), b), "w"),
+        (lambda x, w, b: (x, w.to("meta"), b), "w"),
+        (lambda x, w, b: (x, w, b[:-1]), "bias"),
+        (lambda x, w, b: (x, w, b.view(2, -1)), "bias"),
+    ],
+    ids=["x-int", "dtype-mismatch", "k-mismatch", "x-1d", "w-3d", "device", "bias-len", "bias-2d"],
+)
+def test_gemm_rejects_bad_inputs(make, name):
+    x, w, b = make(*_inputs(4, 8, 16, torch.float32, bias=True))
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        gemm(x, w, b)
+
+
+def test_gemm_rejects_bad_mode_and_config():
+    x, w, _ = _inputs(4, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="^mode:"):
+        gemm(x, w, mode="fastest")
+    with pytest.raises(ValueError, match="^config:"):
+        gemm(x, w, config={"block_m": 16})
+    with pytest.raises(ValueError, match="^block_m:"):
+        GemmConfig(24, 16, 16)
+    with pytest.raises(ValueError, match="^num_warps:"):
+        GemmConfig(16, 16, 16, num_warps=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# policy
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_batch_invariant_policy_ignores_m(dtype):
+    configs = {gemm_config(m, n, k, dtype, Mode.BATCH_INVARIANT)
+               for m in (1, 7, 64, 65, 1000, 8192) for n, k in ((64, 256), (4096, 4096))}
+    assert len(configs) == 1
+    assert next(iter(configs)).split_k == 1
+
+
+def test_fast_policies_split_k_only_at_small_m():
+    # The CPU-reachable case the default-mode negative control relies on.
+    for mode in (Mode.DEFAULT, Mode.CORUN):
+        assert gemm_config(1, 64, 256, torch.float32, mode).split_k > 1
+        assert gemm_config(64, 64, 256, torch.float32, mode).split_k == 1
+    # H200 decode shape: 4096 outputs in 64-wide tiles = 64 CTAs, split to fill 132 SMs.
+    assert gemm_config(1, 4096, 4096, torch.bfloat16, Mode.CORUN).split_k >= 2
+    assert gemm_config(8192, 4096, 4096, torch.bfloat16, Mode.CORUN).split_k == 1
+
+
+def test_auto_split_k_limits():
+    assert auto_split_k(1, 64, 256, 16, 64, 64) == 4
+    assert auto_split_k(1, 64, 64, 16, 64, 64) == 1  # one K block
+    assert auto_split_k(64, 64, 256, 64, 64, 64) == 1  # workspace would rival the weights
+    # capped at MAX_SPLIT_K = 16; 56 K blocks in splits of 4 -> 14 splits, none empty
+    assert auto_split_k(1, 576, 7168, 16, 64, 128) == 14
+    assert auto_split_k(1, 64, 5 * 64, 16, 64, 64) == 3  # 4 requested, 5 blocks -> 2+2+1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+def test_policy_fits_shared_memory(mode, dtype):
+    for m in (1, 8, 32, 64, 128, 256, 512, 2048, 8192):
+        for n, k in ((6144, 4096), (576, 7168), (36864, 7168)):
+            config = gemm_config(m, n, k, dtype, mode)
+            assert config.smem_bytes(dtype.itemsize) <= 200 * 1024, (m, n, k, config)
+
+
+def test_tuned_table_lookup(tmp_path):
+    big = GemmConfig(128, 256, 64, num_warps=8)
+    small = GemmConfig(16, 32, 256, split_k=4)
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({
+        "header": {"machine": "test"},
+        "batch_invariant": GemmConfig(64, 64, 64).to_dict(),
+        "entries": [{"m": 2048, "n": 96, "k": 80, "config": big.to_dict()},
+                    {"m": 8, "n": 96, "k": 80, "config": small.to_dict()}],
+    }))
+    table = load_tuned_table(path)
+    assert table.batch_invariant == GemmConfig(64, 64, 64)
+    assert table.lookup(1, 96, 80, torch.bfloat16) == small
+    assert table.lookup(8, 96, 80, torch.float16) == small
+    assert table.lookup(9, 96, 80, torch.bfloat16) == big
+    assert table.lookup(100000, 96, 80, torch.bfloat16) == big
+    assert table.lookup(1, 96, 81, torch.bfloat16) is None  # other shape -> fallback
+    assert table.lookup(1, 96, 80, torch.float32) is None  # tuned for 16-bit only
+    assert load_tuned_table(tmp_path / "missing.json").entries == {}
+    path.write_text('{"entries": [{"m": 1}]}')
+    with pytest.raises(ValueError, match="malformed"):
+        load_tuned_table(path)
