@@ -1,0 +1,210 @@
+"""Correctness of paged attention (store_kv, prefill, decode) against the fp64 references.
+
+Small shapes for the Triton interpreter. bf16 runs too: under the interpreter its tl.dot operands
+are upcast to fp32 (kernels.utils.upcast_dot_operands), so what it checks here is the loads,
+stores, masking and casts; native bf16 dots are checked on the H200.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention import (
+    PrefillAttentionConfig,
+    decode_attention,
+    decode_attention_config,
+    prefill_attention,
+    prefill_attention_config,
+    store_kv,
+)
+from kernels.mode import Mode
+from kernels.reference import (
+    decode_attention_reference,
+    prefill_attention_reference,
+    store_kv_reference,
+)
+from tests.utils import assert_bitwise_equal, assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SMALL_TILES = PrefillAttentionConfig(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+def make_paged(lens, num_kv_heads, head_dim, block_size, dtype, seed, spare_blocks=3):
+    """Random caches with each sequence's blocks scattered (shuffled, non-contiguous)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    width = max(1, max(blocks_per_seq))
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.zeros((len(lens), width), dtype=torch.int32)
+    used = 0
+    for b, count in enumerate(blocks_per_seq):
+        tables[b, :count] = perm[used : used + count]
+        used += count
+    return k_cache, v_cache, tables, gen
+
+
+def f64(*tensors):
+    return [t.to(torch.float64) for t in tensors]
+
+
+# ----------------------------------------------------------------------------------------------
+# store_kv
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_kv_matches_reference_and_skips_padding(dtype):
+    k_cache, v_cache, _, gen = make_paged([40], 2, 32, 8, dtype, seed=1)
+    qkv = torch.randn(6, 4 + 2 + 2, 32, generator=gen).to(dtype)  # fused qkv: k, v are views
+    k, v = qkv[:, 4:6], qkv[:, 6:8]
+    slots = torch.tensor([3, -1, 17, 40, -1, 9], dtype=torch.int64)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    store_kv_reference(k, v, expected_k, expected_v, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert_bitwise_equal(k_cache, expected_k, "k_cache")
+    assert_bitwise_equal(v_cache, expected_v, "v_cache")
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 2, 4], ids=lambda g: f"gqa{g}")
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,block_size,head_dim",
+    [([37], [37], 8, 16), ([5, 33, 1], [5, 50, 19], 16, 32)],
+    ids=["one-seq-odd", "chunked-with-context"],
+)
+def test_prefill_attention_matches_reference(dtype, group, q_lens, ctx_lens, block_size, head_dim):
+    num_kv_heads = 2
+    k_cache, v_cache, tables, gen = make_paged(ctx_lens, num_kv_heads, head_dim, block_size,
+                                               dtype, seed=2)
+    q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    out = prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale, max_q_len=max(q_lens),
+                            config=SMALL_TILES)
+    expected = prefill_attention_reference(*f64(q, k_cache, v_cache), tables, cu, ctx, scale)
+    assert out.dtype == dtype
+    assert_close(out, expected, dtype, reduce_dim=max(ctx_lens))
+
+
+def test_prefill_attention_policy_config_fp16():
+    """The production tiles (BLOCK_M 128, BLOCK_N 64) on a prompt spanning several KV tiles."""
+    lens = [150]
+    k_cache, v_cache, tables, gen = make_paged(lens, 1, 16, 16, torch.float16, seed=3)
+    q = torch.randn(150, 2, 16, generator=gen).to(torch.float16)
+    cu, ctx = torch.tensor([0, 150], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    assert prefill_attention_config(16, torch.float16, Mode.CORUN).BLOCK_N == 64
+    out = prefill_attention(q, k_cache, v_cache, tables, cu, ctx, 0.25, max_q_len=150)
+    expected = prefill_attention_reference(*f64(q, k_cache, v_cache), tables, cu, ctx, 0.25)
+    assert_close(out, expected, torch.float16, reduce_dim=150)
+
+
+# ----------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 2, 4], ids=lambda g: f"gqa{g}")
+# batch_invariant runs corun's policy (fixed split size); the invariance tests cover it.
+@pytest.mark.parametrize("mode", [Mode.CORUN, Mode.DEFAULT], ids=str)
+def test_decode_attention_matches_reference(dtype, group, mode):
+    lens = [77, 0, 1, 33]  # odd lengths, a dummy slot, a single token
+    k_cache, v_cache, tables, gen = make_paged(lens, 2, 32, 8, dtype, seed=4)
+    q = torch.randn(len(lens), 2 * group, 32, generator=gen).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2, max_seq_len=80,
+                           mode=mode, split_size=32)
+    expected = decode_attention_reference(*f64(q, k_cache, v_cache), tables, seq_lens, 0.2)
+    assert out.dtype == dtype
+    assert_close(out, expected, dtype, reduce_dim=max(lens))
+    assert torch.equal(out[1], torch.zeros_like(out[1])), "seq_len 0 must give zeros"
+
+
+def test_decode_attention_config_policies():
+    """corun/batch_invariant splits follow split_size only; default follows the batch's max."""
+    for mode in (Mode.CORUN, Mode.BATCH_INVARIANT):
+        small = decode_attention_config(1, 32, 8, 128, 4096, torch.bfloat16, mode)
+        large = decode_attention_config(128, 32, 8, 128, 32768, torch.bfloat16, mode)
+        assert small.split_size == large.split_size == 256
+        assert large.max_num_splits == 128 and large.BLOCK_H == 16
+    short = decode_attention_config(8, 32, 8, 128, 1024, torch.bfloat16, Mode.DEFAULT)
+    long = decode_attention_config(8, 32, 8, 128, 32768, torch.bfloat16, Mode.DEFAULT)
+    assert short.split_size != long.split_size
+    assert long.split_size % long.BLOCK_N == 0 and long.max_num_splits <= 64
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+# ----------------------------------------------------------------------------------------------
+
+
+def _decode_args(**overrides):
+    k_cache, v_cache, tables, gen = make_paged([20, 9], 2, 16, 8, torch.float32, seed=5)
+    args = dict(q=torch.randn(2, 4, 16, generator=gen), k_cache=k_cache, v_cache=v_cache,
+                block_tables=tables, seq_lens=torch.tensor([20, 9], dtype=torch.int32), scale=0.3)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    "overrides,name",
+    [
+        (dict(q=torch.randn(2, 3, 16)), "q"),  # 3 q heads over 2 kv heads
+        (dict(q=torch.randn(2, 4, 32)), "k_cache"),  # head_dim mismatch
+        (dict(q=torch.randn(2, 4, 16, dtype=torch.float16)), "k_cache"),  # dtype mismatch
+        (dict(seq_lens=torch.tensor([20, 9], dtype=torch.int64)), "seq_lens"),
+        (dict(seq_lens=torch.tensor([20, 25], dtype=torch.int32)), "seq_lens"),  # > max_seq_len
+        (dict(block_tables=torch.tensor([[0, 1, 99], [2, 0, 0]], dtype=torch.int32)),
+         "block_tables"),  # points past the cache
+        (dict(block_tables=torch.zeros(2, 3, dtype=torch.int64)), "block_tables"),
+    ],
+    ids=["heads", "head_dim", "dtype", "lens-dtype", "lens-beyond-max", "table-past-cache",
+         "table-dtype"],
+)
+def test_decode_attention_rejects_bad_input(overrides, name):
+    args = _decode_args(**overrides)
+    with pytest.raises(ValueError, match=name):
+        decode_attention(*args.values(), max_seq_len=24)
+
+
+def test_decode_attention_rejects_max_seq_len_beyond_table():
+    with pytest.raises(ValueError, match="max_seq_len"):
+        decode_attention(*_decode_args().values(), max_seq_len=25)  # 3 blocks of 8 = 24
+
+
+@pytest.mark.parametrize(
+    "cu,ctx,name",
+    [([0, 5, 9], [8, 4], "cu_seqlens_q"),  # last offset != T
+     ([0, 6, 10], [5, 4], "context_lens"),  # context shorter than the chunk
+     ([0, 6, 10], [6, 30], "context_lens")],  # beyond the table capacity (24)
+    ids=["cu-last", "ctx-short", "ctx-capacity"],
+)
+def test_prefill_attention_rejects_inconsistent_lengths(cu, ctx, name):
+    args = _decode_args(q=torch.randn(10, 4, 16))
+    with pytest.raises(ValueError, match=name):
+        prefill_attention(args["q"], args["k_cache"], args["v_cache"], args["block_tables"],
+                          torch.tensor(cu, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32),
+                          0.3, max_q_len=6)
+
+
+def test_store_kv_rejects_bad_slots_and_shapes():
+    k_cache, v_cache, _, gen = make_paged([16], 2, 16, 8, torch.float32, seed=6)
+    k = torch.randn(2, 2, 16, generator=gen)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kv(k, k, k_cache, v_cache, torch.tensor([0, 10**6]))
+    with pytest.raises(ValueError, match="k"):
+        store_kv(torch.randn(2, 3, 16), torch.randn(2, 3, 16), k_cache, v_cache,
+                 torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="k_cache"):
+        store_kv(k, k, k_cache.half(), v_cache.half(), torch.tensor([0, 1]))
