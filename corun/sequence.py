@@ -48,6 +48,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_reported_tokens: int = 0  # output tokens already handed out as deltas
+    num_reported_chars: int = 0  # output text already handed out as deltas
     num_preemptions: int = 0
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
 

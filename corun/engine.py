@@ -1,0 +1,256 @@
+"""LLMEngine: the step-level API (add / abort / step) that the offline LLM and the server build on.
+
+One ``step()`` = ask the scheduler for a step, do its KV swaps, run the model on it, sample the
+rows that sample, and fold the tokens into their sequences (stop conditions, fingerprints).
+Determinism is the mode's business (scheduler policy + kernel policy); the engine adds nothing
+that depends on other requests: sampling noise is keyed by each request's own seed, sample index
+and position, and fingerprints hash each sample's own tokens and logits bits.
+
+Input validation happens in ``add_request`` before anything is queued, so a bad request raises a
+``ValueError`` naming the field and leaves every request in flight untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from corun.config import EngineConfig
+from corun.model_runner import ModelRunner
+from corun.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from corun.sampling_params import SamplingParams
+from corun.scheduler import Scheduler, SchedulerOutput
+from corun.sequence import Sequence, SequenceStatus
+
+
+class QueueFullError(RuntimeError):
+    """``max_queue_len`` requests are already waiting."""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_time: float
+    prompt: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """One model, one scheduler, one KV cache. Not thread-safe: one thread calls it."""
+
+    def __init__(self, config: EngineConfig, tokenizer=None,
+                 model_runner: ModelRunner | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        # A runner may be shared with another engine of the same model (the benchmark reruns a
+        # workload under a different max_num_seqs without rebuilding the model and graphs).
+        self.runner = model_runner or ModelRunner(config)
+        self.scheduler = Scheduler(config, self.runner.num_kv_blocks)
+        eos = getattr(tokenizer, "eos_token_ids", None) or self.runner.model_config.eos_token_id
+        self.eos_token_ids = frozenset(int(t) for t in (eos or ()))
+        self.vocab_size = self.runner.vocab_size
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._aborted: list[Request] = []
+        self.num_steps = 0
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: object, params: object) -> list[int]:
+        """Check one request; returns the prompt ids as ints. ValueError names the field."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt_token_ids, torch.Tensor):
+            prompt_token_ids = prompt_token_ids.tolist()
+        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+            raise ValueError("prompt: expected a non-empty prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+            raise ValueError("prompt_token_ids: expected a list of ints")
+        ids = [int(t) for t in prompt_token_ids]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
+                             f"max_model_len {self.config.max_model_len}")
+        return ids
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, *, prompt: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. Raises before queueing anything if it is invalid."""
+        params = SamplingParams() if params is None else params
+        ids = self.validate(prompt_token_ids, params)
+        if request_id is None:
+            request_id = f"req-{next(self._request_ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: expected a non-empty str, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        max_queue = self.config.max_queue_len
+        if max_queue is not None and len(self.scheduler.waiting) + params.n > max_queue:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests waiting "
+                                 f"(max_queue_len {max_queue})")
+        # Drawn from the OS, never from a global generator whose state other requests move.
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        request = Request(request_id, ids, params, seed, now, prompt)
+        for index in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, index, ids, params, seed, now)
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its KV; its last output (finish_reason "abort") comes from the
+        next ``step()``. Unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return
+        for seq in self.scheduler.abort(request_id):
+            self.runner.drop_swapped(seq.seq_id)
+            seq.finish_reason = "abort"
+            seq.finish_time = time.perf_counter()
+        self._aborted.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def stats(self) -> dict[str, int]:
+        allocator = self.scheduler.block_manager.allocator
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "num_kv_blocks_used": allocator.num_used_blocks,
+            "num_kv_blocks": allocator.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+        }
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        touched: dict[str, Request] = {r.request_id: r for r in self._aborted}
+        self._aborted = []
+        out = self.scheduler.schedule()
+        for seq, blocks in out.swap_out:  # first: the freed blocks may be reused right below
+            self.runner.swap_out(seq.seq_id, blocks)
+        for seq in out.swap_in:
+            self.runner.swap_in(seq.seq_id, seq.block_table)
+        if not out.is_empty:
+            self.num_steps += 1
+            for seq in self._execute(out):
+                touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = [self._make_output(r) for r in touched.values()]
+        for request in touched.values():
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _execute(self, out: SchedulerOutput) -> list[Sequence]:
+        runner = self.runner
+        if out.is_decode:
+            input_ids, batch = runner.prepare_decode(out.chunks, out.num_decode_slots)
+            logits = runner.run(input_ids, batch)[: len(out.chunks)]
+        else:
+            input_ids, batch, rows = runner.prepare_prefill(out.chunks)
+            logits = runner.run(input_ids, batch, rows)
+        seqs = [c.seq for c in out.chunks if c.samples]
+        self.scheduler.commit(out)
+        if not seqs:
+            return []
+        tensors = runner.sampler.prepare(seqs)
+        token_ids = runner.sampler.sample(logits, tensors)
+        digests = runner.digest(logits)
+        logprobs = runner.sampler.logprobs(logits, token_ids) if tensors.want_logprobs else None
+        token_list = token_ids.tolist()
+        digest_list = digests.tolist()
+        logprob_list = logprobs.tolist() if logprobs is not None else None
+        now = time.perf_counter()
+        for i, seq in enumerate(seqs):
+            seq.append_token(token_list[i])
+            seq.fingerprint.update(token_list[i], digest_list[i])
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(logprob_list[i])
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if self._check_stop(seq):
+                seq.finish_time = now
+                self.scheduler.finish(seq)
+        return seqs
+
+    def _check_stop(self, seq: Sequence) -> bool:
+        """Set the finish reason if ``seq`` just ended; the order follows vLLM's."""
+        token, params = seq.token_ids[-1], seq.params
+        if token in params.stop_token_set:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif params.stop_strings and self.tokenizer is not None and self._match_stop_string(seq):
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _match_stop_string(self, seq: Sequence) -> bool:
+        text = self._decode(seq.output_token_ids, seq.params)
+        # Only the tail can hold a new match: the last token's text plus the longest stop string.
+        tail_from = max(0, len(text) - max(map(len, seq.params.stop_strings)) - 16)
+        hits = [(text.find(s, tail_from), s) for s in seq.params.stop_strings]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        seq.stop_reason = stop
+        seq.stop_text_len = pos + len(stop) if seq.params.include_stop_str_in_output else pos
+        return True
+
+    def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            tokens = seq.output_token_ids
+            text = delta_text = None
+            if self.tokenizer is not None:
+                text = self._decode(tokens, seq.params)
+                if seq.stop_text_len is not None:
+                    text = text[: seq.stop_text_len]
+                delta_text = text[seq.num_reported_chars:]
+                seq.num_reported_chars = len(text)
+            delta = tokens[seq.num_reported_tokens:]
+            seq.num_reported_tokens = len(tokens)
+            finished = seq.status is SequenceStatus.FINISHED
+            completions.append(CompletionOutput(
+                index=seq.sample_index, token_ids=list(tokens), delta_token_ids=delta, text=text,
+                delta_text=delta_text, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                fingerprint=seq.fingerprint.hexdigest() if finished else None,
+                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                num_preemptions=seq.num_preemptions,
+            ))
+        firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
+        finishes = [s.finish_time for s in request.seqs]
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time, first_token_time=min(firsts) if firsts else None,
+            finish_time=max(finishes) if request.finished and None not in finishes else None,
+            num_output_tokens=max(s.num_output_tokens for s in request.seqs),
+        )
+        return RequestOutput(request.request_id, request.prompt_token_ids, completions,
+                             request.finished, request.seed, request.prompt, metrics)

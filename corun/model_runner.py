@@ -1,0 +1,223 @@
+"""ModelRunner: the model, its paged KV cache, and the flat inputs of each step.
+
+``prepare_prefill`` / ``prepare_decode`` turn a scheduler step into ``(input_ids, ForwardBatch)``;
+``run`` returns the fp32 logits rows of the tokens that sample. Decode steps replay a CUDA graph
+when one was captured for the padded batch size (``GraphRunner``), else run eagerly (always on the
+CPU). The shapes the model sees are exactly the scheduler's: under corun a decode step is ``B`` rows
+whatever the number of live sequences, a prefill step is one sequence's aligned chunk.
+
+``max_seq_len`` (the decode attention grid bound) is ``max_model_len`` under corun and
+batch_invariant, so the launch shape never depends on the other sequences; under default it is the
+batch's longest sequence when eager (a captured graph is fixed at ``max_model_len``).
+
+Swap (preemption): ``swap_out`` copies a sequence's blocks to host memory, ``swap_in`` copies
+them back into the blocks the scheduler gave it; the bytes are unchanged, so attention, which
+reads through the block table, computes the same bits afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from corun.config import EngineConfig
+from corun.fingerprint import LogitsDigest
+from corun.graph_runner import GraphRunner
+from corun.sampler import Sampler
+from corun.scheduler import ScheduledChunk
+from kernels.mode import Mode
+from models.forward_batch import ForwardBatch, KVCache, OpsConfig
+
+# Memory kept free beyond the profiled peak when sizing the cache from free GPU memory: the
+# decode graphs' pool and allocator fragmentation.
+_GPU_RESERVE_BYTES = 2 << 30
+
+
+class ModelRunner:
+    """Owns the model, the KV cache, the sampler and the decode graphs of one engine."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from models import build_model
+
+        self.config = config
+        self.device = torch.device(config.resolved_device)
+        self.dtype = config.torch_dtype
+        self.model, self.model_config = build_model(
+            config.model, dtype=self.dtype, device=self.device, seed=config.seed
+        )
+        self.ops = OpsConfig(mode=config.kernel_mode, backend=config.resolved_backend,
+                             decode_split_size=config.decode_split_size)
+        self.vocab_size = self.model_config.vocab_size
+        self.block_width = config.max_blocks_per_seq
+        spec = self.model.kv_cache_spec()
+        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks(spec)
+        self.kv_cache = KVCache(spec, self.num_kv_blocks, config.block_size, self.dtype, self.device)
+        # Blocks are dim 2 of the MHA storage [L, 2, NB, ...] and dim 1 of the MLA one [L, NB, ...].
+        self._block_dim = 2 if spec.kind == "mha" else 1
+        self._host_kv: dict[int, torch.Tensor] = {}
+        self.sampler = Sampler(config.resolved_backend, self.device)
+        self.digest = LogitsDigest(self.vocab_size, self.device)
+        self.graph_runner: GraphRunner | None = None
+        if config.use_cuda_graphs:
+            self.graph_runner = GraphRunner(self, config.decode_buckets)
+            self.graph_runner.capture()
+
+    # -- KV cache sizing --------------------------------------------------------------------------
+
+    def _auto_num_blocks(self, spec) -> int:
+        per_block = spec.bytes_per_block(self.config.block_size, self.dtype)
+        if self.device.type != "cuda":
+            # CPU: room for max_num_seqs full-length sequences (no memory to profile against).
+            return self.config.max_num_seqs * self.block_width
+        peak = self._profile_peak_bytes(spec)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.gpu_memory_utilization - (total - free) - peak
+        num_blocks = int((budget - _GPU_RESERVE_BYTES) // per_block)
+        if num_blocks * self.config.block_size < self.config.max_model_len:
+            raise ValueError(
+                f"gpu_memory_utilization: {self.config.gpu_memory_utilization} leaves room for "
+                f"{max(num_blocks, 0)} KV blocks, less than one max_model_len sequence"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_peak_bytes(self, spec) -> int:
+        """Activation peak of the largest prefill step, run once on a one-block scratch cache."""
+        scratch = KVCache(spec, 1, self.config.block_size, self.dtype, self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        if self.config.is_corun:
+            num_tokens = min(self.config.prefill_chunk_size, self.config.max_model_len)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        batch = ForwardBatch(
+            is_prefill=True, positions=torch.arange(num_tokens, device=self.device),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros(1, self.block_width, **i32), kv_cache=scratch, ops=self.ops,
+            cu_seqlens_q=torch.tensor([0, num_tokens], **i32),
+            context_lens=torch.tensor([num_tokens], **i32), max_q_len=num_tokens,
+            max_seq_len=num_tokens, token_mask=torch.ones(num_tokens, dtype=torch.bool,
+                                                          device=self.device))
+        hidden = self.model(ids, batch)
+        rows = min(self.config.max_num_seqs, num_tokens)
+        self.model.compute_logits(hidden[:rows], self.ops)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, hidden, batch
+        torch.cuda.empty_cache()
+        return peak
+
+    # -- step inputs ------------------------------------------------------------------------------
+
+    def _slot(self, block_table: list[int], position: int) -> int:
+        size = self.config.block_size
+        return block_table[position // size] * size + position % size
+
+    def _block_row(self, block_table: list[int]) -> list[int]:
+        return block_table + [0] * (self.block_width - len(block_table))
+
+    def _max_seq_len(self, longest: int) -> int:
+        return longest if self.ops.mode is Mode.DEFAULT else self.config.max_model_len
+
+    def prepare_prefill(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
+        """Chunks back to back -> (input_ids [T], batch, rows of the tokens that sample)."""
+        ids, positions, slots, cu, sample_rows = [], [], [], [0], []
+        for chunk in chunks:
+            seq = chunk.seq
+            ids.extend(seq.token_ids[chunk.start:chunk.end])
+            positions.extend(range(chunk.start, chunk.end))
+            slots.extend(self._slot(seq.block_table, p) for p in range(chunk.start, chunk.end))
+            cu.append(cu[-1] + chunk.num_tokens)
+            if chunk.samples:
+                sample_rows.append(cu[-1] - 1)
+        dev = self.device
+        num_tokens = cu[-1]
+        batch = ForwardBatch(
+            is_prefill=True,
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+            block_tables=torch.tensor([self._block_row(c.seq.block_table) for c in chunks],
+                                      dtype=torch.int32).to(dev),
+            kv_cache=self.kv_cache, ops=self.ops,
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev),
+            context_lens=torch.tensor([c.end for c in chunks], dtype=torch.int32).to(dev),
+            max_q_len=max(c.num_tokens for c in chunks),
+            max_seq_len=self._max_seq_len(max(c.end for c in chunks)),
+            token_mask=torch.ones(num_tokens, dtype=torch.bool, device=dev),
+        )
+        return torch.tensor(ids, dtype=torch.int64).to(dev), batch, sample_rows
+
+    def prepare_decode(self, chunks: list[ScheduledChunk], num_slots: int) -> tuple[torch.Tensor, ForwardBatch]:
+        """One token per live sequence in slots 0..n-1, dummies up to ``num_slots``.
+
+        A dummy slot has token 0 at position 0, slot -1 (nothing written), seq_len 0 (attention
+        gives zeros), an all-zero block row, and token_mask False (MoE routing skips it).
+        """
+        num_live, num_pad = len(chunks), num_slots - len(chunks)
+        if num_pad < 0:
+            raise ValueError(f"num_slots: {num_slots} < {num_live} live sequences")
+        seqs = [c.seq for c in chunks]
+        dev = self.device
+        seq_lens = [s.num_tokens for s in seqs]
+        batch = ForwardBatch(
+            is_prefill=False,
+            positions=torch.tensor([n - 1 for n in seq_lens] + [0] * num_pad,
+                                   dtype=torch.int64).to(dev),
+            slot_mapping=torch.tensor([self._slot(s.block_table, s.num_tokens - 1) for s in seqs]
+                                      + [-1] * num_pad, dtype=torch.int64).to(dev),
+            block_tables=torch.tensor([self._block_row(s.block_table) for s in seqs]
+                                      + [[0] * self.block_width] * num_pad,
+                                      dtype=torch.int32).to(dev),
+            kv_cache=self.kv_cache, ops=self.ops,
+            seq_lens=torch.tensor(seq_lens + [0] * num_pad, dtype=torch.int32).to(dev),
+            max_seq_len=self._max_seq_len(max(seq_lens)),
+            token_mask=torch.tensor([True] * num_live + [False] * num_pad).to(dev),
+        )
+        ids = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * num_pad, dtype=torch.int64)
+        return ids.to(dev), batch
+
+    # -- running ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch,
+            sample_rows: list[int] | None = None) -> torch.Tensor:
+        """Logits [N, V] fp32 of the sampled rows (decode: every slot, dummies included)."""
+        if not batch.is_prefill and self.graph_runner is not None \
+                and self.graph_runner.can_replay(input_ids.shape[0]):
+            return self.graph_runner.replay(input_ids, batch)
+        hidden = self.model(input_ids, batch)
+        if sample_rows is not None:
+            if not sample_rows:
+                return hidden.new_empty(0, self.vocab_size, dtype=torch.float32)
+            hidden = hidden[torch.tensor(sample_rows, device=hidden.device)]
+        return self.model.compute_logits(hidden, self.ops)
+
+    # -- swap -------------------------------------------------------------------------------------
+
+    def swap_out(self, seq_id: int, blocks: list[int]) -> None:
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        host = self.kv_cache.storage.index_select(self._block_dim, index)
+        self._host_kv[seq_id] = host.to("cpu", non_blocking=False)
+
+    def swap_in(self, seq_id: int, block_table: list[int]) -> None:
+        """Copy the host copy into the first blocks of the sequence's new block table."""
+        host = self._host_kv.pop(seq_id)
+        num_blocks = host.shape[self._block_dim]
+        if num_blocks > len(block_table):
+            raise RuntimeError(f"seq {seq_id}: {num_blocks} blocks swapped out, "
+                               f"{len(block_table)} given back")
+        index = torch.tensor(block_table[:num_blocks], dtype=torch.int64, device=self.device)
+        self.kv_cache.storage.index_copy_(self._block_dim, index, host.to(self.device))
+
+    def drop_swapped(self, seq_id: int) -> None:
+        self._host_kv.pop(seq_id, None)
+
+    @property
+    def num_swapped_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._host_kv.values())
+
+    def destroy(self) -> None:
+        if self.graph_runner is not None:
+            self.graph_runner.destroy()
+            self.graph_runner = None

@@ -1,0 +1,96 @@
+"""What the engine hands back: per request, one CompletionOutput per sample (vLLM-shaped).
+
+``LLMEngine.step`` returns a ``RequestOutput`` for every request that gained tokens or finished in
+that step: cumulative ``token_ids`` and the ``delta_token_ids`` since the previous output; the
+``fingerprint`` (``corun.fingerprint``) once a sample has finished. Convenience properties on
+``RequestOutput`` read sample 0, the common ``n = 1`` case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # sample index, 0..n-1
+    token_ids: list[int]
+    delta_token_ids: list[int]
+    text: str | None = None  # when the engine has a tokenizer
+    delta_text: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string, if any
+    fingerprint: str | None = None  # hex sha256, set when the sample finished
+    logprobs: list[float] | None = None  # sampled token's log-probability per step
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else float(sum(self.logprobs))
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None  # earliest first token over the samples
+    finish_time: float | None = None  # when the last sample finished
+    num_output_tokens: int = 0  # the longest sample's
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (None with fewer than two tokens)."""
+        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    seed: int
+    prompt: str | None = None
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    # Sample 0, for the n = 1 case.
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def delta_token_ids(self) -> list[int]:
+        return self.outputs[0].delta_token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.outputs[0].fingerprint
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self.outputs[0].logprobs

@@ -1,0 +1,86 @@
+"""Sampler: request-bound sampling over the logits rows of one step.
+
+Each row's token is a pure function of that row's logits and of its request's
+``(seed, sample index, position)``: the noise is Philox keyed by the request seed with the
+counter (vocab index, position, sample index), never a global generator
+(``kernels.reference.sampling_uniform_reference``). So a request samples the same tokens whatever
+rows sit beside it, and the ``n`` samples of one request differ (their sample indices differ).
+
+Backends: ``kernels.sampling.sample`` / ``token_logprobs`` on ``triton``; the reference
+(``sample_reference``, ``log_softmax``) on ``torch``, with the same numerics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from corun.sequence import Sequence
+from kernels.reference import sample_reference
+
+
+def seed_to_int64(seed: int) -> int:
+    """A 64-bit unsigned seed as the int64 with the same bits (the Philox key words survive)."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling inputs of one step, built once on the device (``Sampler.prepare``)."""
+
+    temperature: torch.Tensor  # [N] f32, 0 = greedy
+    top_k: torch.Tensor  # [N] int32, <= 0 = off
+    top_p: torch.Tensor  # [N] f32
+    seeds: torch.Tensor  # [N] int64
+    sample_indices: torch.Tensor  # [N] int32
+    positions: torch.Tensor  # [N] int64, absolute position of the token being sampled
+    all_greedy: bool
+    want_logprobs: bool
+
+
+class Sampler:
+    def __init__(self, backend: str, device: torch.device) -> None:
+        self.backend = backend
+        self.device = device
+
+    def prepare(self, seqs: list[Sequence]) -> SamplingTensors:
+        params = [s.params for s in seqs]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        return SamplingTensors(
+            temperature=tensor([p.temperature for p in params], torch.float32),
+            top_k=tensor([p.effective_top_k for p in params], torch.int32),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            seeds=tensor([seed_to_int64(s.seed) for s in seqs], torch.int64),
+            sample_indices=tensor([s.sample_index for s in seqs], torch.int32),
+            # The sampled token lands at index num_tokens: its absolute position.
+            positions=tensor([s.num_tokens for s in seqs], torch.int64),
+            all_greedy=all(p.is_greedy for p in params),
+            want_logprobs=any(p.logprobs is not None for p in params),
+        )
+
+    def sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """logits [N, V] fp32 -> token ids [N] int64."""
+        if self.backend == "triton":
+            from kernels.sampling import sample
+
+            return sample(logits, t.temperature, t.top_k, t.top_p, t.seeds, t.sample_indices,
+                          t.positions)
+        if t.all_greedy:
+            # Exactly sample_reference's greedy branch (argmax, first index on ties), without its
+            # per-row top-k/top-p mask loop.
+            return logits.argmax(dim=1)
+        return sample_reference(logits, t.temperature, t.top_k, t.top_p, t.seeds,
+                                t.sample_indices, t.positions)
+
+    def logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Log-probability of each row's chosen token under softmax(logits) (no temperature)."""
+        if self.backend == "triton":
+            from kernels.sampling import token_logprobs
+
+            return token_logprobs(logits, token_ids)
+        logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        return logp.gather(1, token_ids.view(-1, 1).long()).view(-1)
