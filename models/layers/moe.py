@@ -1,0 +1,100 @@
+"""Mixture-of-experts blocks: fused expert weights, Qwen3-MoE's softmax router and DeepSeek-V3's
+grouped sigmoid router with shared experts.
+
+Expert weights are stacked as vLLM and transformers v5 hold them: ``gate_up_proj`` [E, 2I, H]
+(gate rows first) and ``down_proj`` [E, H, I]; the loader fills them from per-expert Hub keys or
+from the fused v5 keys. Routing and the expert GEMMs go through ``models.ops`` (the triton path's
+grouped GEMM uses an expert-count-independent tile config under corun and batch_invariant; the
+combine sums the top-k in rank order), so a token's output does not depend on how many tokens
+the other requests sent to its experts. Dummy tokens (``token_mask`` False) give zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models import ops
+from models.config import ModelConfig
+from models.forward_batch import OpsConfig
+from models.layers.linear import Linear
+from models.layers.mlp import GatedMLP
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                ops_config: OpsConfig, token_mask: torch.Tensor | None) -> torch.Tensor:
+        return ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                             ops_config, token_mask)
+
+
+class SoftmaxTopKMoE(nn.Module):
+    """Qwen3-MoE sparse block: softmax over E router logits, top-k, optionally renormalised
+    (``norm_topk_prob``), no shared expert."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, config.num_experts)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size,
+                                    config.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor, ops_config: OpsConfig,
+                token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        router_logits = self.gate(x, ops_config)
+        weights, ids = ops.softmax_topk(router_logits, self.top_k, self.norm_topk_prob, ops_config)
+        return self.experts(x, weights, ids, ops_config, token_mask)
+
+
+class GroupedTopKRouter(nn.Module):
+    """DeepSeek-V3 ``mlp.gate``: fp32 logits, and the fp32 ``e_score_correction_bias`` that
+    biases the expert choice only (loaded from the checkpoint; zeros for random weights)."""
+
+    def __init__(self, num_experts: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+
+    def init_buffers(self) -> None:
+        """Back to fp32 zeros after materialisation (the model-wide dtype cast narrowed it)."""
+        self.e_score_correction_bias = torch.zeros(
+            self.weight.shape[0], dtype=torch.float32, device=self.weight.device)
+
+    def forward(self, x: torch.Tensor, ops_config: OpsConfig) -> torch.Tensor:
+        # HF computes the router in fp32 (x and W both widened): routing is sensitive to ties.
+        return ops.linear(x.float(), self.weight.float(), ops_config)
+
+
+class GroupedTopKMoE(nn.Module):
+    """DeepSeek-V3 MoE: sigmoid scores, group-limited top-k (noaux_tc), weights renormalised and
+    times routed_scaling_factor, plus the always-on shared experts."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = GroupedTopKRouter(config.num_experts, config.hidden_size)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size,
+                                    config.moe_intermediate_size)
+        self.shared_experts = (
+            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor, ops_config: OpsConfig,
+                token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.config
+        router_logits = self.gate(x, ops_config)
+        weights, ids = ops.grouped_topk(
+            router_logits, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+            c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, ops_config)
+        out = self.experts(x, weights, ids, ops_config, token_mask)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, ops_config)
+        return out

@@ -1,0 +1,201 @@
+"""Load a HF checkpoint directory (config.json + safetensors) into a CoRun model.
+
+Names are mapped by whole dotted names, never substrings: the model declares which HF modules it
+fuses (``packed_modules_mapping``: q/k/v -> qkv_proj, gate/up -> gate_up_proj), and the loader
+builds the exact set of checkpoint keys it expects from the model's own parameters:
+
+- a plain parameter or persistent buffer: its own name;
+- a fused linear: ``<prefix>.<hf module>.weight`` per shard, written into that shard's rows;
+- fused experts ``<prefix>.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]: either
+  the v5 fused keys themselves, or the Hub's per-expert ``<prefix>.experts.{e}.gate_proj`` /
+  ``up_proj`` / ``down_proj`` ``.weight`` (gate rows first, as vLLM and transformers v5 stack).
+
+Keys of layers >= num_hidden_layers (DeepSeek-V3's MTP layer 61) are skipped, as is
+``lm_head.weight`` when the embeddings are tied. Everything is validated from the safetensors
+headers first (unexpected keys, shapes, missing keys) and only then streamed tensor by tensor onto
+the target device and dtype, so a bad checkpoint fails before any weight is copied, with a
+``CheckpointError`` naming the problem; nothing half-loaded is returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.config import ModelConfig
+from models.layers.linear import MergedLinear
+from models.layers.moe import FusedExperts
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory this loader cannot turn into a model; the message says why."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: ``param[index]``, which must have ``shape``."""
+
+    param_name: str
+    index: tuple
+    shape: tuple[int, ...]
+
+
+def _expected_keys(model: nn.Module) -> tuple[dict[str, _Target], dict[str, list[list[str]]]]:
+    """(checkpoint key -> target, param -> alternative key sets that each fully cover it)."""
+    targets: dict[str, _Target] = {}
+    coverage: dict[str, list[list[str]]] = {}
+    packed = getattr(model, "packed_modules_mapping", {})
+    shards_of: dict[str, list[tuple[str, int]]] = {}
+    for hf_name, (fused, shard) in packed.items():
+        shards_of.setdefault(fused, []).append((hf_name, shard))
+    owners = dict(model.named_modules())
+    tensors = dict(model.named_parameters())
+    tensors.update((n, b) for n, b in model.named_buffers() if _is_persistent(owners, n))
+    for name, tensor in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        owner = owners[prefix]
+        module_prefix, _, module_name = prefix.rpartition(".")
+        keys: list[str] = []
+        if isinstance(owner, MergedLinear) and module_name in shards_of and leaf in ("weight",
+                                                                                     "bias"):
+            for hf_name, shard in shards_of[module_name]:
+                key = ".".join(p for p in (module_prefix, hf_name, leaf) if p)
+                rows = owner.shard_rows(shard)
+                targets[key] = _Target(name, (rows,), (rows.stop - rows.start, *tensor.shape[1:]))
+                keys.append(key)
+            coverage[name] = [keys]
+            continue
+        targets[name] = _Target(name, (), tuple(tensor.shape))
+        coverage[name] = [[name]]
+        if isinstance(owner, FusedExperts):
+            inter = owner.intermediate_size
+            for e in range(owner.num_experts):
+                if leaf == "gate_up_proj":
+                    for hf_name, rows in (("gate_proj", slice(0, inter)),
+                                          ("up_proj", slice(inter, 2 * inter))):
+                        key = f"{prefix}.{e}.{hf_name}.weight"
+                        targets[key] = _Target(name, (e, rows), (inter, tensor.shape[2]))
+                        keys.append(key)
+                else:
+                    key = f"{prefix}.{e}.down_proj.weight"
+                    targets[key] = _Target(name, (e,), tuple(tensor.shape[1:]))
+                    keys.append(key)
+            coverage[name].append(keys)
+    return targets, coverage
+
+
+def _is_persistent(owners: dict[str, nn.Module], buffer_name: str) -> bool:
+    prefix, _, leaf = buffer_name.rpartition(".")
+    return leaf not in owners[prefix]._non_persistent_buffers_set
+
+
+def _layer_index(key: str) -> int | None:
+    parts = key.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _checkpoint_files(path: Path) -> dict[str, Path]:
+    """checkpoint key -> file, from the shard index when there is one."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"unreadable file {index}: {exc}") from exc
+        return {key: path / file for key, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors file in {path}")
+    return {key: file for file in files for key in _file_keys(file)}
+
+
+def _file_keys(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except Exception as exc:  # safetensors raises its own error types for a corrupt header
+        raise CheckpointError(f"unreadable file {file}: {exc}") from exc
+
+
+def _plan(model: nn.Module, config: ModelConfig,
+          files: dict[str, Path]) -> dict[Path, list[tuple[str, _Target]]]:
+    """Validate every key against the model (from headers only); group the copies by file."""
+    from safetensors import safe_open
+
+    targets, coverage = _expected_keys(model)
+    by_file: dict[Path, list[tuple[str, _Target]]] = {}
+    for key, file in files.items():
+        layer = _layer_index(key)
+        if layer is not None and layer >= config.num_hidden_layers:
+            continue  # e.g. DeepSeek-V3's MTP layer 61, which HF ignores too
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if key not in targets:
+            raise CheckpointError(f"unexpected tensor {key!r} in {file.name}")
+        by_file.setdefault(file, []).append((key, targets[key]))
+    for file, entries in by_file.items():
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                present = set(f.keys())
+                for key, target in entries:
+                    if key not in present:
+                        raise CheckpointError(f"missing tensor {key!r}: the index names "
+                                              f"{file.name}, which does not hold it")
+                    found = tuple(f.get_slice(key).get_shape())
+                    if found != target.shape:
+                        raise CheckpointError(f"shape mismatch for {key!r}: expected "
+                                              f"{target.shape}, found {found}")
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"unreadable file {file}: {exc}") from exc
+    seen = {key for entries in by_file.values() for key, _ in entries}
+    for param, alternatives in coverage.items():
+        if not any(all(k in seen for k in keys) for keys in alternatives):
+            first_missing = next(k for k in alternatives[0] if k not in seen)
+            raise CheckpointError(f"missing tensor {first_missing!r} (for parameter {param})")
+    return by_file
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, config: ModelConfig, path: str | os.PathLike) -> None:
+    """Validate the checkpoint at ``path`` against ``model``, then copy it in tensor by tensor."""
+    from safetensors import safe_open
+
+    plan = _plan(model, config, _checkpoint_files(Path(path)))
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    for file, entries in plan.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key, target in entries:
+                # One host tensor at a time; copy_ casts to the parameter's dtype on its device.
+                tensors[target.param_name][target.index].copy_(f.get_tensor(key))
+
+
+def load_model(path: str | os.PathLike, *, dtype: torch.dtype,
+               device: torch.device | str) -> tuple[nn.Module, ModelConfig]:
+    """Build the model a HF directory describes and load its weights; CheckpointError if not."""
+    from models import create_model
+
+    path = Path(path)
+    try:
+        hf_config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"unreadable file {path / 'config.json'}: {exc}") from exc
+    try:
+        config = ModelConfig.from_hf(hf_config)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
+    model = create_model(config, dtype=dtype, device=device)
+    load_weights(model, config, path)
+    model.process_weights_after_loading()
+    return model, config

@@ -1,0 +1,73 @@
+"""Shared drivers of the model tests: one sequence through our model (prefill then decode steps
+over a paged cache) and through transformers (its DynamicCache), logits compared by
+max|diff| / max|ref|."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from models.forward_batch import ForwardBatch, KVCache, OpsConfig
+
+BLOCK_SIZE = 4  # small, so a short prompt already spans several blocks
+
+
+def run_sequence(model: torch.nn.Module, prompt: torch.Tensor, decode_ids: torch.Tensor,
+                 ops: OpsConfig, max_seq_len: int = 64) -> list[torch.Tensor]:
+    """Logits [T, V] of the prompt, then [1, V] per decode token, over a fresh paged cache.
+
+    The sequence's blocks are laid out in reverse order in the cache so that a wrong block-table
+    lookup cannot pass by accident.
+    """
+    num_blocks = max_seq_len // BLOCK_SIZE
+    cache = KVCache(model.kv_cache_spec(), num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+    block_table = torch.arange(num_blocks - 1, -1, -1, dtype=torch.int32).view(1, -1)
+
+    def slots(positions: torch.Tensor) -> torch.Tensor:
+        return block_table[0, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+
+    t = prompt.shape[0]
+    positions = torch.arange(t)
+    batch = ForwardBatch(
+        is_prefill=True, positions=positions, slot_mapping=slots(positions),
+        block_tables=block_table, kv_cache=cache, ops=ops,
+        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32),
+        context_lens=torch.tensor([t], dtype=torch.int32), max_q_len=t,
+        token_mask=torch.ones(t, dtype=torch.bool))
+    outputs = [model.compute_logits(model(prompt, batch), ops)]
+    for step, token in enumerate(decode_ids.tolist()):
+        pos = torch.tensor([t + step])
+        batch = ForwardBatch(
+            is_prefill=False, positions=pos, slot_mapping=slots(pos), block_tables=block_table,
+            kv_cache=cache, ops=ops, seq_lens=torch.tensor([t + step + 1], dtype=torch.int32),
+            max_seq_len=max_seq_len, token_mask=torch.ones(1, dtype=torch.bool))
+        outputs.append(model.compute_logits(model(torch.tensor([token]), batch), ops))
+    return outputs
+
+
+@torch.no_grad()
+def run_hf_sequence(hf_model: torch.nn.Module, prompt: torch.Tensor,
+                    decode_ids: torch.Tensor) -> list[torch.Tensor]:
+    """The same sequence through transformers with its KV cache (DynamicCache)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf_model.config)
+    out = hf_model(input_ids=prompt.view(1, -1), past_key_values=cache, use_cache=True)
+    outputs = [out.logits[0].float()]
+    for token in decode_ids.tolist():
+        out = hf_model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
+                       use_cache=True)
+        outputs.append(out.logits[0].float())
+    return outputs
+
+
+def relative_error(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """max over steps of max|ours - ref| / max|ref|."""
+    return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(ours, ref, strict=True))
+
+
+def save_hf(hf_model: torch.nn.Module, tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    hf_model.save_pretrained(path)
+    return path
