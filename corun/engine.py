@@ -57,8 +57,11 @@ class LLMEngine:
         # workload under a different max_num_seqs without rebuilding the model and graphs).
         self.runner = model_runner or ModelRunner(config)
         self.scheduler = Scheduler(config, self.runner.num_kv_blocks)
-        eos = getattr(tokenizer, "eos_token_ids", None) or self.runner.model_config.eos_token_id
-        self.eos_token_ids = frozenset(int(t) for t in (eos or ()))
+        # EOS: the model config's ids and the tokenizer's (Qwen3 ends chat turns on <|im_end|>
+        # and documents on <|endoftext|>; either stops generation).
+        eos = [*(self.runner.model_config.eos_token_id or ()),
+               *(getattr(tokenizer, "eos_token_ids", None) or ())]
+        self.eos_token_ids = frozenset(int(t) for t in eos)
         self.vocab_size = self.runner.vocab_size
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()

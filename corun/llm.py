@@ -1,0 +1,120 @@
+"""LLM: the offline API (vLLM-shaped): ``LLM(model=..., mode="corun").generate(prompts, params)``.
+
+``generate`` accepts a str, a list of str, a list of token-id lists, or dicts with
+``prompt_token_ids`` (or ``prompt``); ``params`` is one SamplingParams or one per prompt. It
+validates every prompt first (a bad one raises ``ValueError`` naming the field and nothing is
+queued), runs the engine until all are done, and returns one ``RequestOutput`` per prompt in input
+order: token ids, text (with a tokenizer), finish reason, seed and fingerprint per sample.
+
+Under ``mode="corun"`` (and ``batch_invariant``) a prompt's output, fingerprint included, is the
+same whatever else is in the call, in any order, at any concurrency: an evaluation or an RL rollout
+can be replayed request by request from its seeds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from corun.config import EngineConfig
+from corun.engine import LLMEngine
+from corun.outputs import RequestOutput
+from corun.sampling_params import SamplingParams
+from corun.tokenizer import Tokenizer
+
+PromptType = str | list[int] | dict
+
+
+def _default_tokenizer(model: str) -> Tokenizer | None:
+    if Path(model, "tokenizer.json").is_file():
+        return Tokenizer.from_dir(model)
+    if model == "corun-default":  # the server's embedded model ships its tokenizer
+        from corun.default_model import ASSETS_DIR
+
+        return Tokenizer.from_dir(ASSETS_DIR)
+    return None
+
+
+class LLM:
+    """An engine plus a tokenizer. ``**config`` are ``EngineConfig`` fields."""
+
+    def __init__(self, model: str = "tiny-qwen3", mode: str = "corun",
+                 tokenizer: str | Tokenizer | None = None, **config) -> None:
+        self.config = EngineConfig(model=model, mode=mode, **config)
+        if isinstance(tokenizer, (str, Path)):
+            tokenizer = Tokenizer.from_dir(tokenizer)
+        self.tokenizer = tokenizer if tokenizer is not None else _default_tokenizer(model)
+        self.engine = LLMEngine(self.config, self.tokenizer)
+
+    def _to_ids(self, prompt: object) -> tuple[list[int], str | None]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt["prompt_token_ids"], prompt.get("prompt")
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass token ids "
+                                 "(prompt_token_ids) or LLM(tokenizer=...)")
+            if not prompt:
+                raise ValueError("prompt: expected a non-empty prompt")
+            return self.tokenizer.encode(prompt), prompt
+        return prompt, None
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts: expected at least one prompt")
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params_list = [params] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"params: {len(params_list)} SamplingParams for "
+                                 f"{len(prompts)} prompts")
+        # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
+        requests = []
+        for prompt, p in zip(prompts, params_list):
+            ids, text = self._to_ids(prompt)
+            requests.append((self.engine.validate(ids, p), p, text))
+        order = [self.engine.add_request(ids, p, prompt=text) for ids, p, text in requests]
+        return self._run(order, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the chat template to one conversation (or a list of them) and generate."""
+        if self.tokenizer is None:
+            raise ValueError("messages: chat needs a tokenizer with a chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(
+            c, add_generation_prompt=add_generation_prompt)} for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(order) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(order), desc="generate", unit="req", dynamic_ncols=True)
+        pending = set(order)
+        while pending:
+            for output in self.engine.step():
+                if output.finished and output.request_id in pending:
+                    done[output.request_id] = output
+                    pending.discard(output.request_id)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[request_id] for request_id in order]

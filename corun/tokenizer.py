@@ -1,0 +1,100 @@
+"""Tokenizer: a HF ``tokenizers`` tokenizer.json plus the checkpoint's chat template.
+
+``Tokenizer.from_dir(path)`` reads ``tokenizer.json``, ``tokenizer_config.json`` (special tokens,
+``add_bos_token``, ``chat_template``), ``chat_template.jinja`` when present (it wins over the
+config's template, as in transformers) and ``generation_config.json`` (extra EOS ids). The chat
+template is rendered with jinja2 in a sandbox, with the variables HF templates expect.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _token_text(value: object) -> str | None:
+    """Special tokens appear as strings or as {"content": ...} dicts in tokenizer_config.json."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class Tokenizer:
+    """encode / decode / apply_chat_template / eos_token_ids over one HF tokenizer."""
+
+    def __init__(self, tokenizer: HFTokenizer, config: dict | None = None,
+                 chat_template: str | None = None, extra_eos_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.config = config or {}
+        self.chat_template = chat_template or self.config.get("chat_template")
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.add_bos_token = bool(self.config.get("add_bos_token", False)) and self.bos_token
+        eos = [self.token_to_id(self.eos_token)] if self.eos_token else []
+        self.eos_token_ids = tuple(dict.fromkeys(t for t in [*eos, *extra_eos_ids] if t is not None))
+        self._template = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(f"tokenizer: no tokenizer.json in {path}")
+        config = _read_json(path / "tokenizer_config.json")
+        template_file = path / "chat_template.jinja"
+        template = template_file.read_text() if template_file.is_file() else None
+        generation = _read_json(path / "generation_config.json")
+        eos = generation.get("eos_token_id", [])
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(HFTokenizer.from_file(str(tokenizer_file)), config, template, eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token:
+            bos = self.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos, *ids]
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = True, **kwargs) -> list[int] | str:
+        """Render ``messages`` with the chat template; token ids (default) or the text.
+
+        The rendered text already holds its special tokens, so no BOS is prepended again.
+        """
+        if not self.chat_template:
+            raise ValueError("messages: this tokenizer has no chat template")
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("messages: expected a list of {'role': ..., 'content': ...} dicts")
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise ValueError(f"messages: {message}")
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            env.filters.setdefault("tojson", lambda v, **kw: json.dumps(v, ensure_ascii=False))
+            self._template = env.from_string(self.chat_template)
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
