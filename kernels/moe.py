@@ -1,4 +1,4 @@
-"""Routed mixture-of-experts: routers, token-to-expert alignment, grouped GEMMs, fixed-order combine.
+"""Routed mixture of experts: routers, token-to-expert alignment, grouped GEMMs, ordered combine.
 
 Layouts: x [T, H]; w13 [E, 2I, H] (gate rows first, then up, as transformers v5 fuses them);
 w2 [E, H, I]; routing weights fp32 [T, k] and expert ids int32 [T, k], rank 0 the best expert.
@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from kernels.mode import Mode
 from kernels.moe_kernels import (
@@ -258,7 +257,7 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, token_mask) -> tuple[int
     check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), last_dim_contiguous=True)
     num_experts, two_inter, _ = w13.shape
     if two_inter % 2:
-        raise ValueError(f"w13: expected [E, 2I, H] with an even middle dim, got {tuple(w13.shape)}")
+        raise ValueError(f"w13: expected [E, 2I, H] with an even 2I, got {tuple(w13.shape)}")
     inter = two_inter // 2
     check_shape("w13", w13, (-1, -1, hidden))
     check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), last_dim_contiguous=True)
@@ -268,10 +267,9 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, token_mask) -> tuple[int
     check_shape("topk_ids", topk_ids, (num_tokens, -1))
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"topk_ids: top_k {top_k} must be in 1..{num_experts} (experts)")
-    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES,
+                 last_dim_contiguous=True)
     check_shape("topk_weights", topk_weights, (num_tokens, top_k))
-    if topk_weights.stride(1) != 1:
-        raise ValueError(f"topk_weights: expected stride 1 in the last dim, got {topk_weights.stride()}")
     tensors = {"x": x, "w13": w13, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids}
     if token_mask is not None:
         check_tensor("token_mask", token_mask, ndim=1, dtypes=(torch.bool,), contiguous=True)

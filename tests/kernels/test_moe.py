@@ -18,7 +18,7 @@ from kernels.reference import fused_moe_reference, grouped_topk_reference, softm
 from tests.utils import assert_close
 
 
-def _tie_free_logits(num_tokens: int, num_experts: int, gen: torch.Generator, dtype) -> torch.Tensor:
+def _tie_free_logits(num_tokens: int, num_experts: int, gen: torch.Generator, dtype):
     """Distinct multiples of 1/16 per row: exact in bf16 for E <= 256, so ids have no ties."""
     rows = [torch.randperm(num_experts, generator=gen) for _ in range(num_tokens)]
     return ((torch.stack(rows).float() - num_experts / 2) / 16).to(dtype)
@@ -56,7 +56,9 @@ def test_softmax_topk_matches_reference(num_tokens, num_experts, top_k, renormal
     [(16, 4, 4, 2, True, 2.5), (24, 3, 3, 2, False, 1.0), (256, 8, 8, 4, True, 2.5)],
     ids=["E16k4g4", "E24k3g3-raw", "E256k8g8"],
 )
-def test_grouped_topk_matches_reference(num_experts, top_k, n_group, topk_group, renormalize, scale):
+def test_grouped_topk_matches_reference(
+    num_experts, top_k, n_group, topk_group, renormalize, scale
+):
     gen = torch.Generator().manual_seed(num_experts + top_k)
     logits = torch.randn(6, num_experts, generator=gen)
     bias = torch.randn(num_experts, generator=gen) * 0.2  # negative entries too (-inf masking)
@@ -75,7 +77,8 @@ def test_grouped_topk_matches_reference(num_experts, top_k, n_group, topk_group,
 def test_moe_align_block_size_layout():
     gen = torch.Generator().manual_seed(3)
     num_tokens, top_k, num_experts, block_m = 9, 2, 5, 16
-    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    ids = torch.stack(
+        [torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
     mask = torch.ones(num_tokens, dtype=torch.bool)
     mask[[2, 7]] = False
     sorted_pairs, block_experts = moe_align_block_size(ids, num_experts, block_m, mask)
@@ -156,7 +159,8 @@ def test_fused_moe_token_mask_gives_zeros():
 
 def test_fused_moe_empty_batch():
     w13, w2 = _moe_weights(4, 32, 16, torch.Generator().manual_seed(0), torch.float32)
-    out = fused_moe(torch.empty(0, 32), w13, w2, torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int32))
+    no_ids = torch.empty(0, 2, dtype=torch.int32)
+    out = fused_moe(torch.empty(0, 32), w13, w2, torch.empty(0, 2), no_ids)
     assert out.shape == (0, 32)
 
 
