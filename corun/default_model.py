@@ -9,7 +9,8 @@ Token ids: ``0..255`` are the raw bytes (id = byte value), then ``256 <|endoftex
 ``257 <|im_start|>``, ``258 <|im_end|>``; ids ``259..383`` exist in the model's embedding but
 never come out of ``encode``. The files in ``corun/assets/`` are written by
 ``python -m corun.default_model`` and loaded like any HF checkpoint's tokenizer (``tokenizer.json``
-through the ``tokenizers`` package, the chat template from ``tokenizer_config.json``); a test
+through the ``tokenizers`` package, the chat template from ``tokenizer_config.json``, the EOS ids
+from ``generation_config.json``); a test
 checks that the shipped files equal what this module builds.
 """
 
@@ -104,6 +105,10 @@ def asset_texts() -> dict[str, str]:
     return {
         "tokenizer.json": build_tokenizer().to_str(pretty=True) + "\n",
         "tokenizer_config.json": json.dumps(tokenizer_config(), indent=2, ensure_ascii=False)
+        + "\n",
+        # Both specials end a turn, as Qwen3's generation_config lists them; Tokenizer.from_dir
+        # reads extra EOS ids from here.
+        "generation_config.json": json.dumps({"eos_token_id": list(EOS_TOKEN_IDS)}, indent=2)
         + "\n",
     }
 
