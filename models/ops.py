@@ -57,6 +57,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig,
     return _torch_matmul(x, weight, bias, tiled=ops.mode == Mode.BATCH_INVARIANT)
 
 
+def bmm(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig) -> torch.Tensor:
+    """Per-head products ``x [G, M, K] @ weight[G, N, K].T -> [G, M, N]`` (MLA's W_UK / W_UV).
+
+    Under batch_invariant each head is a ``linear`` (Triton GEMM, or the 16-row tiles on the
+    torch path) so a row never depends on M; otherwise one batched matmul, position-invariant at
+    a fixed shape (the decode batch is fixed under corun).
+    """
+    if ops.mode != Mode.BATCH_INVARIANT:
+        return torch.matmul(x, weight.transpose(1, 2))
+    return torch.stack([linear(x[g], weight[g], ops) for g in range(x.shape[0])])
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops: OpsConfig,
             residual: torch.Tensor | None = None
             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,120 @@
+"""Multi-head latent attention (DeepSeek-V3), with HF module names.
+
+Per token the cache holds one row ``[latent c (kv_lora_rank) | k_pe (qk_rope_head_dim)]``: the
+kv_a_layernorm-ed latent and the roped, head-shared k_pe (576 values for V3).
+
+- Prefill (compute-friendly): store the chunk's rows, gather each sequence's whole context from
+  the cache, expand it with kv_b_proj into per-head k_nope / v, and run dense causal attention
+  (``mla_prefill_attention``, bottom-right aligned) with qk dim nope + rope.
+- Decode (absorbed): ``q_latent = q_nope @ W_UK`` per head, MQA over the latent cache
+  (``mla_decode``, split at the fixed decode split size under corun / batch_invariant), then
+  ``@ W_UV`` and o_proj. W_UK / W_UV are split out of kv_b_proj after loading.
+
+Softmax scale ``qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2`` in both forms (0.13523 for
+V3). RoPE is interleaved (GPT-J pairs), as DeepSeek's ``rope_interleave``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models import ops
+from models.config import ModelConfig
+from models.forward_batch import ForwardBatch
+from models.layers.linear import Linear
+from models.layers.norm import RMSNorm
+from models.layers.rotary import RotaryEmbedding, yarn_softmax_scale_factor
+
+# HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        qk_dim, hidden = config.qk_head_dim, config.hidden_size
+        self.has_q_lora = bool(config.q_lora_rank)  # None/0: a plain q_proj
+        if self.has_q_lora:
+            self.q_a_proj = Linear(hidden, config.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * qk_dim)
+        else:
+            self.q_proj = Linear(hidden, self.num_heads * qk_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden)
+        self.rotary_emb = RotaryEmbedding(self.rope_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling, is_neox=False)
+        self.scale = qk_dim**-0.5 * yarn_softmax_scale_factor(config.rope_scaling)
+        self.w_uk_t: torch.Tensor | None = None  # [H, Lkv, nope], set by split_kv_b_proj
+
+    def split_kv_b_proj(self) -> None:
+        """W_UK (transposed, contiguous, for the absorbed query) and W_UV (a view)."""
+        kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
+                                          self.kv_lora_rank)
+        self.w_uk_t = kv_b[:, : self.nope_dim].transpose(1, 2).contiguous()
+
+    @property
+    def w_uv(self) -> torch.Tensor:
+        """[H, v_dim, Lkv] view of kv_b_proj."""
+        kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
+                                          self.kv_lora_rank)
+        return kv_b[:, self.nope_dim :]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        num_tokens, o = x.shape[0], batch.ops
+        if self.has_q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, o), o), o)
+        else:
+            q = self.q_proj(x, o)
+        q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x, o).split([self.kv_lora_rank, self.rope_dim], -1)
+        latent = self.kv_a_layernorm(latent, o)
+        q_pe, k_pe = self.rotary_emb(q_pe, k_pe.view(num_tokens, 1, self.rope_dim),
+                                     batch.positions, o)
+        kv_cache = batch.kv_cache.latent(self.layer_idx)
+        ops.store_mla_kv(latent, k_pe[:, 0], kv_cache, batch.slot_mapping, o)
+        if batch.is_prefill:
+            out = self._prefill(torch.cat([q_nope, q_pe], dim=-1), kv_cache, batch)
+        else:
+            out = self._decode(q_nope, q_pe, kv_cache, batch)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim), o)
+
+    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                 batch: ForwardBatch) -> torch.Tensor:
+        """Expand every sequence's cached context with kv_b_proj, then dense causal attention."""
+        block_size = kv_cache.shape[1]
+        slots = []
+        for b, length in enumerate(batch.context_lens.tolist()):
+            pos = torch.arange(length, device=q.device)
+            slots.append(batch.block_tables[b, pos // block_size].long() * block_size
+                         + pos % block_size)
+        rows = kv_cache.view(-1, kv_cache.shape[-1])[torch.cat(slots)]  # [S, Lkv + R]
+        context, k_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(context, batch.ops).view(-1, self.num_heads,
+                                                     self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_pe = k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)
+        k = torch.cat([k_nope, k_pe], dim=-1)
+        cu_seqlens_k = torch.zeros_like(batch.cu_seqlens_q)
+        cu_seqlens_k[1:] = torch.cumsum(batch.context_lens, 0)
+        return ops.mla_prefill_attention(q, k, v.contiguous(), batch.cu_seqlens_q, cu_seqlens_k,
+                                         self.scale, batch.max_q_len, batch.ops)
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """Absorbed form: attention in the latent space, W_UV applied after."""
+        if self.w_uk_t is None:
+            raise RuntimeError("MLAAttention: split_kv_b_proj() was not run after loading")
+        q_latent = ops.bmm(q_nope.transpose(0, 1).contiguous(), self.w_uk_t, batch.ops)
+        out_latent = ops.mla_decode(q_latent.transpose(0, 1).contiguous(), q_pe.contiguous(),
+                                    kv_cache, batch, self.scale)  # [B, H, Lkv]
+        out = ops.bmm(out_latent.transpose(0, 1).contiguous(), self.w_uv, batch.ops)
+        return out.transpose(0, 1)  # [B, H, v_dim]
