@@ -21,9 +21,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from corun.engine import QueueFullError as EngineQueueFullError
 
 if TYPE_CHECKING:
     from corun.api.metrics import ServerMetrics
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("corun.serve")
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(EngineQueueFullError):
     """The waiting queue is at its limit: the server answers 503 instead of queueing."""
 
 
@@ -51,7 +54,7 @@ class EngineError:
     """Put on a request's queue when the engine rejected or failed it."""
 
     message: str
-    is_client_error: bool
+    status: int  # the HTTP status the server answers with
 
 
 class EngineLoop:
@@ -69,7 +72,7 @@ class EngineLoop:
         self.max_queue_len = max_queue_len
         self._idle_timeout_s = idle_timeout_s
         self._cond = threading.Condition()
-        self._pending_adds: deque[tuple[str, list[int], SamplingParams]] = deque()
+        self._pending_adds: deque[tuple[str, list[int], SamplingParams, float]] = deque()
         self._pending_aborts: deque[str] = deque()
         self._sinks: dict[str, _Sink] = {}
         self._num_waiting = 0  # the engine's waiting count after the last step
@@ -103,13 +106,15 @@ class EngineLoop:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-    ) -> asyncio.Queue:
-        """Queue a request; its outputs arrive on the returned queue (call from the event loop).
+        queue: asyncio.Queue,
+    ) -> None:
+        """Queue a request; ``(request_id, RequestOutput | EngineError)`` items arrive on ``queue``.
 
+        Call from the event loop that reads ``queue``; several requests may share one queue.
         Raises QueueFullError when ``max_queue_len`` requests already wait, EngineDeadError when
         the engine thread is gone.
         """
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        sink = _Sink(asyncio.get_running_loop(), queue)
         with self._cond:
             if not self.is_alive or self._stopped:
                 raise EngineDeadError(f"the engine is not running: {self._error!r}")
@@ -118,9 +123,8 @@ class EngineLoop:
                     f"the waiting queue is full ({self.max_queue_len} requests); retry later"
                 )
             self._sinks[request_id] = sink
-            self._pending_adds.append((request_id, prompt_token_ids, params))
+            self._pending_adds.append((request_id, prompt_token_ids, params, time.perf_counter()))
             self._cond.notify()
-        return sink.queue
 
     def abort(self, request_id: str) -> None:
         """Abort a request (client gone): the engine frees its KV; idempotent."""
@@ -147,7 +151,7 @@ class EngineLoop:
         if sink is not None:
             # The event loop may already be closed at shutdown; nobody is listening then.
             try:
-                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, (request_id, item))
             except RuntimeError:
                 pass
 
@@ -170,14 +174,23 @@ class EngineLoop:
                     self._pending_aborts.clear()
                 for request_id in aborts:
                     self._engine.abort_request(request_id)
-                for request_id, prompt_token_ids, params in adds:
+                for request_id, prompt_token_ids, params, arrival_time in adds:
                     try:
-                        self._engine.add_request(prompt_token_ids, params, request_id=request_id)
+                        self._engine.add_request(
+                            prompt_token_ids,
+                            params,
+                            request_id=request_id,
+                            arrival_time=arrival_time,
+                        )
                     except ValueError as exc:  # validated before, but the engine has the last word
-                        self._deliver(request_id, EngineError(str(exc), is_client_error=True))
+                        self._deliver(request_id, EngineError(str(exc), status=400))
+                    except QueueFullError as exc:
+                        self._deliver(request_id, EngineError(str(exc), status=503))
                 if self._engine.has_unfinished_requests():
                     for output in self._engine.step():
                         self._deliver(output.request_id, output)
+                        if output.finished:
+                            self.release(output.request_id)
                 self._refresh_stats()
         except BaseException as exc:  # noqa: BLE001 - report to every waiting client, then die
             logger.exception("engine loop died")
@@ -185,25 +198,15 @@ class EngineLoop:
                 self._error = exc
                 sinks = list(self._sinks)
             for request_id in sinks:
-                self._deliver(request_id, EngineError(f"engine failure: {exc!r}", False))
+                self._deliver(request_id, EngineError(f"engine failure: {exc!r}", status=500))
 
     def _refresh_stats(self) -> None:
         stats = self._engine.stats()
-        self._num_waiting = int(_field(stats, "num_waiting", "waiting"))
+        self._num_waiting = int(stats["num_waiting"])
         if self._metrics is not None:
             self._metrics.observe_engine(
-                running=int(_field(stats, "num_running", "running")),
+                running=int(stats["num_running"]),
                 waiting=self.num_waiting,
-                kv_used=int(_field(stats, "num_kv_blocks_used", "kv_blocks_used")),
-                kv_total=int(_field(stats, "num_kv_blocks", "kv_blocks_total")),
+                kv_used=int(stats["num_kv_blocks_used"]),
+                kv_total=int(stats["num_kv_blocks"]),
             )
-
-
-def _field(stats: Any, *names: str) -> Any:
-    """Read a stats field from a dict or an object, by the first name present."""
-    for name in names:
-        if isinstance(stats, dict) and name in stats:
-            return stats[name]
-        if hasattr(stats, name):
-            return getattr(stats, name)
-    raise KeyError(f"engine stats lack {names[0]}")

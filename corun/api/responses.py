@@ -1,0 +1,260 @@
+"""Build completion and chat responses (whole, or as stream chunks) from engine outputs.
+
+A builder owns the ``ChoiceState`` of every choice of one HTTP request: choice index
+``prompt_index * n + sample_index``, as vLLM numbers a batch of prompts with ``n`` samples each.
+``update`` folds one ``RequestOutput`` in (and records the metrics of finished choices),
+``chunks`` turns the changed choices into stream chunks, ``final`` into the whole response.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from corun.api.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from corun.api.streaming import ChoiceState
+
+if TYPE_CHECKING:
+    from corun.api.server import ServerState, Submission
+
+
+class _Builder:
+    id_prefix = "cmpl"
+
+    def __init__(self, state: ServerState, body: Any, subs: list[Submission]) -> None:
+        self.state = state
+        self.body = body
+        self.subs = subs
+        self.id = random_id(self.id_prefix)
+        self.created = int(time.time())
+        self.start = time.monotonic()
+        self.n = body.n
+        decode = state.tokenizer.decode
+        self.choices: dict[int, ChoiceState] = {}
+        for sub in subs:
+            for sample in range(self.n):
+                index = sub.prompt_index * self.n + sample
+                self.choices[index] = ChoiceState(
+                    index=index,
+                    prompt_len=len(sub.prompt_ids),
+                    decode=decode,
+                    stop_strings=sub.params.stop_strings,
+                )
+        self._first_chunk_sent: set[int] = set()
+
+    def update(self, sub: Submission, output: Any) -> list[ChoiceState]:
+        """Fold one RequestOutput in; returns the choices it changed."""
+        changed = []
+        metrics = self.state.metrics
+        for completion in output.outputs:
+            choice = self.choices[sub.prompt_index * self.n + completion.index]
+            was_finished = choice.finished
+            before = choice.num_output_tokens
+            for gap in choice.update(completion, output.seed):
+                metrics.observe_itl(gap)
+            if choice.num_output_tokens != before or choice.finished != was_finished:
+                changed.append(choice)
+            if choice.finished and not was_finished:
+                ttft = None
+                if choice.first_token_time is not None:
+                    ttft = choice.first_token_time - self.start
+                metrics.observe_finished(
+                    choice.finish_reason,
+                    choice.prompt_len,
+                    choice.num_output_tokens,
+                    ttft,
+                    time.monotonic() - self.start,
+                )
+        return changed
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(len(sub.prompt_ids) for sub in self.subs)
+        completion = sum(c.num_output_tokens for c in self.choices.values())
+        return UsageInfo(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    def _ordered(self) -> list[ChoiceState]:
+        return [self.choices[i] for i in sorted(self.choices)]
+
+    def _token_texts(self, ids: list[int]) -> list[str]:
+        return [self.state.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
+    def _is_first(self, choice: ChoiceState) -> bool:
+        first = choice.index not in self._first_chunk_sent
+        self._first_chunk_sent.add(choice.index)
+        return first
+
+    def usage_chunk(self) -> Any:
+        """The final ``choices: []`` chunk with usage, when stream_options.include_usage."""
+        if not self.body.include_usage:
+            return None
+        return self._chunk([], usage=self.usage())
+
+    def _chunk(self, choices: list, usage: UsageInfo | None = None) -> Any:
+        raise NotImplementedError
+
+
+class CompletionBuilder(_Builder):
+    id_prefix = "cmpl"
+
+    def __init__(self, state: ServerState, body: Any, subs: list[Submission], echo: list[str]):
+        super().__init__(state, body, subs)
+        self.echo = echo  # per prompt: the prompt text to put first (echo=true), else ""
+        self._text_offsets = {i: len(echo[c.index // self.n]) for i, c in self.choices.items()}
+
+    def _logprobs(self, choice: ChoiceState, ids: list[int], lps: list[float]):
+        if self.body.logprobs is None:
+            return None
+        texts = self._token_texts(ids)
+        offsets = []
+        for text in texts:
+            offsets.append(self._text_offsets[choice.index])
+            self._text_offsets[choice.index] += len(text)
+        # The engine returns the sampled token's logprob; it is the top-1 list entry here.
+        return CompletionLogprobs(
+            text_offset=offsets,
+            token_logprobs=list(lps),
+            tokens=texts,
+            top_logprobs=[{t: lp} for t, lp in zip(texts, lps, strict=True)],
+        )
+
+    def _choice(
+        self, choice: ChoiceState, text: str, ids: list[int], lps: list[float], first: bool
+    ) -> CompletionChoice:
+        prefix = self.echo[choice.index // self.n] if first else ""
+        return CompletionChoice(
+            index=choice.index,
+            text=prefix + text,
+            logprobs=self._logprobs(choice, ids, lps),
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+            seed=choice.seed if (first or choice.finished) else None,
+            fingerprint=choice.fingerprint,
+            token_ids=ids if self.body.return_token_ids else None,
+        )
+
+    def chunks(self, changed: list[ChoiceState]) -> list[CompletionChunk]:
+        out = []
+        for choice in changed:
+            text, ids, lps = choice.take_delta()
+            out.append(self._chunk([self._choice(choice, text, ids, lps, self._is_first(choice))]))
+        return out
+
+    def _chunk(self, choices: list, usage: UsageInfo | None = None) -> CompletionChunk:
+        return CompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=choices,
+            usage=usage,
+            system_fingerprint=self.state.system_fingerprint,
+        )
+
+    def final(self) -> CompletionResponse:
+        choices = []
+        for choice in self._ordered():
+            text, ids, lps = choice.take_delta()
+            choices.append(self._choice(choice, text, ids, lps, first=True))
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=choices,
+            usage=self.usage(),
+            system_fingerprint=self.state.system_fingerprint,
+        )
+
+
+class ChatBuilder(_Builder):
+    id_prefix = "chatcmpl"
+
+    def _logprobs(self, ids: list[int], lps: list[float]) -> ChatLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        content = []
+        for text, lp in zip(self._token_texts(ids), lps, strict=True):
+            raw = list(text.encode("utf-8"))
+            top = [TopLogprob(token=text, logprob=lp, bytes=raw)] if self.body.top_logprobs else []
+            content.append(TokenLogprob(token=text, logprob=lp, bytes=raw, top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def chunks(self, changed: list[ChoiceState]) -> list[ChatCompletionChunk]:
+        out = []
+        for choice in changed:
+            if self._is_first(choice):  # the role comes first, on its own, as OpenAI sends it
+                role = ChatStreamChoice(
+                    index=choice.index,
+                    seed=choice.seed,
+                    delta=DeltaMessage(role="assistant", content=""),
+                )
+                out.append(self._chunk([role]))
+            text, ids, lps = choice.take_delta()
+            out.append(
+                self._chunk(
+                    [
+                        ChatStreamChoice(
+                            index=choice.index,
+                            delta=DeltaMessage(content=text),
+                            logprobs=self._logprobs(ids, lps),
+                            finish_reason=choice.finish_reason,
+                            stop_reason=choice.stop_reason,
+                            seed=choice.seed if choice.finished else None,
+                            fingerprint=choice.fingerprint,
+                            token_ids=ids if self.body.return_token_ids else None,
+                        )
+                    ]
+                )
+            )
+        return out
+
+    def _chunk(self, choices: list, usage: UsageInfo | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=choices,
+            usage=usage,
+            system_fingerprint=self.state.system_fingerprint,
+        )
+
+    def final(self) -> ChatCompletionResponse:
+        choices = []
+        for choice in self._ordered():
+            text, ids, lps = choice.take_delta()
+            choices.append(
+                ChatChoice(
+                    index=choice.index,
+                    message=ChatResponseMessage(content=text),
+                    logprobs=self._logprobs(ids, lps),
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                    seed=choice.seed,
+                    fingerprint=choice.fingerprint,
+                    token_ids=ids if self.body.return_token_ids else None,
+                )
+            )
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=choices,
+            usage=self.usage(),
+            system_fingerprint=self.state.system_fingerprint,
+        )

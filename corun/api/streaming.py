@@ -1,0 +1,112 @@
+"""Per-choice bookkeeping of a generation: incremental text, logprobs, timings; SSE framing.
+
+Text is always derived from the token ids with the model's tokenizer, so a streamed response's
+deltas concatenate to exactly the text a non-streamed response returns:
+
+- a delta is held back while the decoded text ends in U+FFFD (the last token may be the first
+  bytes of a multi-byte character, which the next token completes);
+- while stop strings are set, the last ``max(len(stop)) - 1`` characters are held back too (they
+  may be the start of a stop string, which must not reach the client);
+- when the engine reports a stop string as the ``stop_reason``, the text is cut before its first
+  occurrence in the generated text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def sse(payload: BaseModel | dict | str) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json(exclude_none=False)
+    elif isinstance(payload, dict):
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ChoiceState:
+    """One choice (prompt p, sample i) of a response, updated from each engine output."""
+
+    index: int
+    prompt_len: int
+    decode: Any  # Callable[[list[int]], str]
+    stop_strings: tuple[str, ...] = ()
+    include_stop_str: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""  # the full text so far (cut at a stop string once finished)
+    sent_text_len: int = 0  # characters already handed out as deltas
+    sent_token_len: int = 0  # token ids already handed out
+    sent_logprob_len: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    fingerprint: str | None = None
+    seed: int | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def update(self, output: Any, seed: int) -> list[float]:
+        """Take one ``CompletionOutput``; returns the inter-token gaps it adds (for metrics)."""
+        now = time.monotonic()
+        gaps = []
+        new_tokens = len(output.token_ids) - len(self.token_ids)
+        if new_tokens > 0:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            elif self.last_token_time is not None:
+                gaps = [(now - self.last_token_time) / new_tokens] * new_tokens
+            self.last_token_time = now
+        self.token_ids = list(output.token_ids)
+        if output.logprobs is not None:
+            self.logprobs = list(output.logprobs)
+        self.seed = seed
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+            self.stop_reason = output.stop_reason
+            self.fingerprint = output.fingerprint
+        if output.text is not None:  # the engine's own detokenization, already cut at a stop
+            self.text = output.text
+            return gaps
+        self.text = self.decode(self.token_ids)
+        if self.finished and isinstance(self.stop_reason, str) and not self.include_stop_str:
+            cut = self.text.find(self.stop_reason)
+            if cut >= 0:
+                self.text = self.text[:cut]
+        return gaps
+
+    def take_delta(self) -> tuple[str, list[int], list[float]]:
+        """Text, token ids and logprobs not handed out yet (text held back as described above)."""
+        end = len(self.text)
+        if not self.finished:
+            if self.stop_strings:
+                end -= max(len(s) for s in self.stop_strings) - 1
+            while end > self.sent_text_len and self.text[end - 1] == REPLACEMENT_CHAR:
+                end -= 1
+        end = max(end, self.sent_text_len)
+        text = self.text[self.sent_text_len : end]
+        self.sent_text_len = end
+        ids = self.token_ids[self.sent_token_len :]
+        self.sent_token_len = len(self.token_ids)
+        logprobs = self.logprobs[self.sent_logprob_len :]
+        self.sent_logprob_len = len(self.logprobs)
+        return text, ids, logprobs

@@ -1,0 +1,237 @@
+"""``python -m corun.serve``: the OpenAI-compatible server (argparse -> EngineConfig -> uvicorn).
+
+With no ``--model`` it serves the embedded default: ``corun-default``, a small Qwen3-shaped model
+with *seeded random weights* and the byte-level tokenizer of ``corun/assets`` (it starts in
+seconds on a laptop CPU; its text is noise, deterministic noise). ``--model PATH`` serves an HF
+checkpoint directory (``config.json``, safetensors, ``tokenizer.json``, chat template); a named
+config of ``models`` (``tiny-qwen3``, ``qwen3-8b``, ...) serves random weights of that shape.
+
+Example::
+
+    python -m corun.serve --mode corun --port 8000
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"prompt": "Hello", "max_tokens": 16, "seed": 1}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from kernels.mode import Mode
+
+logger = logging.getLogger("corun.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m corun.serve",
+        description="CoRun's OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
+        "/v1/models, /tokenize, /detokenize, /health, /metrics.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="an HF checkpoint directory (with tokenizer.json) or a named config of "
+        "models/ (random weights); default: the embedded corun-default model, random "
+        "weights and a byte-level tokenizer",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name /v1/models lists and requests must use (default: --model, or corun-default)",
+    )
+    p.add_argument(
+        "--mode",
+        default="corun",
+        choices=[m.value for m in Mode],
+        help="corun: isolated prefill + fixed-B decode, deterministic; "
+        "batch_invariant: dynamic batching with batch-invariant kernels, "
+        "deterministic; default: dynamic batching, fastest kernels, not deterministic",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=32,
+        help="sequences running at once (each sample of n counts)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=2048,
+        help="prompt + output tokens per sequence; longer requests get 400",
+    )
+    p.add_argument(
+        "--decode-batch-size",
+        type=int,
+        default=None,
+        help="B, the fixed decode batch of corun mode (default: --max-num-seqs)",
+    )
+    p.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        default=512,
+        help="prefill chunk size C (corun prefills in chunks aligned at multiples of C)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one dynamic-mode step",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks (default: sized from free memory; on the CPU, enough "
+        "for --max-num-seqs full-length sequences)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 / float16 / bfloat16 (default: bfloat16 on CUDA, float32 on the CPU)",
+    )
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs (they are only used on CUDA anyway)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of random weights (named configs, the default model); request "
+        "seeds are per request",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("CORUN_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health and "
+        "/metrics (env CORUN_API_KEY)",
+    )
+    p.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=256,
+        help="waiting requests beyond this are refused with 503",
+    )
+    p.add_argument("--log-level", default="info", help="uvicorn and corun log level")
+    return p
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the flags (EngineConfig validates them)."""
+    from corun.default_model import DEFAULT_MODEL_NAME
+
+    device = args.device
+    is_cuda = device.startswith("cuda") if device else _cuda_available()
+    kwargs = dict(
+        model=args.model or DEFAULT_MODEL_NAME,
+        mode=args.mode,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        decode_batch_size=args.decode_batch_size,
+        prefill_chunk_size=args.prefill_chunk_size,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
+        num_kv_blocks=args.num_kv_blocks,
+        dtype=args.dtype or ("bfloat16" if is_cuda else "float32"),
+        device=device,
+        cuda_graphs=not args.enforce_eager,
+        seed=args.seed,
+    )
+    return kwargs
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def load_tokenizer(model: str | None):
+    from corun.default_model import ASSETS_DIR, DEFAULT_MODEL_NAME
+    from corun.tokenizer import Tokenizer
+
+    if model is None or model == DEFAULT_MODEL_NAME:
+        return Tokenizer.from_dir(ASSETS_DIR)
+    if Path(model, "tokenizer.json").is_file():
+        return Tokenizer.from_dir(model)
+    if Path(model).is_dir():
+        raise SystemExit(f"--model {model}: no tokenizer.json in the checkpoint directory")
+    # A named config of random weights: the byte-level tokenizer covers ids 0..258, which every
+    # named config's vocabulary holds.
+    logger.warning("--model %s is a named config: serving it with the byte-level tokenizer", model)
+    return Tokenizer.from_dir(ASSETS_DIR)
+
+
+def build_app(args: argparse.Namespace):
+    """The engine (built and warmed up here, before the port opens) and the FastAPI app."""
+    from corun.api.server import create_app
+    from corun.config import EngineConfig
+    from corun.default_model import DEFAULT_MODEL_NAME
+    from corun.engine import LLMEngine
+
+    try:
+        config = EngineConfig(**engine_config_kwargs(args))
+    except ValueError as exc:
+        raise SystemExit(f"invalid configuration: {exc}") from None
+    tokenizer = load_tokenizer(args.model)
+    if not Path(config.model).is_dir():
+        logger.warning(
+            "serving %s with RANDOM WEIGHTS (seed %d): its output is deterministic noise, not "
+            "language. Pass --model PATH to serve a real checkpoint.",
+            config.model,
+            config.seed,
+        )
+    engine = LLMEngine(config, tokenizer)
+    stats = engine.stats()
+    logger.info(
+        "engine ready: model %s, mode %s, device %s, backend %s, dtype %s, max_num_seqs %d, "
+        "decode buckets %s, max_model_len %d, %d KV blocks of %d tokens",
+        config.model,
+        config.kernel_mode,
+        config.resolved_device,
+        config.resolved_backend,
+        config.torch_dtype,
+        config.max_num_seqs,
+        config.decode_buckets,
+        config.max_model_len,
+        stats["num_kv_blocks"],
+        config.block_size,
+    )
+    name = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
+    return create_app(
+        engine,
+        tokenizer,
+        model_name=name,
+        mode=str(config.kernel_mode),
+        api_key=args.api_key,
+        max_queue_len=args.max_queue_len,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.max_queue_len < 1:
+        raise SystemExit("--max-queue-len: expected a positive int")
+    import uvicorn
+
+    app = build_app(args)
+    logger.info("listening on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
