@@ -1,0 +1,161 @@
+"""The offline API and the step-level engine on the CPU: outputs, seeds, n > 1, stop conditions,
+abort, logprobs, chat, and bad input that raises a ValueError naming the field and disturbs
+nothing in flight."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from corun import LLM, SamplingParams
+from corun.config import EngineConfig
+from corun.engine import LLMEngine
+from tests.engine.conftest import TINY
+
+
+class IdTokenizer:
+    """Decodes token t as "<t>" so a test can name the stop string of a known token."""
+
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __init__(self, eos: tuple[int, ...] = ()) -> None:
+        self.eos_token_ids = eos
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{t}>" for t in ids)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(mode="corun", **TINY)
+
+
+def _drain(engine: LLMEngine) -> dict:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def test_generate_outputs_in_input_order_with_seed_and_fingerprint(llm):
+    prompts = [[3, 4, 5], {"prompt_token_ids": [9] * 11}, [7]]
+    params = [SamplingParams(max_tokens=4, seed=11), SamplingParams(max_tokens=2, temperature=0),
+              SamplingParams(max_tokens=3)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [[3, 4, 5], [9] * 11, [7]]
+    assert [len(o.token_ids) for o in outs] == [4, 2, 3]
+    assert all(o.finish_reason == "length" and len(o.fingerprint) == 64 for o in outs)
+    assert outs[0].seed == 11 and 0 <= outs[2].seed < 2**64
+    again = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, seed=11), use_tqdm=False)[0]
+    assert again.token_ids == outs[0].token_ids and again.fingerprint == outs[0].fingerprint
+    # An unseeded request draws its own seed; replaying it with that seed gives the same bits.
+    replay = llm.generate([[7]], SamplingParams(max_tokens=3, seed=outs[2].seed), use_tqdm=False)[0]
+    assert replay.fingerprint == outs[2].fingerprint
+
+
+def test_n_samples_are_distinct_and_reproducible(llm):
+    params = SamplingParams(n=3, max_tokens=4, seed=5, temperature=1.0)
+    out = llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)[0]
+    tokens = [c.token_ids for c in out.outputs]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(t) for t in tokens}) == 3, "samples keyed on seed and position alone"
+    again = llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)[0]
+    assert [c.fingerprint for c in again.outputs] == [c.fingerprint for c in out.outputs]
+
+
+def test_stop_token_ids_eos_and_ignore_eos():
+    engine = LLMEngine(EngineConfig(mode="corun", **TINY))
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0), "free")
+    free = _drain(engine)["free"].token_ids
+    stop_id = free[2]
+    first = free.index(stop_id)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0,
+                                                 stop_token_ids=[stop_id]), "stop")
+    out = _drain(engine)["stop"]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == free[: first + 1]
+    # The same token as EOS (through the tokenizer's ids) stops too, unless ignore_eos.
+    eos_engine = LLMEngine(EngineConfig(mode="corun", **TINY), tokenizer=IdTokenizer((stop_id,)))
+    eos_engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0), "eos")
+    eos_engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0,
+                                                     ignore_eos=True), "ignore")
+    finals = _drain(eos_engine)
+    assert finals["eos"].token_ids == free[: first + 1] and finals["eos"].stop_reason is None
+    assert finals["ignore"].token_ids == free and finals["ignore"].finish_reason == "length"
+
+
+def test_stop_string_cuts_text_and_max_model_len_stops():
+    engine = LLMEngine(EngineConfig(mode="corun", **TINY), tokenizer=IdTokenizer())
+    engine.add_request([8, 9], SamplingParams(max_tokens=6, temperature=0), "free")
+    free = _drain(engine)["free"]
+    stop = f"<{free.token_ids[3]}>"
+    engine.add_request([8, 9], SamplingParams(max_tokens=6, temperature=0, stop=[stop]), "s")
+    out = _drain(engine)["s"]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text and free.text.startswith(out.text)
+    engine.add_request([8] * 61, SamplingParams(max_tokens=10, temperature=0), "long")
+    long = _drain(engine)["long"]
+    assert long.finish_reason == "length" and len(long.token_ids) == 64 - 61
+
+
+def test_abort_frees_blocks_and_the_other_request_finishes():
+    engine = LLMEngine(EngineConfig(mode="corun", **TINY))
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=20, seed=1), "a")
+    engine.add_request([4, 5, 6], SamplingParams(max_tokens=5, seed=2), "b")
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("a")
+    finals = _drain(engine)
+    assert finals["a"].finish_reason == "abort" and finals["b"].finish_reason == "length"
+    assert engine.stats()["num_kv_blocks_used"] == 0 and not engine.requests
+
+
+def test_deltas_add_up_and_logprobs_are_log_probabilities():
+    engine = LLMEngine(EngineConfig(mode="corun", **TINY))
+    engine.add_request([2, 3], SamplingParams(max_tokens=5, seed=3, logprobs=0), "r")
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.extend(out.delta_token_ids)
+            final = out
+    assert deltas == final.token_ids and len(final.logprobs) == 5
+    assert all(math.isfinite(x) and x <= 0 for x in final.logprobs)
+
+
+def test_chat_applies_the_template():
+    llm = LLM("corun-default", mode="corun", device="cpu", dtype="float32", max_num_seqs=2,
+              max_model_len=128, prefill_chunk_size=16, block_size=16)
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2, seed=0),
+                   use_tqdm=False)[0]
+    assert out.prompt_token_ids[0] == 257 and out.prompt_token_ids[-2:] == [116, 10]
+    assert isinstance(out.text, str) and len(out.token_ids) <= 2
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [([], None, "prompt"), ([1] * 64, None, "prompt"), ([1, 999], None, "prompt_token_ids"),
+     ("text", None, "prompt"), ([1], ["greedy"], "params")],
+    ids=["empty", "too-long", "out-of-vocab", "text-without-tokenizer", "bad-params"],
+)
+def test_bad_input_raises_and_leaves_inflight_untouched(llm, prompt, params, field):
+    victim = SamplingParams(max_tokens=5, seed=9)
+    llm.engine.add_request([1, 2, 3, 4, 5], victim, "victim")
+    llm.engine.step()
+    llm.engine.step()
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        llm.generate([prompt], params, use_tqdm=False)
+    disturbed = _drain(llm.engine)["victim"]
+    # corun: the request alone gives the same bits as the one that lived through the bad call.
+    alone = llm.generate([[1, 2, 3, 4, 5]], victim, use_tqdm=False)[0]
+    assert disturbed.fingerprint == alone.fingerprint and len(disturbed.token_ids) == 5
+
+
+def test_generate_validates_every_prompt_before_queueing(llm):
+    with pytest.raises(ValueError, match="^prompt:"):
+        llm.generate([[1, 2], []], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="^params:"):
+        llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
