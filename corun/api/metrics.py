@@ -183,6 +183,10 @@ class ServerMetrics:
     def observe_itl(self, seconds: float) -> None:
         self.labels(self.tpot).observe(seconds)
 
+    def observe_aborted(self, num_requests: int) -> None:
+        """Engine requests aborted because their client went away (or the stream failed)."""
+        self.labels(self.requests, finished_reason="abort").inc(num_requests)
+
     def observe_error(self, status: int) -> None:
         self.labels(self.errors, status=str(status)).inc()
 

@@ -388,6 +388,8 @@ async def _events(
     finally:
         for request_id in unfinished:
             state.engine_loop.abort(request_id)
+        if unfinished:
+            state.metrics.observe_aborted(len(unfinished))
 
 
 async def _sse_stream(build: Any, events: AsyncIterator[list[ChoiceState]]) -> AsyncIterator[str]:

@@ -1,0 +1,118 @@
+"""Real servers for the API tests: ``python -m corun.serve`` subprocesses on free loopback ports.
+
+Each fixture starts one server with the embedded default model (random weights, byte-level
+tokenizer), waits for ``/health`` and always stops it at the end of the session (terminate, then
+kill). The server's log goes to a file that a failing start prints.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 180.0
+MAX_MODEL_LEN = 128
+# Small sizes keep the CPU steps cheap: the tiny default model decodes 16 slots in a few ms.
+COMMON_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--prefill-chunk-size", "64",
+               "--log-level", "warning"]
+
+
+@dataclass
+class Server:
+    base_url: str
+    proc: subprocess.Popen
+    log_path: Path
+    api_key: str | None = None
+
+    def client(self, **kwargs) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.base_url, timeout=60.0, headers=headers, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples by name (labels dropped: one model per server)."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10.0).text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = sample.name
+                if "finished_reason" in sample.labels:
+                    key += f"[{sample.labels['finished_reason']}]"
+                out[key] = sample.value
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(log_dir: Path, name: str, *args: str, api_key: str | None = None) -> Server:
+    port = _free_port()
+    log_path = log_dir / f"{name}.log"
+    env = dict(os.environ)
+    # One intra-op thread: on a small shared CPU, OpenMP spinning makes each step 10-20x slower.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    command = [sys.executable, "-m", "corun.serve", "--host", "127.0.0.1", "--port", str(port),
+               *COMMON_ARGS, *args]
+    if api_key:
+        command += ["--api-key", api_key]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path, api_key)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    server.stop()
+    pytest.fail(f"server {name} did not start; log:\n{log_path.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    """The main server: corun mode, 16 decode slots, the default queue limit."""
+    srv = launch(tmp_path_factory.mktemp("serve"), "corun", "--mode", "corun",
+                 "--max-num-seqs", "16")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def guarded_server(tmp_path_factory: pytest.TempPathFactory):
+    """An API key, one running sequence and a queue of one: for the 401 and 503 tests."""
+    srv = launch(tmp_path_factory.mktemp("serve"), "guarded", "--max-num-seqs", "1",
+                 "--max-queue-len", "1", api_key="test-key")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server: Server):
+    with server.client() as c:
+        yield c

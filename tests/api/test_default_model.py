@@ -1,0 +1,78 @@
+"""The embedded default model's tokenizer and the server's incremental text (no server needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from corun.api.streaming import ChoiceState
+from corun.default_model import ASSETS_DIR, EOS_TOKEN_IDS, SPECIAL_TOKENS, asset_texts
+from corun.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(ASSETS_DIR)
+
+
+def test_shipped_assets_match_the_builder():
+    for name, text in asset_texts().items():
+        assert (ASSETS_DIR / name).read_text(encoding="utf-8") == text, (
+            f"corun/assets/{name} is stale: run python -m corun.default_model"
+        )
+
+
+def test_bytes_are_their_own_ids_and_round_trip(tokenizer: Tokenizer):
+    text = "Héllo, wörld 😀\n\ttabs & <tags>"
+    ids = tokenizer.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert tokenizer.decode(ids) == text
+
+
+def test_specials_ids_eos_and_chat_template(tokenizer: Tokenizer):
+    for text, token_id in SPECIAL_TOKENS.items():
+        assert tokenizer.token_to_id(text) == token_id
+    assert set(tokenizer.eos_token_ids) == set(EOS_TOKEN_IDS)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert ids == [257, *b"user\nhi", 258, 10, 257, *b"assistant\n"]
+    # Specials are skipped when decoding output text, kept on request.
+    assert tokenizer.decode([257, 104, 105, 258]) == "hi"
+    assert tokenizer.decode([257, 104, 258], skip_special_tokens=False) == "<|im_start|>h<|im_end|>"
+
+
+def _stream(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...] = (),
+            finish: tuple[str, str | None] = ("length", None)) -> tuple[list[str], str]:
+    """Feed ids one per step into a ChoiceState; returns the deltas and the final text."""
+    choice = ChoiceState(index=0, prompt_len=1, decode=tokenizer.decode, stop_strings=stop)
+    deltas = []
+    for end in range(1, len(ids) + 1):
+        last = end == len(ids)
+        output = SimpleNamespace(
+            token_ids=ids[:end], logprobs=None, text=None,
+            finish_reason=finish[0] if last else None, stop_reason=finish[1] if last else None,
+            fingerprint="f" if last else None,
+        )
+        choice.update(output, seed=1)
+        deltas.append(choice.take_delta()[0])
+    return deltas, choice.text
+
+
+def test_stream_deltas_never_split_a_character(tokenizer: Tokenizer):
+    """Deltas concatenate to the final text, and no delta ends inside a multi-byte character."""
+    text = "aé😀b"
+    deltas, final = _stream(tokenizer, list(text.encode("utf-8")))
+    assert "".join(deltas) == final == text
+    assert all("\ufffd" not in d for d in deltas)
+    # Negative control: decoding each prefix naively does show the partial characters.
+    naive = [tokenizer.decode(list(text.encode("utf-8"))[:k]) for k in range(1, 8)]
+    assert any(t.endswith("\ufffd") for t in naive)
+
+
+def test_stream_holds_back_a_stop_string_prefix(tokenizer: Tokenizer):
+    """Text that may start a stop string is held back; the stop string never reaches the client."""
+    ids = list(b"hello END")
+    deltas, final = _stream(tokenizer, ids, stop=("END",), finish=("stop", "END"))
+    assert final == "hello "
+    assert "".join(deltas) == "hello "
+    assert not any("E" in d for d in deltas)
