@@ -10,7 +10,7 @@ import torch
 
 from models.forward_batch import ForwardBatch, KVCache, OpsConfig
 
-BLOCK_SIZE = 4  # small, so a short prompt already spans several blocks
+BLOCK_SIZE = 8  # the smallest the Triton attention kernels take; prompts span 2+ blocks
 
 
 def run_sequence(model: torch.nn.Module, prompt: torch.Tensor, decode_ids: torch.Tensor,
@@ -21,7 +21,8 @@ def run_sequence(model: torch.nn.Module, prompt: torch.Tensor, decode_ids: torch
     lookup cannot pass by accident.
     """
     num_blocks = max_seq_len // BLOCK_SIZE
-    cache = KVCache(model.kv_cache_spec(), num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+    dtype = next(model.parameters()).dtype
+    cache = KVCache(model.kv_cache_spec(), num_blocks, BLOCK_SIZE, dtype, "cpu")
     block_table = torch.arange(num_blocks - 1, -1, -1, dtype=torch.int32).view(1, -1)
 
     def slots(positions: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""ModelConfig.from_hf (both RoPE forms, validation), the named-config table against published
+parameter counts, and build_model's seeded random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.mode import Mode
+from models import build_model
+from models.config import NAMED_CONFIGS, ModelConfig, num_parameters
+from models.forward_batch import OpsConfig
+from tests.models.helpers import run_sequence
+
+HUB_DEEPSEEK = {
+    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "norm_topk_prob": True, "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000, "bos_token_id": 0, "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+
+
+def test_from_hf_reads_hub_and_v5_rope_forms_alike():
+    v5 = {k: v for k, v in HUB_DEEPSEEK.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    hub, new = ModelConfig.from_hf(HUB_DEEPSEEK), ModelConfig.from_hf(v5)
+    assert hub == new == NAMED_CONFIGS["deepseek-v3"]
+    assert hub.rope_scaling["rope_type"] == "yarn" and hub.qk_head_dim == 192
+
+
+def test_from_hf_plain_rope_is_none():
+    config = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+              "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 4, "max_position_embeddings": 32,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 5e6},
+              "eos_token_id": [3, 4]}
+    parsed = ModelConfig.from_hf(config)
+    assert parsed.rope_scaling is None and parsed.rope_theta == 5e6
+    assert parsed.eos_token_id == (3, 4)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("architecture", "LlamaForCausalLM", "architecture: unsupported"),
+    ("num_key_value_heads", 3, "num_key_value_heads: 3 does not divide"),
+    ("hidden_size", 0, "hidden_size: expected >= 1"),
+])
+def test_invalid_config_names_the_field(field, value, message):
+    import dataclasses
+
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(NAMED_CONFIGS["tiny-qwen3"], **{field: value})
+
+
+@pytest.mark.parametrize("name, billions", [
+    ("qwen3-0.6b", 0.6), ("qwen3-8b", 8.2), ("qwen3-30b-a3b", 30.5),
+    ("qwen3-235b-a22b", 235.1), ("deepseek-v3", 671.0),
+])
+def test_real_shapes_match_published_parameter_counts(name, billions):
+    assert round(num_parameters(NAMED_CONFIGS[name]) / 1e9, 1) == billions
+
+
+def test_truncated_configs_fit_one_h200_in_bf16():
+    for name in ("qwen3-235b-a22b-l12", "deepseek-v3-l6"):
+        assert 2 * num_parameters(NAMED_CONFIGS[name]) < 100e9, name
+
+
+def test_build_model_is_seeded():
+    a, _ = build_model("tiny-qwen3-moe", dtype=torch.float32, device="cpu", seed=1)
+    b, _ = build_model("tiny-qwen3-moe", dtype=torch.float32, device="cpu", seed=1)
+    c, _ = build_model("tiny-qwen3-moe", dtype=torch.float32, device="cpu", seed=2)
+    for (name, pa), pb, pc in zip(a.state_dict().items(), b.state_dict().values(),
+                                  c.state_dict().values()):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+
+
+def test_corun_default_random_logits_are_finite_and_varied_in_bf16():
+    model, config = build_model("corun-default", dtype=torch.bfloat16, device="cpu", seed=0)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    prompt = torch.arange(12) * 7 % 256
+    logits = run_sequence(model, prompt, torch.tensor([258, 65]),
+                          OpsConfig(Mode.CORUN, backend="torch"))
+    for step in logits:
+        assert torch.isfinite(step).all()
+        assert step.std(dim=-1).min() > 0.1  # not flat
+    assert len(set(logits[0].argmax(-1).tolist())) > 3  # next-token choice varies with position
