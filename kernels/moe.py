@@ -251,7 +251,9 @@ def moe_align_block_size(
     return sorted_pair_ids[:max_rows], block_expert_ids
 
 
-def _check_moe_args(x, w13, w2, topk_weights, topk_ids, token_mask) -> tuple[int, int, int, int]:
+def _check_moe_args(
+    x, w13, w2, topk_weights, topk_ids, token_mask, check_ids: bool
+) -> tuple[int, int, int, int]:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, hidden = x.shape
     check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), last_dim_contiguous=True)
@@ -262,7 +264,7 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, token_mask) -> tuple[int
     check_shape("w13", w13, (-1, -1, hidden))
     check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), last_dim_contiguous=True)
     check_shape("w2", w2, (num_experts, hidden, inter))
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES, last_dim_contiguous=True)
     top_k = topk_ids.shape[1]
     check_shape("topk_ids", topk_ids, (num_tokens, -1))
     if not 1 <= top_k <= num_experts:
@@ -276,10 +278,12 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, token_mask) -> tuple[int
         check_shape("token_mask", token_mask, (num_tokens,))
         tensors["token_mask"] = token_mask
     check_same_device(**tensors)
-    # a range check needs a host sync, which a CUDA graph capture forbids; while capturing,
-    # out-of-range ids are dropped by moe_align_block_size instead
+    # The range check reads the ids on the host: a device sync, which a CUDA graph capture
+    # forbids and which stalls the launch queue in eager mode. Skipped while capturing or when the
+    # caller opts out (ids straight from softmax_topk/grouped_topk are in range by construction);
+    # unchecked out-of-range ids are dropped by moe_align_block_size, never read out of bounds.
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if num_tokens and not capturing:
+    if check_ids and num_tokens and not capturing:
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"topk_ids: expected ids in [0, {num_experts}), got [{lo}, {hi}]")
@@ -296,16 +300,19 @@ def fused_moe(
     mode: Mode = Mode.CORUN,
     token_mask: torch.Tensor | None = None,
     config: MoEConfig | None = None,
+    check_ids: bool = True,
 ) -> torch.Tensor:
     """Routed experts: out[t] = sum_r w[t, r] * down_e(silu(gate_e(x_t)) * up_e(x_t)), [T, H].
 
     ``token_mask`` False marks padding tokens: they count toward no expert and give zeros.
-    ``config`` overrides the policy (tests, tuning). At a fixed T a token's bits do not depend on
-    the other tokens in any mode; under ``batch_invariant`` not on T either.
+    ``config`` overrides the policy (tests, tuning). ``check_ids=False`` skips the host-side
+    range check of ``topk_ids`` (a device sync; always skipped under CUDA graph capture). At a
+    fixed T a token's bits do not depend on the other tokens in any mode; under
+    ``batch_invariant`` not on T either.
     """
     mode = Mode.parse(mode)
     num_tokens, hidden, inter, num_experts = _check_moe_args(
-        x, w13, w2, topk_weights, topk_ids, token_mask)
+        x, w13, w2, topk_weights, topk_ids, token_mask, check_ids)
     top_k = topk_ids.shape[1]
     out = torch.empty_like(x)
     if num_tokens == 0:
@@ -335,9 +342,9 @@ def fused_moe(
     )
     mask_arg = token_mask.view(torch.uint8) if token_mask is not None else y  # y: unused dummy
     _moe_combine_kernel[(num_tokens, cdiv(hidden, config.block_h))](
-        y, topk_weights, mask_arg, out,
-        hidden,
-        y.stride(0), topk_weights.stride(0), out.stride(0),
+        y, topk_weights, topk_ids, mask_arg, out,
+        hidden, num_experts,
+        y.stride(0), topk_weights.stride(0), topk_ids.stride(0), out.stride(0),
         TOP_K=top_k, HAS_MASK=token_mask is not None, BLOCK_H=config.block_h,
     )
     return out

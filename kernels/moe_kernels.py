@@ -223,29 +223,34 @@ def _moe_down_kernel(
 @triton.jit
 def _moe_combine_kernel(
     # pointers
-    y_ptr, weights_ptr, token_mask_ptr, out_ptr,
+    y_ptr, weights_ptr, ids_ptr, token_mask_ptr, out_ptr,
     # sizes
-    hidden,
+    hidden, num_experts,
     # strides
-    stride_yp, stride_wt, stride_ot,
+    stride_yp, stride_wt, stride_it, stride_ot,
     # meta
     TOP_K: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """out[t] = sum_{r=0..k-1} w[t, r] * y[t*k + r] in fp32, rank order fixed; masked -> 0."""
+    """out[t] = sum_{r=0..k-1} w[t, r] * y[t*k + r] in fp32, rank order fixed; masked -> 0.
+
+    A pair that was dropped (masked token, or an unchecked out-of-range id) has no y row written
+    and may carry garbage weights: its term is selected away, never multiplied by zero.
+    """
     pid_t = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < hidden
-    # the token's keep flag broadcast to a vector (a scalar int1 mask trips the interpreter)
+    # the token's keep flag as a vector (a scalar int1 mask trips the interpreter)
     keep_flag = tl.full([BLOCK_H], 1, dtype=tl.int32)
     if HAS_MASK:
         keep_flag = keep_flag * tl.load(token_mask_ptr + pid_t).to(tl.int32)
-    keep = keep_flag != 0
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for r in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + pid_t * stride_it + r)
+        in_range = ((expert >= 0) & (expert < num_experts)).to(tl.int32)
+        valid = (keep_flag * in_range) != 0  # int product: stays a vector (see keep_flag)
         weight = tl.load(weights_ptr + pid_t * stride_wt + r).to(tl.float32)
-        y = tl.load(y_ptr + (pid_t * TOP_K + r) * stride_yp + offs_h, mask=mask_h & keep, other=0.0)
-        acc += weight * y.to(tl.float32)
-    # a masked token's y rows were never written and its weights may be garbage: select, not scale
-    acc = tl.where(keep, acc, 0.0)
+        y = tl.load(y_ptr + (pid_t * TOP_K + r) * stride_yp + offs_h, mask=mask_h & valid,
+                    other=0.0)
+        acc += tl.where(valid, weight * y.to(tl.float32), 0.0)
     tl.store(out_ptr + pid_t * stride_ot + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)

@@ -234,3 +234,16 @@ def test_routers_reject_bad_arguments():
         grouped_topk(logits, torch.zeros(15), 4, 4, 2, True, 1.0)
     with pytest.raises(ValueError, match="router_logits"):
         softmax_topk(logits.to(torch.int32), 2, True)
+
+
+def test_fused_moe_unchecked_out_of_range_ids_are_dropped():
+    """With check_ids=False (graph capture path) a bad id contributes nothing, never reads OOB."""
+    x, w13, w2, weights, ids = _valid_args()
+    bad_ids = ids.clone()
+    bad_ids[:, 1] = torch.tensor([4, -1, 100], dtype=torch.int32)
+    weights[:, 1] = float("nan")  # a dropped pair's weight is never used
+    out = fused_moe(x, w13, w2, weights, bad_ids, check_ids=False)
+    kept_weights = weights.clone()
+    kept_weights[:, 1] = 0.0
+    ref = fused_moe_reference(x.double(), w13.double(), w2.double(), kept_weights.double(), ids)
+    assert_close(out, ref, torch.float32, reduce_dim=32)
