@@ -83,6 +83,7 @@ class EngineLoop:
     # -- any thread ------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._refresh_stats()  # the gauges exist from the first scrape on (thread not started yet)
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
