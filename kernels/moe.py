@@ -85,7 +85,8 @@ def moe_config(
 
     May depend on: ``batch_invariant`` -> expert shapes only (one config for every T);
     ``default``/``corun`` -> also ``num_tokens * top_k / num_experts``, the expected rows per
-    expert (vLLM likewise picks from the total M). BLOCK_K changes a row's bits, BLOCK_M/N do not.
+    expert (vLLM likewise picks from the total M). BLOCK_K can change a row's bits (it does in
+    the interpreter); BLOCK_M/N do not.
     Tiles are clamped to the expert dims (a shape-only rule) so tiny test shapes stay small.
     """
     del dtype  # one table for 16-bit types; fp32 only runs in tests
