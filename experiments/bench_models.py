@@ -128,10 +128,7 @@ def bench_model(name: str, prefill_len: int, decode_batch: int, device: torch.de
         "decode_fraction_of_bound": round(bound_us / decode_us, 4),
         "peak_memory_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2),
     }
-    del model, cache, prefill, decode
-    gc.collect()
-    torch.cuda.empty_cache()
-    return record
+    return record  # the model, cache and closures die with this frame; main() then frees
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     records = []
     for name in args.models:
         record = bench_model(name, args.prefill_len, args.decode_batch, device)
+        gc.collect()
+        torch.cuda.empty_cache()
         print(record, flush=True)
         records.append(record)
         write_results(args.name, records)  # after each model, so a timeout keeps what finished

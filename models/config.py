@@ -220,10 +220,11 @@ def num_parameters(config: ModelConfig) -> int:
             total += nh * (config.qk_nope_head_dim + config.v_head_dim) * config.kv_lora_rank
             total += h * nh * config.v_head_dim
         else:
-            q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+            q = config.num_attention_heads * config.head_dim
+            kv = config.num_key_value_heads * config.head_dim
             total += (q + 2 * kv) * h + h * q + 2 * config.head_dim
         if config.is_moe_layer(layer):
-            total += config.num_experts * 3 * config.moe_intermediate_size * h + config.num_experts * h
+            total += config.num_experts * (3 * config.moe_intermediate_size * h + h)
             total += 3 * config.n_shared_experts * config.moe_intermediate_size * h
             total += config.num_experts if config.is_mla else 0  # e_score_correction_bias
         else:

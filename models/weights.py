@@ -40,7 +40,8 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str
 
 @torch.no_grad()
 def init_random_weights(model: nn.Module, num_layers: int, seed: int) -> None:
-    """Fill every parameter from one generator seeded by ``seed`` (same seed, device -> same bits)."""
+    """Fill every parameter from one generator seeded by ``seed`` (same seed and device, same
+    bits)."""
     first = next(model.parameters())
     generator = torch.Generator(device=first.device).manual_seed(seed)
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}

@@ -38,7 +38,8 @@ def _yarn_inv_freq(dim: int, base: float, scaling: dict[str, Any],
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         if mscale and mscale_all_dim:
-            attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+            attention_factor = (yarn_get_mscale(factor, mscale)
+                                / yarn_get_mscale(factor, mscale_all_dim))
         else:
             attention_factor = yarn_get_mscale(factor)
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
@@ -55,7 +56,8 @@ def _yarn_inv_freq(dim: int, base: float, scaling: dict[str, Any],
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = ((1.0 / (factor * pos_freqs)) * (1 - extrapolation)
+                + (1.0 / pos_freqs) * extrapolation)
     return inv_freq, float(attention_factor)
 
 

@@ -77,8 +77,7 @@ def test_build_model_is_seeded():
     a, _ = build_model("tiny-qwen3-moe", dtype=torch.float32, device="cpu", seed=1)
     b, _ = build_model("tiny-qwen3-moe", dtype=torch.float32, device="cpu", seed=1)
     c, _ = build_model("tiny-qwen3-moe", dtype=torch.float32, device="cpu", seed=2)
-    for (name, pa), pb, pc in zip(a.state_dict().items(), b.state_dict().values(),
-                                  c.state_dict().values()):
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
 

@@ -40,7 +40,8 @@ def test_sharded_checkpoint_matches_single_file(checkpoint, tmp_path):
     assert (sharded / "model.safetensors.index.json").exists()
     ours, _ = load_model(sharded, dtype=torch.float32, device="cpu")
     single, _ = load_model(checkpoint, dtype=torch.float32, device="cpu")
-    for (name, a), (_, b) in zip(ours.state_dict().items(), single.state_dict().items()):
+    for (name, a), (_, b) in zip(ours.state_dict().items(), single.state_dict().items(),
+                                     strict=True):
         assert torch.equal(a, b), name
 
 
@@ -54,18 +55,22 @@ def test_unsupported_architecture(ckpt):
 
 def test_missing_tensor(ckpt):
     edit_tensors(ckpt, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_proj"):
+    with pytest.raises(CheckpointError,
+                       match=r"missing tensor 'model\.layers\.1\.self_attn\.k_proj"):
         load_model(ckpt, dtype=torch.float32, device="cpu")
 
 
 def test_unexpected_tensor(ckpt):
-    edit_tensors(ckpt, lambda t: t.update({"model.layers.0.self_attn.extra.weight": torch.ones(2)}))
-    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.extra"):
+    extra = {"model.layers.0.self_attn.extra.weight": torch.ones(2)}
+    edit_tensors(ckpt, lambda t: t.update(extra))
+    with pytest.raises(CheckpointError,
+                       match=r"unexpected tensor 'model\.layers\.0\.self_attn\.extra"):
         load_model(ckpt, dtype=torch.float32, device="cpu")
 
 
 def test_shape_mismatch(ckpt):
-    edit_tensors(ckpt, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(8)}))
+    wrong = {"model.layers.0.self_attn.q_norm.weight": torch.ones(8)}
+    edit_tensors(ckpt, lambda t: t.update(wrong))
     with pytest.raises(CheckpointError,
                        match=r"shape mismatch for 'model\.layers\.0\.self_attn\.q_norm\.weight': "
                              r"expected \(16,\), found \(8,\)"):

@@ -32,7 +32,8 @@ def test_qwen3_matches_transformers(tmp_path, tie):
     model, config = load_model(save_hf(hf_model, tmp_path), dtype=torch.float32, device="cpu")
     assert config.tie_word_embeddings == tie
     gen = torch.Generator().manual_seed(1)
-    prompt, decode_ids = torch.randint(0, 256, (11,), generator=gen), torch.randint(0, 256, (4,), generator=gen)
+    prompt = torch.randint(0, 256, (11,), generator=gen)
+    decode_ids = torch.randint(0, 256, (4,), generator=gen)
     ours = run_sequence(model, prompt, decode_ids, OpsConfig(mode=Mode.CORUN, backend="torch"))
     ref = run_hf_sequence(hf_model, prompt, decode_ids)
     err = relative_error(ours, ref)
