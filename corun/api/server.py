@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -213,21 +214,8 @@ def create_app(
     app.state.corun = state
     _install_error_handlers(app, state)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if state.api_key is not None and request.url.path not in AUTH_EXEMPT_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                state.metrics.observe_error(401)
-                error = APIError(
-                    401,
-                    "Invalid or missing API key (Authorization: Bearer ...).",
-                    None,
-                    type="authentication_error",
-                    code="invalid_api_key",
-                )
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key, metrics=metrics)
 
     @app.get("/health")
     async def health() -> Response:
@@ -300,6 +288,31 @@ def create_app(
     return app
 
 
+class BearerAuth:
+    """401 unless ``Authorization: Bearer <api_key>``; health and metrics stay open.
+
+    A plain ASGI middleware, not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware wraps
+    ``receive``, which hides the client's disconnect from ``Request.is_disconnected`` (and so
+    from the abort of a non-streamed request whose client went away).
+    """
+
+    def __init__(self, app: Any, api_key: str, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in AUTH_EXEMPT_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                self.metrics.observe_error(401)
+                error = APIError(401, "Invalid or missing API key (Authorization: Bearer ...).",
+                                 None, type="authentication_error", code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _render_chat(
     state: ServerState,
     messages: list,
@@ -366,13 +379,19 @@ async def _events(
     by_id = {sub.request_id: sub for sub in subs}
     unfinished = set(by_id)
     try:
+        next_check = time.monotonic() + DISCONNECT_POLL_S
         while unfinished:
             try:
                 request_id, item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                item = None
+            # Checked by the clock, not only on a timeout: outputs may arrive every few ms.
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_POLL_S
                 if await raw.is_disconnected():
                     logger.info("client disconnected; aborting %d request(s)", len(unfinished))
                     return
+            if item is None:
                 continue
             if isinstance(item, EngineError):
                 raise APIError(
