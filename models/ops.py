@@ -1,7 +1,8 @@
 """The op dispatch every layer calls: Triton launchers or plain torch, chosen by ``OpsConfig``.
 
-``backend="triton"`` calls the ``kernels/`` launchers with ``ops.mode`` (imported lazily, so a
-model can be built before every kernel file exists and the torch path never imports triton).
+``backend="triton"`` calls the ``kernels/`` launchers with ``ops.mode``, each imported on first
+use, so the torch path never depends on a launcher file.
+
 
 ``backend="torch"`` is the CPU engine's path. Its invariances:
 
