@@ -3,7 +3,6 @@
 ``backend="triton"`` calls the ``kernels/`` launchers with ``ops.mode``, each imported on first
 use, so the torch path never depends on a launcher file.
 
-
 ``backend="torch"`` is the CPU engine's path. Its invariances:
 
 - every op is position-invariant at a fixed shape (a row's result depends on its own data and
