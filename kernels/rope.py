@@ -219,6 +219,22 @@ def _yarn_inv_freq(rotary_dim: int, base: float, params: dict) -> tuple[torch.Te
     return inv_freq, float(attention_factor)
 
 
+def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim / 2] fp32, attention_factor) for plain RoPE or YaRN, as transformers'
+    rope init functions return them (``rope_theta`` inside ``scaling`` overrides ``base``)."""
+    params = _rope_params(scaling)
+    base = float(params.get("rope_theta", base))
+    if not base > 0:
+        raise ValueError(f"base: expected a positive float, got {base!r}")
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        return inv_freq, 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(rotary_dim, base, params)
+    raise ValueError(f"scaling: rope_type {kind!r} not supported (default, yarn)")
+
+
 def build_rope_cache(
     rotary_dim: int,
     max_position: int,
@@ -238,18 +254,7 @@ def build_rope_cache(
         raise ValueError(f"rotary_dim: expected a positive even int, got {rotary_dim!r}")
     if not isinstance(max_position, int) or max_position <= 0:
         raise ValueError(f"max_position: expected a positive int, got {max_position!r}")
-    params = _rope_params(scaling)
-    base = float(params.get("rope_theta", base))
-    if not base > 0:
-        raise ValueError(f"base: expected a positive float, got {base!r}")
-    kind = params.get("rope_type", "default")
-    if kind == "default":
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-        attention_factor = 1.0
-    elif kind == "yarn":
-        inv_freq, attention_factor = _yarn_inv_freq(rotary_dim, base, params)
-    else:
-        raise ValueError(f"scaling: rope_type {kind!r} not supported (default, yarn)")
+    inv_freq, attention_factor = rope_inv_freq(rotary_dim, base, scaling)
     angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
     cache = torch.cat([angles.cos() * attention_factor, angles.sin() * attention_factor], dim=-1)
     return cache.to(dtype=dtype, device=device)

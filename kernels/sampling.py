@@ -58,20 +58,6 @@ def _philox_uniform(offs, position, sample_index, seed):
 
 
 @triton.jit
-def _order_key(s):
-    """Map fp32 to int64 with the same order (negative bit patterns flipped below the positives)."""
-    bits = s.to(tl.int32, bitcast=True)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-
-
-@triton.jit
-def _scaled_block(row_ptr, cols, mask, temp):
-    """Logits / temperature in fp32 (IEEE division, as the torch reference divides)."""
-    x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    return tl.math.div_rn(x, tl.zeros_like(x) + temp)
-
-
-@triton.jit
 def _sample_kernel(
     # pointers
     logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, sample_indices_ptr,
@@ -91,6 +77,10 @@ def _sample_kernel(
     top_k = tl.load(top_k_ptr + row).to(tl.int64)
     top_p = tl.load(top_p_ptr + row).to(tl.float32)
     offs = tl.arange(0, BLOCK_V)
+    temp_block = tl.zeros([BLOCK_V], tl.float32) + temp
+    # Every sweep recomputes s = logits / T and its order key inline (fp32 bits with negative
+    # patterns flipped below the positives); inlined rather than a helper because each nested
+    # jit call costs milliseconds under the interpreter.
 
     # Sweep 1: the range of keys and the max scaled logit.
     key_min = tl.zeros([], tl.int64) + (1 << 40)
@@ -99,8 +89,10 @@ def _sample_kernel(
     for start in range(0, vocab, BLOCK_V):
         cols = start + offs
         mask = cols < vocab
-        s = _scaled_block(row_ptr, cols, mask, temp)
-        key = _order_key(s)
+        x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        s = tl.math.div_rn(x, temp_block)
+        bits = s.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
         key_min = tl.minimum(key_min, tl.min(tl.where(mask, key, 1 << 40), axis=0))
         key_max = tl.maximum(key_max, tl.max(tl.where(mask, key, -(1 << 40)), axis=0))
         s_max = tl.maximum(s_max, tl.max(s, axis=0))
@@ -115,7 +107,9 @@ def _sample_kernel(
         for start in range(0, vocab, BLOCK_V):
             cols = start + offs
             mask = cols < vocab
-            key = _order_key(_scaled_block(row_ptr, cols, mask, temp))
+            x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            bits = tl.math.div_rn(x, temp_block).to(tl.int32, bitcast=True)
+            key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
             count += tl.sum((mask & (key >= mid)).to(tl.int64), axis=0)
         exact = count == top_k  # exactly k kept: the set is pinned, stop
         lo = tl.where(count >= top_k, mid, lo)
@@ -130,8 +124,10 @@ def _sample_kernel(
     for start in range(0, tl.where(do_top_p, vocab, 0), BLOCK_V):
         cols = start + offs
         mask = cols < vocab
-        s = _scaled_block(row_ptr, cols, mask, temp)
-        key = _order_key(s)
+        x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        s = tl.math.div_rn(x, temp_block)
+        bits = s.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
         in_k = mask & (key >= t_k)
         z += tl.sum(tl.where(in_k, tl.exp(s - s_max), 0.0), axis=0)
         n_kept += tl.sum(in_k.to(tl.int64), axis=0)
@@ -151,8 +147,10 @@ def _sample_kernel(
         for start in range(0, vocab, BLOCK_V):
             cols = start + offs
             mask = cols < vocab
-            s = _scaled_block(row_ptr, cols, mask, temp)
-            key = _order_key(s)
+            x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            s = tl.math.div_rn(x, temp_block)
+            bits = s.to(tl.int32, bitcast=True)
+            key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
             in_k = mask & (key >= t_k)
             mass += tl.sum(tl.where(in_k & (key > mid), tl.exp(s - s_max), 0.0), axis=0)
             n_above += tl.sum((in_k & (key > mid)).to(tl.int64), axis=0)
@@ -174,9 +172,11 @@ def _sample_kernel(
         cols = start + offs
         mask = cols < vocab
         x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        s = tl.math.div_rn(x, tl.zeros_like(x) + temp)
+        s = tl.math.div_rn(x, temp_block)
+        bits = s.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
         u = _philox_uniform(cols, position, sample_index, seed)
-        noisy = tl.where(_order_key(s) >= threshold, s - tl.log(-tl.log(u)), float("-inf"))
+        noisy = tl.where(key >= threshold, s - tl.log(-tl.log(u)), float("-inf"))
         val = tl.where(mask, tl.where(is_greedy, x, noisy), float("-inf"))
         block_val, block_idx = tl.max(val, axis=0, return_indices=True,
                                       return_indices_tie_break_left=True)
