@@ -23,8 +23,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
 MAX_MODEL_LEN = 128
 # Small sizes keep the CPU steps cheap: the tiny default model decodes 16 slots in a few ms.
-COMMON_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--prefill-chunk-size", "64",
-               "--log-level", "warning"]
+COMMON_ARGS = [
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--prefill-chunk-size",
+    "64",
+    "--log-level",
+    "warning",
+]
 
 
 @dataclass
@@ -72,13 +78,23 @@ def launch(log_dir: Path, name: str, *args: str, api_key: str | None = None) -> 
     env = dict(os.environ)
     # One intra-op thread: on a small shared CPU, OpenMP spinning makes each step 10-20x slower.
     env.setdefault("OMP_NUM_THREADS", "1")
-    command = [sys.executable, "-m", "corun.serve", "--host", "127.0.0.1", "--port", str(port),
-               *COMMON_ARGS, *args]
+    command = [
+        sys.executable,
+        "-m",
+        "corun.serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *COMMON_ARGS,
+        *args,
+    ]
     if api_key:
         command += ["--api-key", api_key]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     server = Server(f"http://127.0.0.1:{port}", proc, log_path, api_key)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -97,8 +113,9 @@ def launch(log_dir: Path, name: str, *args: str, api_key: str | None = None) -> 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory):
     """The main server: corun mode, 16 decode slots, the default queue limit."""
-    srv = launch(tmp_path_factory.mktemp("serve"), "corun", "--mode", "corun",
-                 "--max-num-seqs", "16")
+    srv = launch(
+        tmp_path_factory.mktemp("serve"), "corun", "--mode", "corun", "--max-num-seqs", "16"
+    )
     yield srv
     srv.stop()
 
@@ -106,8 +123,15 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def guarded_server(tmp_path_factory: pytest.TempPathFactory):
     """An API key, one running sequence and a queue of one: for the 401 and 503 tests."""
-    srv = launch(tmp_path_factory.mktemp("serve"), "guarded", "--max-num-seqs", "1",
-                 "--max-queue-len", "1", api_key="test-key")
+    srv = launch(
+        tmp_path_factory.mktemp("serve"),
+        "guarded",
+        "--max-num-seqs",
+        "1",
+        "--max-queue-len",
+        "1",
+        api_key="test-key",
+    )
     yield srv
     srv.stop()
 

@@ -41,16 +41,23 @@ def test_specials_ids_eos_and_chat_template(tokenizer: Tokenizer):
     assert tokenizer.decode([257, 104, 258], skip_special_tokens=False) == "<|im_start|>h<|im_end|>"
 
 
-def _stream(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...] = (),
-            finish: tuple[str, str | None] = ("length", None)) -> tuple[list[str], str]:
+def _stream(
+    tokenizer: Tokenizer,
+    ids: list[int],
+    stop: tuple[str, ...] = (),
+    finish: tuple[str, str | None] = ("length", None),
+) -> tuple[list[str], str]:
     """Feed ids one per step into a ChoiceState; returns the deltas and the final text."""
     choice = ChoiceState(index=0, prompt_len=1, decode=tokenizer.decode, stop_strings=stop)
     deltas = []
     for end in range(1, len(ids) + 1):
         last = end == len(ids)
         output = SimpleNamespace(
-            token_ids=ids[:end], logprobs=None, text=None,
-            finish_reason=finish[0] if last else None, stop_reason=finish[1] if last else None,
+            token_ids=ids[:end],
+            logprobs=None,
+            text=None,
+            finish_reason=finish[0] if last else None,
+            stop_reason=finish[1] if last else None,
             fingerprint="f" if last else None,
         )
         choice.update(output, seed=1)

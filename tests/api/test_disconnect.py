@@ -18,8 +18,10 @@ def _wait_for_idle(server: Server, timeout_s: float = 20.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         metrics = server.metrics()
-        idle = (metrics["corun:kv_cache_blocks_used"] == 0
-                and metrics["corun:num_requests_running"] == 0)
+        idle = (
+            metrics["corun:kv_cache_blocks_used"] == 0
+            and metrics["corun:num_requests_running"] == 0
+        )
         if idle or time.monotonic() > deadline:
             return metrics
         time.sleep(0.2)
@@ -61,4 +63,6 @@ def test_disconnect_while_waiting_for_a_whole_response(server: Server):
     assert after["corun:num_requests_running"] == 0
     # And the server carries on.
     with server.client() as client:
-        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        assert (
+            client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        )

@@ -79,7 +79,9 @@ def test_bad_requests_answer_400_naming_the_field(client: httpx.Client):
 
 def test_malformed_json_and_wrong_body(client: httpx.Client):
     for raw in (b'{"prompt": "x",', b"not json", b"[1, 2]", b""):
-        response = client.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+        response = client.post(
+            COMPLETIONS, content=raw, headers={"content-type": "application/json"}
+        )
         assert response.status_code == 400, (raw, response.text)
         assert response.json()["error"]["type"] == "invalid_request_error"
     # Negative control: the same path with a valid body is a 200, so the 400s above are the body's.
@@ -111,11 +113,13 @@ def test_full_queue_answers_503(guarded_server: Server):
 
     async def burst() -> list[httpx.Response]:
         headers = {"Authorization": f"Bearer {guarded_server.api_key}"}
-        async with httpx.AsyncClient(base_url=guarded_server.base_url, headers=headers,
-                                     timeout=60.0) as client:
+        async with httpx.AsyncClient(
+            base_url=guarded_server.base_url, headers=headers, timeout=60.0
+        ) as client:
             body = {"prompt": "x", "max_tokens": 24, "ignore_eos": True}
-            return await asyncio.gather(*(client.post("/v1/completions", json=body)
-                                          for _ in range(8)))
+            return await asyncio.gather(
+                *(client.post("/v1/completions", json=body) for _ in range(8))
+            )
 
     responses = asyncio.run(burst())
     statuses = sorted(r.status_code for r in responses)
@@ -127,4 +131,6 @@ def test_full_queue_answers_503(guarded_server: Server):
             assert response.json()["usage"]["completion_tokens"] == 24
     # The refusals did not wedge the server.
     with guarded_server.client() as client:
-        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+        assert (
+            client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+        )

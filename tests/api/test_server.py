@@ -22,7 +22,7 @@ def _sse_events(response: httpx.Response) -> list[str]:
     """The data payloads of an SSE response, in order (blank separators dropped)."""
     lines = [line for line in response.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines), lines
-    return [line[len("data: "):] for line in lines]
+    return [line[len("data: ") :] for line in lines]
 
 
 def test_health_and_models(client: httpx.Client):
@@ -57,7 +57,10 @@ def test_same_seed_same_output_other_seed_differs(client: httpx.Client):
     again = _complete(client, seed=11, return_token_ids=True)["choices"][0]
     other = _complete(client, seed=12, return_token_ids=True)["choices"][0]
     assert (again["token_ids"], again["text"], again["fingerprint"]) == (
-        first["token_ids"], first["text"], first["fingerprint"])
+        first["token_ids"],
+        first["text"],
+        first["fingerprint"],
+    )
     # Negative control: the fingerprint does tell two samples apart.
     assert other["fingerprint"] != first["fingerprint"]
 
@@ -67,14 +70,22 @@ def test_drawn_seed_is_reported_and_replays(client: httpx.Client):
     drawn = _complete(client, return_token_ids=True)["choices"][0]
     assert isinstance(drawn["seed"], int)
     replay = _complete(client, seed=drawn["seed"], return_token_ids=True)["choices"][0]
-    assert (replay["token_ids"], replay["fingerprint"]) == (drawn["token_ids"], drawn["fingerprint"])
+    assert (replay["token_ids"], replay["fingerprint"]) == (
+        drawn["token_ids"],
+        drawn["fingerprint"],
+    )
 
 
 def test_stream_matches_non_stream(client: httpx.Client):
     """SSE chunks carry the same text as the whole response, a usage chunk, then [DONE]."""
     whole = _complete(client, seed=5)
-    request = {"prompt": "Hello", "max_tokens": 8, "seed": 5, "stream": True,
-               "stream_options": {"include_usage": True}}
+    request = {
+        "prompt": "Hello",
+        "max_tokens": 8,
+        "seed": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with client.stream("POST", "/v1/completions", json=request) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -94,16 +105,20 @@ def test_stream_matches_non_stream(client: httpx.Client):
 
 def test_chat_stream_and_whole(client: httpx.Client):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    whole = client.post("/v1/chat/completions", json={
-        "messages": messages, "max_completion_tokens": 6, "seed": 9}).json()
+    whole = client.post(
+        "/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 6, "seed": 9}
+    ).json()
     assert whole["object"] == "chat.completion"
     message = whole["choices"][0]["message"]
     assert message["role"] == "assistant" and isinstance(message["content"], str)
     # The prompt is the ChatML rendering of the messages.
     rendered = client.post("/tokenize", json={"messages": messages}).json()["count"]
     assert whole["usage"]["prompt_tokens"] == rendered
-    with client.stream("POST", "/v1/chat/completions", json={
-            "messages": messages, "max_completion_tokens": 6, "seed": 9, "stream": True}) as r:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": messages, "max_completion_tokens": 6, "seed": 9, "stream": True},
+    ) as r:
         events = _sse_events(r)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -130,9 +145,16 @@ def test_logprobs(client: httpx.Client):
     lp = choice["logprobs"]
     assert len(lp["token_logprobs"]) == len(choice["token_ids"]) == len(lp["tokens"])
     assert all(x <= 0.0 for x in lp["token_logprobs"])
-    chat = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "seed": 2,
-        "logprobs": True, "top_logprobs": 1}).json()
+    chat = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 3,
+            "seed": 2,
+            "logprobs": True,
+            "top_logprobs": 1,
+        },
+    ).json()
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == chat["usage"]["completion_tokens"]
     assert all(t["top_logprobs"][0]["logprob"] == t["logprob"] for t in content)
@@ -143,8 +165,14 @@ def test_stop_token_ids_and_stop_strings(client: httpx.Client):
     base = _complete(client, seed=31, max_tokens=12, ignore_eos=True, return_token_ids=True)
     ids, text = base["choices"][0]["token_ids"], base["choices"][0]["text"]
     stop_id = ids[3]
-    cut = _complete(client, seed=31, max_tokens=12, ignore_eos=True, return_token_ids=True,
-                    stop_token_ids=[stop_id])["choices"][0]
+    cut = _complete(
+        client,
+        seed=31,
+        max_tokens=12,
+        ignore_eos=True,
+        return_token_ids=True,
+        stop_token_ids=[stop_id],
+    )["choices"][0]
     assert cut["token_ids"] == ids[: ids.index(stop_id) + 1]
     assert (cut["finish_reason"], cut["stop_reason"]) == ("stop", stop_id)
     stop_char = next(ch for ch in text[1:] if ch != "\ufffd" and ch.isprintable())
@@ -157,15 +185,20 @@ def test_openai_client(server: Server):
     """The official openai client talks to the server, streaming included."""
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-    completion = client.completions.create(model="corun-default", prompt="Hi", max_tokens=5,
-                                           seed=4)
+    completion = client.completions.create(model="corun-default", prompt="Hi", max_tokens=5, seed=4)
     assert completion.choices[0].model_extra["seed"] == 4
     chat = client.chat.completions.create(
-        model="corun-default", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, seed=4)
+        model="corun-default", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, seed=4
+    )
     assert chat.choices[0].message.role == "assistant"
     stream = client.chat.completions.create(
-        model="corun-default", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, seed=4,
-        stream=True, stream_options={"include_usage": True})
+        model="corun-default",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        seed=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat.choices[0].message.content
