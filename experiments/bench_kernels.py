@@ -39,8 +39,14 @@ def run_family(name: str, quick: bool) -> tuple[list[dict], list[dict], list[dic
         try:
             sink.extend(fn())
         except Exception as exc:
-            errors.append({"family": name, "stage": stage, "error": repr(exc),
-                           "traceback": traceback.format_exc()[-2000:]})
+            errors.append(
+                {
+                    "family": name,
+                    "stage": stage,
+                    "error": repr(exc),
+                    "traceback": traceback.format_exc()[-2000:],
+                }
+            )
         print(f"[{name}] {stage}: {time.perf_counter() - start:.1f}s", flush=True)
     return timings, checks, errors
 
@@ -57,11 +63,14 @@ def plot_ratios(records: list[dict], path: Path) -> None:
         return
     ops = sorted({r["op"] for r in rows})
     fig, axes = plt.subplots(len(ops), 1, figsize=(14, 3.2 * len(ops)), squeeze=False)
-    for ax, op in zip(axes[:, 0], ops):
+    for ax, op in zip(axes[:, 0], ops, strict=True):
         sub = [r for r in rows if r["op"] == op]
-        labels = [f'{r["policy"][:4]} M{r["M"]} N{r["N"]} K{r["K"]}' for r in sub]
-        ax.bar(range(len(sub)), [r["ratio"] for r in sub],
-               color=["tab:blue" if r["policy"] == "corun" else "tab:gray" for r in sub])
+        labels = [f"{r['policy'][:4]} M{r['M']} N{r['N']} K{r['K']}" for r in sub]
+        ax.bar(
+            range(len(sub)),
+            [r["ratio"] for r in sub],
+            color=["tab:blue" if r["policy"] == "corun" else "tab:gray" for r in sub],
+        )
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_title(f"{op}: peer time / ours (higher is better); peer = {sub[0]['peer']}")
         ax.set_xticks(range(len(sub)))
@@ -89,13 +98,17 @@ def main(argv: list[str] | None = None) -> int:
         checks += c
         errors += e
     path = harness.write_results(
-        "kernels-h200", timings + checks + [{"error": True, **e} for e in errors], args.out,
+        "kernels-h200",
+        timings + checks + [{"error": True, **e} for e in errors],
+        args.out,
         quick=args.quick,
     )
     plot_ratios(timings, path.with_suffix(".png"))
     failed = [c for c in checks if not c.get("passed") and not c.get("negative_control")]
-    print(f"wrote {path}: {len(timings)} timings, {len(checks)} checks "
-          f"({len(failed)} failed), {len(errors)} errors")
+    print(
+        f"wrote {path}: {len(timings)} timings, {len(checks)} checks "
+        f"({len(failed)} failed), {len(errors)} errors"
+    )
     for e in errors:
         print("ERROR", e["family"], e["stage"], e["error"])
     return 0

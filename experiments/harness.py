@@ -29,7 +29,9 @@ def bench_us(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -
     """Median time of ``fn`` in microseconds (do_bench: CUDA events, L2 flushed between runs)."""
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+    return (
+        float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+    )
 
 
 def memory_bound_us(num_bytes: float, bandwidth: float = H200_BANDWIDTH_BYTES_PER_S) -> float:
@@ -56,7 +58,9 @@ def header(command: str | None = None, **extra: object) -> dict:
     }
 
 
-def write_results(name: str, records: list[dict], out_dir: Path | str | None = None, **extra) -> Path:
+def write_results(
+    name: str, records: list[dict], out_dir: Path | str | None = None, **extra
+) -> Path:
     """Write ``[header, *records]`` to ``<out_dir or results>/<name>.json``; returns the path."""
     out = Path(out_dir or os.environ.get("CORUN_RESULTS_DIR", RESULTS_DIR))
     out.mkdir(parents=True, exist_ok=True)
@@ -66,12 +70,28 @@ def write_results(name: str, records: list[dict], out_dir: Path | str | None = N
 
 
 def kernel_record(
-    op: str, policy: str, m: int, n: int, k: int, dtype: torch.dtype,
-    us: float, peer: str, peer_us: float, **extra: object,
+    op: str,
+    policy: str,
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    us: float,
+    peer: str,
+    peer_us: float,
+    **extra: object,
 ) -> dict:
     """One row of kernels-h200.json; ratio = peer_us / us (higher is better for us)."""
     return {
-        "op": op, "policy": policy, "M": m, "N": n, "K": k,
-        "dtype": str(dtype).removeprefix("torch."), "us": round(us, 3), "peer": peer,
-        "peer_us": round(peer_us, 3), "ratio": round(peer_us / us, 4) if us > 0 else None, **extra,
+        "op": op,
+        "policy": policy,
+        "M": m,
+        "N": n,
+        "K": k,
+        "dtype": str(dtype).removeprefix("torch."),
+        "us": round(us, 3),
+        "peer": peer,
+        "peer_us": round(peer_us, 3),
+        "ratio": round(peer_us / us, 4) if us > 0 else None,
+        **extra,
     }

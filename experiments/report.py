@@ -30,9 +30,11 @@ def _load(name: str) -> tuple[dict, list[dict]] | None:
 
 
 def _source(head: dict, name: str) -> str:
-    return (f"_{head.get('machine', '?')}, torch {head.get('torch', '?')}, triton "
-            f"{head.get('triton', '?')}, {head.get('date', '?')}; `experiments/results/{name}.json`, "
-            f"command `{head.get('command', '?')}`_")
+    return (
+        f"_{head.get('machine', '?')}, torch {head.get('torch', '?')}, triton "
+        f"{head.get('triton', '?')}, {head.get('date', '?')}; `experiments/results/{name}.json`, "
+        f"command `{head.get('command', '?')}`_"
+    )
 
 
 def _table(header: list[str], rows: list[list[object]]) -> str:
@@ -51,23 +53,71 @@ def kernels_block(head: dict, records: list[dict]) -> str:
     timings = [r for r in records if "us" in r and not r.get("error")]
     checks = [r for r in records if "passed" in r]
     errors = [r for r in records if r.get("error")]
-    rows = [[r["op"], r["policy"], r["M"], r["N"], r["K"], r["dtype"], _fmt(r["us"], 1),
-             r["peer"], _fmt(r["peer_us"], 1), _fmt(r.get("ratio")),
-             _fmt(r.get("bw_fraction"))] for r in timings]
-    parts = [_source(head, "kernels-h200"), "",
-             _table(["op", "policy", "M", "N", "K", "dtype", "us", "peer", "peer us",
-                     "peer/ours", "of bw bound"], rows)]
+    rows = [
+        [
+            r["op"],
+            r["policy"],
+            r["M"],
+            r["N"],
+            r["K"],
+            r["dtype"],
+            _fmt(r["us"], 1),
+            r["peer"],
+            _fmt(r["peer_us"], 1),
+            _fmt(r.get("ratio")),
+            _fmt(r.get("bw_fraction")),
+        ]
+        for r in timings
+    ]
+    parts = [
+        _source(head, "kernels-h200"),
+        "",
+        _table(
+            [
+                "op",
+                "policy",
+                "M",
+                "N",
+                "K",
+                "dtype",
+                "us",
+                "peer",
+                "peer us",
+                "peer/ours",
+                "of bw bound",
+            ],
+            rows,
+        ),
+    ]
     if checks:
         passed = sum(1 for c in checks if c["passed"])
-        parts += ["", f"Invariance checks at real shapes on the GPU: {passed} of {len(checks)} "
-                  "as expected.", "",
-                  _table(["op", "check", "mode", "shape", "result", "detail"],
-                         [[c["op"], c["check"], c["mode"], c.get("shape"),
-                           "pass" if c["passed"] else "FAIL", c.get("detail", "")]
-                          for c in checks])]
+        parts += [
+            "",
+            f"Invariance checks at real shapes on the GPU: {passed} of {len(checks)} as expected.",
+            "",
+            _table(
+                ["op", "check", "mode", "shape", "result", "detail"],
+                [
+                    [
+                        c["op"],
+                        c["check"],
+                        c["mode"],
+                        c.get("shape"),
+                        "pass" if c["passed"] else "FAIL",
+                        c.get("detail", ""),
+                    ]
+                    for c in checks
+                ],
+            ),
+        ]
     if errors:
-        parts += ["", "Families that failed to run: " + ", ".join(
-            f"{e.get('family')} ({e.get('stage')}: {e.get('error', '')[:80]})" for e in errors)]
+        parts += [
+            "",
+            "Families that failed to run: "
+            + ", ".join(
+                f"{e.get('family')} ({e.get('stage')}: {e.get('error', '')[:80]})" for e in errors
+            ),
+        ]
     return "\n".join(parts)
 
 
@@ -93,7 +143,11 @@ def render_readme(text: str) -> str:
     def replace(match: re.Match) -> str:
         name = match.group(1)
         loaded = _load(name)
-        body = "_not measured yet_" if loaded is None else VIEWS.get(name, generic_block(name))(*loaded)
+        body = (
+            "_not measured yet_"
+            if loaded is None
+            else VIEWS.get(name, generic_block(name))(*loaded)
+        )
         return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
 
     return re.sub(r"<!-- results:([\w.-]+) -->.*?<!-- /results:\1 -->", replace, text, flags=re.S)

@@ -6,7 +6,8 @@ Conventions (the contract the launchers follow too):
   input dtype. Call it on ``float64`` copies to get the fp64 reference the tests compare against.
 - Layouts are the launchers' layouts: ``x`` [M, K] and ``w`` [N, K] (nn.Linear), token-major
   activations [T, ...], paged KV caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` with
-  per-sequence int32 block tables, the MLA cache ``[num_blocks, block_size, kv_lora_rank + rope_dim]``.
+  per-sequence int32 block tables, the MLA cache
+  ``[num_blocks, block_size, kv_lora_rank + rope_dim]``.
 - Slot ``-1`` in a slot mapping means "padding, do not write".
 - References loop per sequence / per token where that makes them obviously right; speed is not
   their job.

@@ -48,7 +48,9 @@ def check_tensor(
     if contiguous and not tensor.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (strides {tensor.stride()})")
     if last_dim_contiguous and tensor.dim() > 0 and tensor.stride(-1) != 1:
-        raise ValueError(f"{name}: expected stride 1 in the last dim, got strides {tensor.stride()}")
+        raise ValueError(
+            f"{name}: expected stride 1 in the last dim, got strides {tensor.stride()}"
+        )
     return tensor
 
 
@@ -67,7 +69,9 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
 def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int]) -> None:
     """Exact shape check; -1 in ``expected`` matches any size."""
     shape = tuple(tensor.shape)
-    ok = len(shape) == len(expected) and all(e in (-1, s) for s, e in zip(shape, expected))
+    ok = len(shape) == len(expected) and all(
+        e in (-1, s) for s, e in zip(shape, expected, strict=True)
+    )
     if not ok:
         want = tuple("*" if e == -1 else e for e in expected)
         raise ValueError(f"{name}: expected shape {want}, got {shape}")

@@ -92,9 +92,7 @@ class KVCacheSpec:
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        per_token = (
-            2 * self.num_kv_heads * self.head_dim if self.kind == "mha" else self.entry_dim
-        )
+        per_token = 2 * self.num_kv_heads * self.head_dim if self.kind == "mha" else self.entry_dim
         return self.num_layers * block_size * per_token * elem
 
 
@@ -111,7 +109,12 @@ class KVCache:
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: expected >= 1, got {num_blocks}")
-        self.spec, self.num_blocks, self.block_size, self.dtype = spec, num_blocks, block_size, dtype
+        self.spec, self.num_blocks, self.block_size, self.dtype = (
+            spec,
+            num_blocks,
+            block_size,
+            dtype,
+        )
         if spec.kind == "mha":
             shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         else:

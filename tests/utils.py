@@ -37,7 +37,10 @@ def assert_close(
     if bad.any():
         idx = bad.nonzero()[:5].tolist()
         worst = (a - e).abs().max().item()
-        lines = [f"  at {i}: got {a[tuple(i)].item():.6g}, expected {e[tuple(i)].item():.6g}" for i in idx]
+        lines = [
+            f"  at {i}: got {a[tuple(i)].item():.6g}, expected {e[tuple(i)].item():.6g}"
+            for i in idx
+        ]
         raise AssertionError(
             f"{int(bad.sum())} of {bad.numel()} elements differ (dtype {dtype}, rtol {rtol}, "
             f"atol {atol:.3g}, max |diff| {worst:.3g}); first:\n" + "\n".join(lines)
@@ -47,16 +50,24 @@ def assert_close(
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
     """Invariance checks compare bits, never with a tolerance."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        raise AssertionError(f"{what}: {actual.shape}/{actual.dtype} vs {expected.shape}/{expected.dtype}")
+        raise AssertionError(
+            f"{what}: {actual.shape}/{actual.dtype} vs {expected.shape}/{expected.dtype}"
+        )
     a, e = actual.detach().cpu(), expected.detach().cpu()
     if a.is_floating_point():
         a, e = a.contiguous().view(_int_view(a.dtype)), e.contiguous().view(_int_view(e.dtype))
     diff = a != e
     if diff.any():
         idx = diff.nonzero()[:5].tolist()
-        raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} elements differ; first at {idx}")
+        raise AssertionError(
+            f"{what}: {int(diff.sum())} of {diff.numel()} elements differ; first at {idx}"
+        )
 
 
 def _int_view(dtype: torch.dtype) -> torch.dtype:
-    return {torch.float64: torch.int64, torch.float32: torch.int32,
-            torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+    return {
+        torch.float64: torch.int64,
+        torch.float32: torch.int32,
+        torch.float16: torch.int16,
+        torch.bfloat16: torch.int16,
+    }[dtype]
