@@ -32,6 +32,7 @@ from kernels.utils import (
     check_same_device,
     check_shape,
     check_tensor,
+    is_interpreter,
     next_power_of_2,
     upcast_dot_operands,
 )
@@ -46,6 +47,8 @@ H200_NUM_SMS = 132
 # in flight to reach HBM bandwidth.
 TARGET_NUM_CTAS = 2 * H200_NUM_SMS
 MAX_SPLIT_K = 16
+# A split of one K block leaves the software pipeline nothing to overlap.
+MIN_K_BLOCKS_PER_SPLIT = 2
 # Per-CTA shared memory the pipeline may use (H200: 227 KB per block; keep room for the epilogue).
 SMEM_BUDGET_BYTES = 200 * 1024
 
@@ -177,13 +180,14 @@ def _for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
 def auto_split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int) -> int:
     """Split-K count that lifts a small-M GEMM to ~TARGET_NUM_CTAS programs.
 
-    Capped by the K blocks available, by MAX_SPLIT_K, and so the fp32 workspace round trip
-    (2 * split * M * N * 4 bytes) stays under 1/8 of the 16-bit weight bytes (N * K * 2):
-    split <= K / (32 * M). Large M never splits.
+    Capped so each split keeps MIN_K_BLOCKS_PER_SPLIT K blocks, by MAX_SPLIT_K, and so the fp32
+    workspace round trip (2 * split * M * N * 4 bytes) stays under 1/8 of the 16-bit weight bytes
+    (N * K * 2): split <= K / (32 * M). Large M never splits.
     """
     num_tiles = cdiv(m, block_m) * cdiv(n, block_n)
     k_blocks = cdiv(k, block_k)
-    split = min(TARGET_NUM_CTAS // max(num_tiles, 1), k_blocks, MAX_SPLIT_K, k // (32 * max(m, 1)))
+    split = min(TARGET_NUM_CTAS // max(num_tiles, 1), k_blocks // MIN_K_BLOCKS_PER_SPLIT,
+                MAX_SPLIT_K, k // (32 * max(m, 1)))
     if split <= 1:
         return 1
     split = 1 << (split.bit_length() - 1)  # a power of two: fewer distinct configs to tune
@@ -299,6 +303,7 @@ def gemm(
         USE_WORKSPACE=use_workspace,
         EVEN_K=k % cfg.block_k == 0,
         UPCAST=upcast_dot_operands(x.dtype),
+        SERIAL_DOT=is_interpreter(),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -11,6 +11,10 @@ element from its own row and column. The only thing that sets a row's reduction 
 K walk: BLOCK_K and the split boundaries. With ``split_k > 1`` each split writes an fp32 partial
 to a workspace [split_k, M, N] and ``_splitk_reduce_kernel`` sums the partials in split order
 0, 1, ..., split_k - 1: no atomics, so a fixed shape always gives the same bits.
+
+Under the Triton interpreter (CPU tests) two constexpr flags, both off on GPUs, swap the tile
+product: UPCAST (bf16 -> fp32, the interpreter's bf16 dot is wrong) and SERIAL_DOT (a broadcast
+multiply-and-sum instead of numpy's BLAS matmul, which is not row-order invariant).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def _gemm_kernel(
     USE_WORKSPACE: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    SERIAL_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -82,7 +87,16 @@ def _gemm_kernel(
                 # Interpreter only: its bf16 dot is wrong, fp32 is exact (kernels.utils).
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if SERIAL_DOT:
+                # Interpreter only: its tl.dot is numpy's BLAS matmul, whose FMA order for a row
+                # depends on the row's slot in the BLAS micro-tile (measured: permuting rows
+                # changes fp32 bits). A broadcast product summed over the tile's K in order, then
+                # added to acc, is the same for every row, as the GPU's MMA is (DESIGN.md ground
+                # truth), and like the BLAS path it still depends on BLOCK_K.
+                prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+                acc += tl.sum(prod, axis=1)
+            else:
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         if USE_WORKSPACE:
