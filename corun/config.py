@@ -68,7 +68,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model: expected a named config or a checkpoint path, got {self.model!r}")
+            raise ValueError(
+                f"model: expected a named config or a checkpoint path, got {self.model!r}"
+            )
         if not isinstance(self.mode, Mode):
             # Mode.parse raises the ValueError naming the field; a frozen dataclass keeps what it
             # was given, so the parsed value is exposed as the ``kernel_mode`` property.
@@ -88,8 +90,8 @@ class EngineConfig:
             # One full-length sequence must always fit, or preemption could not make progress.
             if self.num_kv_blocks * self.block_size < self.max_model_len:
                 raise ValueError(
-                    f"num_kv_blocks: {self.num_kv_blocks} blocks of {self.block_size} tokens cannot "
-                    f"hold one sequence of max_model_len {self.max_model_len}"
+                    f"num_kv_blocks: {self.num_kv_blocks} blocks of {self.block_size} tokens "
+                    f"cannot hold one sequence of max_model_len {self.max_model_len}"
                 )
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(

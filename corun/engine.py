@@ -130,6 +130,10 @@ class LLMEngine:
             seq.finish_time = time.perf_counter()
         self._aborted.append(request)
 
+    @property
+    def device_is_cuda(self) -> bool:
+        return self.runner.device.type == "cuda"
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
@@ -206,7 +210,8 @@ class LLMEngine:
             seq.finish_reason = "stop"
         elif params.stop_strings and self.tokenizer is not None and self._match_stop_string(seq):
             seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        elif (seq.num_output_tokens >= params.max_tokens
+              or seq.num_tokens >= self.config.max_model_len):
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 

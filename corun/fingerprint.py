@@ -44,7 +44,9 @@ class LogitsDigest:
         import torch
 
         if logits.dtype != torch.float32 or logits.dim() != 2:
-            raise ValueError(f"logits: expected fp32 [N, V], got {logits.dtype} {tuple(logits.shape)}")
+            raise ValueError(
+                f"logits: expected fp32 [N, V], got {logits.dtype} {tuple(logits.shape)}"
+            )
         bits = logits.contiguous().view(torch.int32).to(torch.int64)  # [N, V]
         # Elementwise multiply then integer sum: both wrap mod 2**64 and are order-independent.
         d1 = (bits * self.weights[:, 0]).sum(dim=1)

@@ -87,7 +87,8 @@ class GraphRunner:
     def capture(self) -> None:
         runner = self.runner
         template = ForwardBatch(
-            is_prefill=False, positions=self.buffers.positions, slot_mapping=self.buffers.slot_mapping,
+            is_prefill=False, positions=self.buffers.positions,
+            slot_mapping=self.buffers.slot_mapping,
             block_tables=self.buffers.block_tables, kv_cache=runner.kv_cache, ops=runner.ops,
             seq_lens=self.buffers.seq_lens, max_seq_len=runner.config.max_model_len,
             token_mask=self.buffers.token_mask,

@@ -83,7 +83,7 @@ class LLM:
                                  f"{len(prompts)} prompts")
         # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
         requests = []
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p in zip(prompts, params_list, strict=True):
             ids, text = self._to_ids(prompt)
             requests.append((self.engine.validate(ids, p), p, text))
         order = [self.engine.add_request(ids, p, prompt=text) for ids, p, text in requests]

@@ -35,22 +35,26 @@ _GPU_RESERVE_BYTES = 2 << 30
 class ModelRunner:
     """Owns the model, the KV cache, the sampler and the decode graphs of one engine."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: tuple | None = None) -> None:
+        """``model``: an already built ``(model, ModelConfig)`` of ``config.model`` to reuse
+        (the benchmark runs every mode on one set of weights); built from the config otherwise."""
         from models import build_model
 
         self.config = config
         self.device = torch.device(config.resolved_device)
         self.dtype = config.torch_dtype
-        self.model, self.model_config = build_model(
-            config.model, dtype=self.dtype, device=self.device, seed=config.seed
-        )
+        if model is None:
+            model = build_model(config.model, dtype=self.dtype, device=self.device,
+                                seed=config.seed)
+        self.model, self.model_config = model
         self.ops = OpsConfig(mode=config.kernel_mode, backend=config.resolved_backend,
                              decode_split_size=config.decode_split_size)
         self.vocab_size = self.model_config.vocab_size
         self.block_width = config.max_blocks_per_seq
         spec = self.model.kv_cache_spec()
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks(spec)
-        self.kv_cache = KVCache(spec, self.num_kv_blocks, config.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(spec, self.num_kv_blocks, config.block_size, self.dtype,
+                                self.device)
         # Blocks are dim 2 of the MHA storage [L, 2, NB, ...] and dim 1 of the MLA one [L, NB, ...].
         self._block_dim = 2 if spec.kind == "mha" else 1
         self._host_kv: dict[int, torch.Tensor] = {}
@@ -120,7 +124,9 @@ class ModelRunner:
     def _max_seq_len(self, longest: int) -> int:
         return longest if self.ops.mode is Mode.DEFAULT else self.config.max_model_len
 
-    def prepare_prefill(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
+    def prepare_prefill(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
         """Chunks back to back -> (input_ids [T], batch, rows of the tokens that sample)."""
         ids, positions, slots, cu, sample_rows = [], [], [], [0], []
         for chunk in chunks:
@@ -148,7 +154,9 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.int64).to(dev), batch, sample_rows
 
-    def prepare_decode(self, chunks: list[ScheduledChunk], num_slots: int) -> tuple[torch.Tensor, ForwardBatch]:
+    def prepare_decode(
+        self, chunks: list[ScheduledChunk], num_slots: int
+    ) -> tuple[torch.Tensor, ForwardBatch]:
         """One token per live sequence in slots 0..n-1, dummies up to ``num_slots``.
 
         A dummy slot has token 0 at position 0, slot -1 (nothing written), seq_len 0 (attention

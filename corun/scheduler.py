@@ -88,7 +88,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival (seq_id) order
         self.swapped: list[Sequence] = []  # arrival (seq_id) order
-        self.policy: BatchingPolicy = CoRunPolicy(config) if config.is_corun else DynamicPolicy(config)
+        self.policy: BatchingPolicy = (
+            CoRunPolicy(config) if config.is_corun else DynamicPolicy(config)
+        )
         self.num_preemptions = 0
         self._protected: set[int] = set()  # seq ids that may not be preempted this step
 

@@ -38,7 +38,8 @@ class Tokenizer:
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.add_bos_token = bool(self.config.get("add_bos_token", False)) and self.bos_token
         eos = [self.token_to_id(self.eos_token)] if self.eos_token else []
-        self.eos_token_ids = tuple(dict.fromkeys(t for t in [*eos, *extra_eos_ids] if t is not None))
+        ids = [t for t in [*eos, *extra_eos_ids] if t is not None]
+        self.eos_token_ids = tuple(dict.fromkeys(ids))
         self._template = None
 
     @classmethod
