@@ -86,6 +86,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[0]} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer (use stop_token_ids)")
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
                              f"max_model_len {self.config.max_model_len}")

@@ -32,7 +32,8 @@ class SamplingParams:
     - ``seed``: int in [0, 2**64) or None (drawn at admission and reported back).
     - ``stop``: strings that end generation (needs a tokenizer); ``stop_token_ids``: ids that do;
       ``ignore_eos``: keep going past EOS (benchmarks).
-    - ``logprobs``: None, or 0 to return the sampled token's log-probability per step.
+    - ``logprobs``: None, or an int >= 0: return the sampled token's log-probability (under the
+      untempered softmax) per step; top-N alternatives are not returned.
     """
 
     n: int = 1

@@ -137,8 +137,10 @@ def test_chat_applies_the_template():
 @pytest.mark.parametrize(
     "prompt, params, field",
     [([], None, "prompt"), ([1] * 64, None, "prompt"), ([1, 999], None, "prompt_token_ids"),
-     ("text", None, "prompt"), ([1], ["greedy"], "params")],
-    ids=["empty", "too-long", "out-of-vocab", "text-without-tokenizer", "bad-params"],
+     ("text", None, "prompt"), ([1], ["greedy"], "params"),
+     ([1], [SamplingParams(stop="x")], "stop")],
+    ids=["empty", "too-long", "out-of-vocab", "text-without-tokenizer", "bad-params",
+         "stop-string-without-tokenizer"],
 )
 def test_bad_input_raises_and_leaves_inflight_untouched(llm, prompt, params, field):
     victim = SamplingParams(max_tokens=5, seed=9)
