@@ -457,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-budget-s",
         type=float,
         default=None,
-        help="total wall budget, split over modes and runs",
+        help="wall budget of the measurements (server start-ups not included), split over "
+        "modes and runs; each run's request count is cut to fit its share",
     )
     p.add_argument("--result-name", default="serving-h200")
     p.add_argument("--result-dir", default=str(RESULTS_DIR))

@@ -1,0 +1,47 @@
+"""The serving benchmark's bookkeeping: request generation, arrivals, vLLM-style metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from experiments.bench_serving import RequestResult, arrival_gaps, make_requests, summarize
+
+
+def test_requests_are_reproducible_and_within_the_length_ranges():
+    a = make_requests(20, input_len=10, output_len=4, range_ratio=0.5, vocab_range=256, seed=3)
+    assert a == make_requests(20, 10, 4, 0.5, 256, seed=3)
+    assert a != make_requests(20, 10, 4, 0.5, 256, seed=4)
+    for prompt, out_len, seed in a:
+        assert 5 <= len(prompt) <= 15 and 2 <= out_len <= 6
+        assert all(0 <= t < 256 for t in prompt) and 0 <= seed < 2**63
+
+
+def test_poisson_gaps_have_the_requested_rate():
+    gaps = arrival_gaps(4000, rate=8.0, burstiness=1.0, seed=0)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 8.0, rel=0.05)
+    assert arrival_gaps(5, math.inf, 1.0, 0) == [0.0] * 5
+
+
+def test_summarize_uses_vllm_definitions():
+    ok = RequestResult(
+        prompt_len=10,
+        success=True,
+        output_tokens=5,
+        ttft=0.1,
+        itl=[0.02, 0.02, 0.03, 0.03],
+        latency=0.2,
+        start_time=0.0,
+    )
+    failed = RequestResult(prompt_len=7, error="HTTP 503")
+    record = summarize([ok, failed], duration=2.0)
+    assert (record["completed"], record["failed"]) == (1, 1)
+    assert record["total_input_tokens"] == 10 and record["total_output_tokens"] == 5
+    assert record["request_throughput"] == pytest.approx(0.5)
+    assert record["total_token_throughput"] == pytest.approx(7.5)
+    # TPOT = (E2EL - TTFT) / (output_len - 1)
+    assert record["mean_tpot_ms"] == pytest.approx(25.0)
+    assert record["median_itl_ms"] == pytest.approx(25.0)
+    assert record["p99_e2el_ms"] == pytest.approx(200.0)
+    assert record["errors"] == ["HTTP 503"]
