@@ -137,17 +137,20 @@ def plan(args: argparse.Namespace, cal: dict) -> tuple[int, int]:
     spent = time.perf_counter() - args.t0
     budget = args.time_budget_s - spent - 30.0 * len(args.modes)  # engine builds, graph capture
 
-    def cost(n: int, alone: int) -> float:
+    factor = sum(MODE_COST_FACTOR[m] for m in args.modes)
+    # A request alone still decodes its output_len steps one by one: the alone sample is the
+    # costly part of the audit, so it gets at most 30% of the budget.
+    solo_each = factor * (per_request + args.output_len * decode)
+    alone = max(2, min(args.alone_sample, int(0.3 * budget / solo_each)))
+
+    def cost(n: int) -> float:
         run = n * per_request + (n * args.output_len / args.max_num_seqs) * decode
-        solo = alone * (per_request + args.output_len * decode)
-        return sum(MODE_COST_FACTOR[m] * (2 * run + solo) for m in args.modes)
+        return factor * 2 * run + min(alone, n) * solo_each
 
     n = args.num_requests
-    alone = min(args.alone_sample, n)
-    while n > 1 and cost(n, alone) > budget:
-        n = max(1, int(n * 0.9))
-        alone = min(alone, max(2, n // 8), n)
-    return n, alone
+    while n > 1 and cost(n) > budget:
+        n = max(1, int(n * 0.95))
+    return n, min(alone, n)
 
 
 def bench_mode(mode: str, model, args: argparse.Namespace, work: Workload,
@@ -158,6 +161,7 @@ def bench_mode(mode: str, model, args: argparse.Namespace, work: Workload,
         max_model_len=args.input_len[1] + args.output_len,
         prefill_chunk_size=args.prefill_chunk_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_steps_between_decodes=args.max_prefill_steps_between_decodes,
         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.eager,
         num_kv_blocks=args.num_kv_blocks, seed=args.seed,
     )
@@ -239,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--alone-sample", type=int, default=32)
     parser.add_argument("--prefill-chunk-size", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--max-prefill-steps-between-decodes", type=int, default=1,
+                        help="corun's decode-stall bound")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")

@@ -14,6 +14,7 @@ step, KV pool size, a seed); the co-runners' prompts and sampling seeds come fro
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -157,6 +158,26 @@ def test_preempted_target_keeps_its_bits(mode):
     got = run_scenario(mode, PINNED[3])
     assert got.outputs[0].num_preemptions > 0, "the scenario did not preempt the target"
     assert got.fingerprint == _alone_cached(mode).fingerprint
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_corun_preemption_keeps_bits_for_moe_and_mla(model):
+    """For MoE and MLA (one latent KV tensor per layer) models too, a corun target preempted
+    beside a long co-runner ends with its fingerprint alone."""
+    config = EngineConfig(**dict(TINY, model=model), mode="corun")
+    tight = dataclasses.replace(config, num_kv_blocks=TIGHT_KV_BLOCKS)
+    results = []
+    for cfg, corunners in ((config, []), (tight, [("co", [4] * 40, SamplingParams(max_tokens=8,
+                                                                                  seed=1))])):
+        engine = LLMEngine(cfg)
+        for request_id, prompt, params in [*corunners, ("target", TARGET_PROMPT, TARGET_PARAMS)]:
+            engine.add_request(prompt, params, request_id)
+        finals: dict[str, RequestOutput] = {}
+        _drain(engine, finals)
+        results.append(finals["target"])
+    alone, preempted = results
+    assert preempted.outputs[0].num_preemptions > 0, "the scenario did not preempt the target"
+    assert preempted.fingerprint == alone.fingerprint
 
 
 @pytest.mark.parametrize("slot", [1, 3])
