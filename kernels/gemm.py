@@ -138,7 +138,8 @@ def load_tuned_table(path: Path | str) -> TunedTable:
         grouped: dict[tuple[int, int], list[tuple[int, GemmConfig]]] = {}
         for entry in data.get("entries", []):
             key = (int(entry["n"]), int(entry["k"]))
-            grouped.setdefault(key, []).append((int(entry["m"]), GemmConfig.from_dict(entry["config"])))
+            config = GemmConfig.from_dict(entry["config"])
+            grouped.setdefault(key, []).append((int(entry["m"]), config))
         bi = data.get("batch_invariant")
         return TunedTable(
             entries={key: tuple(sorted(rows, key=lambda r: r[0])) for key, rows in grouped.items()},
@@ -244,7 +245,7 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype, mode: Mode | str) ->
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -288,7 +289,8 @@ def gemm(
     k_blocks_per_split = max(1, cdiv(k_blocks, cfg.split_k))
     split_k = max(1, cdiv(k_blocks, k_blocks_per_split))  # no empty splits
     use_workspace = split_k > 1
-    target = torch.empty((split_k, m, n), dtype=torch.float32, device=device) if use_workspace else out
+    target = (torch.empty((split_k, m, n), dtype=torch.float32, device=device)
+              if use_workspace else out)
     num_work = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) * split_k
     grid = (min(num_work, _num_sms(device)) if cfg.persistent else num_work,)
     bias_arg = bias if bias is not None else out  # never read when HAS_BIAS is False

@@ -1,0 +1,199 @@
+"""GEMM on the H200: corun and batch_invariant policies vs cuBLAS, plus bitwise invariance checks.
+
+``collect()`` times ``kernels.gemm.gemm`` under ``corun`` and ``batch_invariant`` against
+``torch.nn.functional.linear`` (cuBLAS) measured in the same call, at the real (N, K) of
+``experiments.tune_gemm.gemm_shapes`` and decode/prefill M. ``check_invariance_gpu()`` checks
+position invariance (every mode), batch invariance (batch_invariant) and runs the negative controls
+(default mode across M; another BLOCK_K) in bf16 at real shapes.
+
+    python -m experiments.bench_gemm [--quick]   -> experiments/results/gemm-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):  # run as a file: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.harness import bench_us, kernel_record, memory_bound_us, write_results  # noqa: E402
+from experiments.tune_gemm import gemm_shapes  # noqa: E402
+from kernels.gemm import GemmConfig, gemm, gemm_config  # noqa: E402
+from kernels.mode import Mode  # noqa: E402
+
+DECODE_M = (1, 8, 32, 64, 128, 256)
+PREFILL_M = (512, 2048, 8192)
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+QUICK_LAYERS = ("qwen3-8b.o", "qwen3-8b.gate_up", "deepseek-v3.kv_a")
+
+
+def _require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_gemm needs a CUDA device (H200); none is available here")
+
+
+def _data(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+    w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) / math.sqrt(k)
+    return x, w
+
+
+def collect(quick: bool = False) -> list[dict]:
+    """Timing records: one per (layer, M, policy), peer cuBLAS timed at the same point."""
+    _require_cuda()
+    shapes = [s for s in gemm_shapes() if not quick or s[0] in QUICK_LAYERS]
+    m_values = (1, 64, 2048) if quick else DECODE_M + PREFILL_M
+    warmup_ms, rep_ms = (5, 20) if quick else (10, 30)
+    records = []
+    for label, n, k in shapes:
+        x_all, w = _data(max(m_values), n, k)
+        for m in m_values:
+            x = x_all[:m]
+            expected = F.linear(x, w).float()
+            cublas_us = bench_us(lambda x=x, w=w: F.linear(x, w), warmup_ms, rep_ms)
+            # Bytes every kernel must move at least once: x, w and the output, all bf16.
+            bound_us = memory_bound_us((m * k + n * k + m * n) * DTYPE.itemsize)
+            for mode in (Mode.CORUN, Mode.BATCH_INVARIANT):
+                config = gemm_config(m, n, k, DTYPE, mode)
+                out = gemm(x, w, mode=mode)
+                rel_err = ((out.float() - expected).abs().max() / expected.abs().max()).item()
+                us = bench_us(lambda x=x, w=w, mode=mode: gemm(x, w, mode=mode), warmup_ms, rep_ms)
+                records.append(kernel_record(
+                    "gemm", mode.value, m, n, k, DTYPE, us, "cublas", cublas_us,
+                    layer=label, phase="decode" if m in DECODE_M else "prefill",
+                    bound_us=round(bound_us, 3), bw_fraction=round(bound_us / us, 4),
+                    tflops=round(2 * m * n * k / us / 1e6, 2), rel_err_vs_cublas=rel_err,
+                    config=config.to_dict(),
+                ))
+                print(f"{label:28s} M={m:5d} {mode.value:16s} {us:9.2f} us  cuBLAS {cublas_us:9.2f}"
+                      f"  ratio {cublas_us / us:.3f}", flush=True)
+    return records
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def _record(check: str, mode: Mode | str, shape: tuple, passed: bool, detail: str) -> dict:
+    return {"op": "gemm", "check": check, "mode": str(mode), "shape": list(shape),
+            "passed": bool(passed), "detail": detail}
+
+
+def _position_checks(label: str, n: int, k: int, m: int, mode: Mode) -> list[dict]:
+    x, w = _data(m, n, k, seed=1)
+    out = gemm(x, w, mode=mode)
+    perm = torch.randperm(m, device=DEVICE)
+    permuted = gemm(x[perm], w, mode=mode)
+    n_perm = int((_bits(permuted) != _bits(out[perm])).sum())
+    row = m // 2
+    x_other = torch.randn_like(x)
+    x_other[row] = x[row]
+    n_other = int((_bits(gemm(x_other, w, mode=mode)[row]) != _bits(out[row])).sum())
+    return [
+        _record("position_permute_rows", mode, (m, n, k), n_perm == 0,
+                f"{label}: {n_perm} elements differ after permuting rows"),
+        _record("position_replace_other_rows", mode, (m, n, k), n_other == 0,
+                f"{label}: row {row}: {n_other} elements differ with other rows replaced"),
+    ]
+
+
+def _rows_differ_across_m(n: int, k: int, small: int, large: int, mode: Mode) -> int:
+    """Elements of the first ``small`` rows whose bits differ between M=small and M=large."""
+    x, w = _data(large, n, k, seed=2)
+    return int((_bits(gemm(x[:small], w, mode=mode)) != _bits(gemm(x, w, mode=mode)[:small])).sum())
+
+
+def check_invariance_gpu() -> list[dict]:
+    """Bitwise checks in bf16 at real shapes; each record says whether it passed and why."""
+    _require_cuda()
+    shapes = {label: (n, k) for label, n, k in gemm_shapes()}
+    labels = ("qwen3-8b.o", "qwen3-8b.qkv", "deepseek-v3.kv_a")
+    records: list[dict] = []
+    for label in labels:
+        n, k = shapes[label]
+        for mode in Mode:
+            for m in (8, 64, 256):
+                records += _position_checks(label, n, k, m, mode)
+        # Batch invariance under batch_invariant: rows of M=m equal the same rows at M=2048.
+        differing = {m: _rows_differ_across_m(n, k, m, 2048, Mode.BATCH_INVARIANT)
+                     for m in (1, 8, 32, 64, 128, 256, 512)}
+        bad = {m: d for m, d in differing.items() if d}
+        records.append(_record("batch_invariance_vs_m2048", Mode.BATCH_INVARIANT, (2048, n, k),
+                               not bad, f"{label}: differing elements per M: {bad or 'none'}"))
+        # Negative control: default mode at an M pair whose configs order the sum differently.
+        # Compare 8 rows, not 1: a changed fp32 sum flips a bf16 output bit rarely (DESIGN.md:
+        # cuBLAS changes ~6 of 4096 elements per row).
+        pairs = ((8, 2048), (8, 256), (1, 2048), (1, 64))
+        pair = next((p for p in pairs if _order(p[0], n, k) != _order(p[1], n, k)), None)
+        if pair is None:
+            records.append(_record("negative_control_default_across_m", Mode.DEFAULT, (8, n, k),
+                                   False, f"{label}: policy orders the sum alike at every M"))
+        else:
+            diff = _rows_differ_across_m(n, k, pair[0], pair[1], Mode.DEFAULT)
+            records.append(_record(
+                "negative_control_default_across_m", Mode.DEFAULT, (pair[1], n, k), diff > 0,
+                f"{label}: M={pair[0]} {_order(pair[0], n, k)} vs M={pair[1]} "
+                f"{_order(pair[1], n, k)} (block_k, split_k): {diff} elements differ "
+                "(passed = the check can fail)"))
+    # Negative controls at one shape and M (passed = the bits changed, i.e. the check can fail):
+    # another BLOCK_K (on Hopper the MMA may chain k=16 steps alike at any BLOCK_K: informative),
+    # and split-K against none (the partials regroup the sum).
+    n, k = shapes["qwen3-8b.o"]
+    x, w = _data(64, n, k, seed=3)
+    base = GemmConfig(64, 64, 32, num_warps=4, num_stages=3)
+    variants = {
+        "negative_control_block_k": [dataclasses.replace(base, block_k=bk) for bk in (64, 128)],
+        "negative_control_split_k": [dataclasses.replace(base, split_k=s) for s in (2, 4)],
+    }
+    ref = _bits(gemm(x, w, config=base))
+    for check, configs in variants.items():
+        diffs = [int((_bits(gemm(x, w, config=c)) != ref).sum()) for c in configs]
+        records.append(_record(check, "explicit", (64, n, k), any(diffs),
+                               f"elements differing from {base} for {configs}: {diffs} "
+                               "(passed = the check can fail)"))
+    return records
+
+
+def _order(m: int, n: int, k: int) -> tuple[int, int]:
+    config = gemm_config(m, n, k, DTYPE, Mode.DEFAULT)
+    return config.block_k, config.split_k
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a handful of shapes (smoke run)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gemm: needs a CUDA device (H200); nothing measured.", file=sys.stderr)
+        return 1
+    t0 = time.monotonic()
+    records = collect(quick=args.quick)
+    t_collect = time.monotonic() - t0
+    checks = check_invariance_gpu()
+    for c in checks:
+        print(f"{'PASS' if c['passed'] else 'FAIL'} {c['check']:36s} {c['mode']:16s} {c['detail']}")
+    path = write_results("gemm-h200", records + checks, quick=args.quick,
+                         collect_s=round(t_collect, 1))
+    for phase, limit in (("decode", 64), ("prefill", None)):
+        ratios = [r["ratio"] for r in records if r["policy"] == "corun" and r["phase"] == phase
+                  and (limit is None or r["M"] <= limit)]
+        if ratios:
+            print(f"corun vs cuBLAS, {phase}{f' M<={limit}' if limit else ''}: "
+                  f"min {min(ratios):.3f}, geomean "
+                  f"{math.exp(sum(math.log(r) for r in ratios) / len(ratios)):.3f}")
+    print(f"wrote {path} ({len(records)} timings in {t_collect:.0f} s, {len(checks)} checks)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
