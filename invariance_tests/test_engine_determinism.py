@@ -182,10 +182,25 @@ def test_corun_preemption_keeps_bits_for_moe_and_mla(model):
 
 @pytest.mark.parametrize("slot", [1, 3])
 def test_corun_decode_slot_does_not_matter(slot):
-    """Under corun the target decodes in slot ``slot`` (``slot`` earlier arrivals still decoding)
-    and its fingerprint equals the one from slot 0 alone."""
-    sc = Scenario(tuple((2, 8) for _ in range(slot)), slot, 0, False, 7)
-    assert run_scenario("corun", sc).fingerprint == _alone_cached("corun").fingerprint
+    """Under corun the target decodes in slot ``slot`` behind earlier arrivals, moves to lower
+    slots as they finish, and its fingerprint equals the one from slot 0 alone."""
+    engine = _engine("corun", fresh=True)
+    schedule, slots = engine.scheduler.schedule, []
+
+    def recording_schedule():
+        out = schedule()
+        if out.is_decode:
+            slots.extend(i for i, c in enumerate(out.chunks) if c.seq.request_id == "target")
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    for i in range(slot):
+        engine.add_request([5 + i, 6], SamplingParams(max_tokens=6 + 2 * i, seed=i), f"co{i}")
+    engine.add_request(TARGET_PROMPT, TARGET_PARAMS, "target")
+    finals: dict[str, RequestOutput] = {}
+    _drain(engine, finals)
+    assert slots[0] == slot and len(set(slots)) > 1, f"target slots {slots}"
+    assert finals["target"].fingerprint == _alone_cached("corun").fingerprint
 
 
 @pytest.mark.parametrize("mode", ["corun", "batch_invariant", "default"])
