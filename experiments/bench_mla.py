@@ -1,0 +1,320 @@
+"""DeepSeek-V3 MLA kernels on the H200: absorbed decode against the memory bound and a torch peer,
+expanded prefill against SDPA; bitwise invariance and accuracy at the real shapes in bf16.
+
+Shapes from NAMED_CONFIGS["deepseek-v3"]: 128 heads, latent 512, rope 64 (cache rows of 576),
+qk 192 = 128 + 64, v 128, softmax scale 192^-0.5 * mscale^2 = 0.1352.
+
+- ``mla_decode``: batch {1, 8, 32, 64, 128} x context {1024, 4096, 16384}, every sequence at the
+  full context, cache blocks of 64 tokens scattered at random. Policies ``corun`` (split 256 tokens,
+  grid for max_seq_len = the context, as max_model_len), ``corun_split1024`` (same, 1024-token
+  splits: 4x fewer fp32 partials) and ``default`` (splits from the batch). Peer: the absorbed math
+  with torch bmm on a contiguous [B, ctx, 576] cache (fp32 softmax). bound_us = cache bytes read /
+  4.3 TB/s; bw_fraction = bound_us / us. ``partial_bytes`` = the fp32 partials written and read
+  back by the split-KV combine (traffic the bound does not count).
+- ``mla_prefill``: one sequence of 512 .. 4096 tokens, causal. Peer: SDPA (flash backend where
+  it takes it) with v zero-padded to 192 outside the timed region (its output sliced to 128).
+
+    python -m experiments.bench_mla [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from experiments import harness
+from kernels.mode import Mode
+
+DTYPE = torch.bfloat16
+BLOCK_SIZE = 64
+DEVICE = "cuda"  # a module constant so a CPU dry run of the logic can point it elsewhere
+BATCHES = (1, 8, 32, 64, 128)
+CONTEXTS = (1024, 4096, 16384)
+PREFILL_LENS = (512, 1024, 2048, 4096)
+DECODE_POLICIES = (("corun", Mode.CORUN, 256), ("corun_split1024", Mode.CORUN, 1024),
+                   ("default", Mode.DEFAULT, 256))  # fmt: skip
+
+
+def _require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("experiments/bench_mla.py needs a CUDA device (H200); none is visible")
+
+
+def v3_dims() -> dict:
+    """MLA dims and softmax scale of DeepSeek-V3 from the named config."""
+    from models.config import NAMED_CONFIGS
+
+    cfg = NAMED_CONFIGS["deepseek-v3"]
+    scaling = cfg.rope_scaling or {}
+    mscale = 1.0
+    if scaling.get("mscale_all_dim"):
+        mscale = 0.1 * float(scaling["mscale_all_dim"]) * math.log(float(scaling["factor"])) + 1.0
+    qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    return {
+        "heads": cfg.num_attention_heads, "latent": cfg.kv_lora_rank, "rope": cfg.qk_rope_head_dim,
+        "qk_dim": qk_dim, "v_dim": cfg.v_head_dim, "scale": qk_dim**-0.5 * mscale**2,
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------
+
+
+def decode_inputs(dims: dict, seq_lens: list[int], max_len: int, seed: int) -> dict:
+    """Random q and a paged cache; each sequence owns a random, scattered set of blocks."""
+    torch.manual_seed(seed)
+    batch = len(seq_lens)
+    blocks_per_seq = -(-max_len // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    entry = dims["latent"] + dims["rope"]
+    cache = torch.randn(num_blocks, BLOCK_SIZE, entry, device=DEVICE, dtype=DTYPE)
+    tables = torch.randperm(num_blocks, device=DEVICE).view(batch, blocks_per_seq).to(torch.int32)
+    return {
+        "q_latent": torch.randn(batch, dims["heads"], dims["latent"], device=DEVICE, dtype=DTYPE),
+        "q_pe": torch.randn(batch, dims["heads"], dims["rope"], device=DEVICE, dtype=DTYPE),
+        "kv_cache": cache, "block_tables": tables,
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+    }  # fmt: skip
+
+
+def torch_absorbed_decode(q_full: torch.Tensor, cache: torch.Tensor, scale: float, latent: int):
+    """The peer: q [B, H, 576] against a contiguous cache [B, ctx, 576] with two bmm calls."""
+    scores = torch.bmm(q_full, cache.transpose(1, 2)).float() * scale
+    probs = torch.softmax(scores, dim=-1).to(q_full.dtype)
+    return torch.bmm(probs, cache[..., :latent])
+
+
+def _decode_records(dims: dict, batch: int, ctx: int) -> list[dict]:
+    from kernels.mla import mla_decode, mla_decode_config
+
+    x = decode_inputs(dims, [ctx] * batch, ctx, seed=batch * 100003 + ctx)
+    entry = dims["latent"] + dims["rope"]
+    # The peer's contiguous cache: every sequence's blocks gathered in order (not timed).
+    contiguous = x["kv_cache"][x["block_tables"].long()].reshape(batch, -1, entry)[:, :ctx]
+    q_full = torch.cat([x["q_latent"], x["q_pe"]], dim=-1)
+    peer_us = harness.bench_us(
+        lambda: torch_absorbed_decode(q_full, contiguous, dims["scale"], dims["latent"])
+    )
+    del contiguous
+    cache_bytes = batch * ctx * entry * x["kv_cache"].element_size()
+    bound_us = harness.memory_bound_us(cache_bytes)
+    records = []
+    for policy, mode, split_size in DECODE_POLICIES:
+        us = harness.bench_us(
+            lambda m=mode, s=split_size: mla_decode(
+                **x, scale=dims["scale"], max_seq_len=ctx, mode=m, split_size=s
+            )
+        )
+        cfg = mla_decode_config(batch, dims["heads"], dims["latent"], dims["rope"], ctx, DTYPE,
+                                mode, split_size)  # fmt: skip
+        used_splits = -(-ctx // split_size) if cfg.is_fixed_split else cfg.num_splits
+        partial_bytes = 2 * batch * dims["heads"] * used_splits * (dims["latent"] + 1) * 4
+        records.append(harness.kernel_record(
+            "mla_decode", policy, batch, dims["heads"], ctx, DTYPE, us,
+            "torch_bmm_absorbed", peer_us, batch=batch, context=ctx, split_size=split_size,
+            num_splits=cfg.num_splits, cache_bytes=cache_bytes, partial_bytes=partial_bytes,
+            bound_us=round(bound_us, 3), bw_fraction=round(bound_us / us, 4),
+        ))  # fmt: skip
+    return records
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------------------
+
+
+def prefill_inputs(dims: dict, length: int, seed: int) -> dict:
+    torch.manual_seed(seed)
+    h = dims["heads"]
+    return {
+        "q": torch.randn(length, h, dims["qk_dim"], device=DEVICE, dtype=DTYPE),
+        "k": torch.randn(length, h, dims["qk_dim"], device=DEVICE, dtype=DTYPE),
+        "v": torch.randn(length, h, dims["v_dim"], device=DEVICE, dtype=DTYPE),
+    }
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+
+
+def _prefill_record(dims: dict, length: int) -> dict:
+    import torch.nn.functional as F
+
+    from kernels.mla import mla_prefill_attention
+
+    x = prefill_inputs(dims, length, seed=length)
+    cu = _cu([length])
+    us = harness.bench_us(lambda: mla_prefill_attention(
+        x["q"], x["k"], x["v"], cu, cu, dims["scale"], max_q_len=length, mode=Mode.CORUN))
+    # SDPA wants one head dim for v too: pad v to 192 once, outside the timed region.
+    q4, k4 = (t.transpose(0, 1).unsqueeze(0) for t in (x["q"], x["k"]))
+    v_pad = F.pad(x["v"], (0, dims["qk_dim"] - dims["v_dim"])).transpose(0, 1).unsqueeze(0)
+    peer_us = harness.bench_us(lambda: F.scaled_dot_product_attention(
+        q4, k4, v_pad, is_causal=True, scale=dims["scale"])[..., : dims["v_dim"]])
+    flops = dims["heads"] * length * length * (dims["qk_dim"] + dims["v_dim"])  # causal half of 4x
+    return harness.kernel_record(
+        "mla_prefill", "corun", length, dims["heads"], length, DTYPE, us, "sdpa_v_padded_192",
+        peer_us, q_len=length, k_len=length, tflops=round(flops / us / 1e6, 2),
+        peer_tflops=round(flops / peer_us / 1e6, 2),
+    )  # fmt: skip
+
+
+def collect(quick: bool = False) -> list[dict]:
+    """Timing records for mla_decode and mla_prefill (quick: a handful of shapes)."""
+    _require_cuda()
+    dims = v3_dims()
+    batches, contexts = ((1, 64), (4096,)) if quick else (BATCHES, CONTEXTS)
+    records = []
+    for ctx in contexts:
+        for batch in batches:
+            try:
+                records.extend(_decode_records(dims, batch, ctx))
+            except Exception as exc:  # keep the rest of the sweep; record why this point is missing
+                records.append({"op": "mla_decode", "batch": batch, "context": ctx,
+                                "error": f"{type(exc).__name__}: {exc}"})  # fmt: skip
+            torch.cuda.empty_cache()
+    for length in (1024,) if quick else PREFILL_LENS:
+        try:
+            records.append(_prefill_record(dims, length))
+        except Exception as exc:
+            records.append({"op": "mla_prefill", "length": length,
+                            "error": f"{type(exc).__name__}: {exc}"})  # fmt: skip
+    return records
+
+
+# ----------------------------------------------------------------------------------------------
+# invariance and accuracy at the real shapes
+# ----------------------------------------------------------------------------------------------
+
+
+def _check(op: str, check: str, mode: Mode | str, shape: dict, passed: bool, detail: str) -> dict:
+    return {"op": op, "check": check, "mode": str(mode), "shape": shape, "passed": bool(passed),
+            "detail": detail}  # fmt: skip
+
+
+def _diff_detail(a: torch.Tensor, b: torch.Tensor) -> str:
+    bad = int((a != b).sum())
+    return f"{bad} of {a.numel()} elements differ"
+
+
+def _decode_invariance(dims: dict) -> list[dict]:
+    """Sequence 0 alone (B = 1) vs the same sequence at slot 37 of 64 beside random co-runners."""
+    from kernels.mla import mla_decode
+    from kernels.reference import mla_decode_reference
+
+    max_len, target_len, batch, slot = 4096, 3001, 64, 37
+    gen = torch.Generator(device=DEVICE).manual_seed(1234)
+    other = torch.randint(0, max_len + 1, (batch,), generator=gen, device=DEVICE).tolist()
+    lens = other[:slot] + [target_len] + other[slot + 1 :]
+    big = decode_inputs(dims, lens, max_len, seed=7)
+    # The alone batch: the target's own q and its own cache rows, in fresh block positions.
+    rows = big["kv_cache"][big["block_tables"][slot].long()]
+    alone = {
+        "q_latent": big["q_latent"][slot : slot + 1].clone(),
+        "q_pe": big["q_pe"][slot : slot + 1].clone(),
+        "kv_cache": rows.flip(0).contiguous(),
+        "block_tables": torch.arange(rows.shape[0] - 1, -1, -1, device=DEVICE,
+                                     dtype=torch.int32).view(1, -1),
+        "seq_lens": torch.tensor([target_len], dtype=torch.int32, device=DEVICE),
+    }  # fmt: skip
+    shape = {"batch": batch, "slot": slot, "target_len": target_len, "max_seq_len": max_len,
+             "heads": dims["heads"], "latent": dims["latent"], "rope": dims["rope"]}  # fmt: skip
+    records = []
+    for mode in (Mode.CORUN, Mode.BATCH_INVARIANT):
+        a = mla_decode(**alone, scale=dims["scale"], max_seq_len=max_len, mode=mode)[0]
+        b = mla_decode(**big, scale=dims["scale"], max_seq_len=max_len, mode=mode)[slot]
+        records.append(_check("mla_decode", "co_runners_and_slot", mode, shape, torch.equal(a, b),
+                              _diff_detail(a, b)))  # fmt: skip
+    # Negative control: default takes its split count from the batch and its longest sequence.
+    a = mla_decode(**alone, scale=dims["scale"], max_seq_len=target_len, mode=Mode.DEFAULT)[0]
+    b = mla_decode(**big, scale=dims["scale"], max_seq_len=max(lens), mode=Mode.DEFAULT)[slot]
+    records.append(_check(
+        "mla_decode", "negative_control_default_differs", Mode.DEFAULT, shape,
+        not torch.equal(a, b), _diff_detail(a, b) + " (a difference is expected under default; "
+        "passed=False only means this pair happened to agree)"))  # fmt: skip
+    # Accuracy of the bf16 dot path (the CPU tests cover it only through an fp32 upcast).
+    sub = slice(slot - 2, slot + 2)
+    ours = mla_decode(**big, scale=dims["scale"], max_seq_len=max_len, mode=Mode.CORUN)[sub]
+    ref = mla_decode_reference(
+        big["q_latent"][sub].double(), big["q_pe"][sub].double(), big["kv_cache"].double(),
+        big["block_tables"][sub], big["seq_lens"][sub], dims["scale"],
+    )  # fmt: skip
+    err = (ours.double() - ref).abs().max().item()
+    records.append(_check("mla_decode", "matches_fp64_reference", Mode.CORUN, shape,
+                          torch.allclose(ours.double(), ref, atol=2e-2, rtol=2e-2),
+                          f"max |diff| {err:.3g} (atol 2e-2, rtol 2e-2)"))  # fmt: skip
+    return records
+
+
+def _prefill_invariance(dims: dict) -> list[dict]:
+    """A 2000-token prompt whole vs in 512-token aligned chunks, each beside another sequence."""
+    from kernels.mla import mla_prefill_attention
+
+    length, chunk, other_len = 2000, 512, 300
+    x = prefill_inputs(dims, length, seed=99)
+    y = prefill_inputs(dims, other_len, seed=98)
+    scale = dims["scale"]
+    whole = mla_prefill_attention(x["q"], x["k"], x["v"], _cu([length]), _cu([length]), scale,
+                                  max_q_len=length)  # fmt: skip
+    pieces = []
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        q = torch.cat([y["q"], x["q"][start:end]])
+        k = torch.cat([y["k"], x["k"][:end]])
+        v = torch.cat([y["v"], x["v"][:end]])
+        out = mla_prefill_attention(q, k, v, _cu([other_len, end - start]), _cu([other_len, end]),
+                                    scale, max_q_len=max(other_len, end - start))  # fmt: skip
+        pieces.append(out[other_len:])
+    chunked = torch.cat(pieces)
+    shape = {"length": length, "chunk": chunk, "co_runner_len": other_len, "heads": dims["heads"],
+             "qk_dim": dims["qk_dim"], "v_dim": dims["v_dim"]}  # fmt: skip
+    records = [_check("mla_prefill", "chunking_and_co_runner", Mode.CORUN, shape,
+                      torch.equal(whole, chunked), _diff_detail(whole, chunked))]  # fmt: skip
+    # Accuracy on the first 256 queries of 4 heads against an fp64 softmax(q k^T) v.
+    q, k, v = (t[:256, :4].double() for t in (x["q"], x["k"], x["v"]))
+    scores = torch.einsum("lhd,shd->hls", q, k) * scale
+    scores = scores.masked_fill(torch.ones(256, 256, device=DEVICE).triu(1).bool(), float("-inf"))
+    ref = torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
+    err = (whole[:256, :4].double() - ref).abs().max().item()
+    records.append(_check("mla_prefill", "matches_fp64_reference", Mode.CORUN, shape,
+                          torch.allclose(whole[:256, :4].double(), ref, atol=2e-2, rtol=2e-2),
+                          f"max |diff| {err:.3g} (atol 2e-2, rtol 2e-2)"))  # fmt: skip
+    return records
+
+
+def check_invariance_gpu() -> list[dict]:
+    """Bitwise invariance (and bf16 accuracy) checks at DeepSeek-V3 shapes on the GPU."""
+    _require_cuda()
+    dims = v3_dims()
+    records = []
+    for name, fn in (("mla_decode", _decode_invariance), ("mla_prefill", _prefill_invariance)):
+        try:
+            records.extend(fn(dims))
+        except Exception as exc:
+            records.append(_check(name, "ran", "-", {}, False, f"{type(exc).__name__}: {exc}"))
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a handful of shapes (smoke run)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_mla: no CUDA device visible; run this on the H200", file=sys.stderr)
+        return 1
+    records = collect(quick=args.quick) + check_invariance_gpu()
+    path = harness.write_results("mla-h200", records, quick=args.quick)
+    failed = [r for r in records if r.get("error") or r.get("passed") is False]
+    print(f"wrote {path} ({len(records)} records, {len(failed)} errors or failed checks)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
