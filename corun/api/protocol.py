@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 MAX_LOGPROBS = 20
 # Beyond this, n is a denial-of-service knob more than a sampling parameter.
 MAX_N = 128
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The engine's Philox keys are 64-bit unsigned; a drawn seed can be >= 2**63 and must replay.
+MAX_SEED = 2**64 - 1
 
 
 class _Request(BaseModel):
@@ -44,7 +45,7 @@ class _SamplingFields(_Request):
     # 0 or -1 disable top-k, as in vLLM.
     top_k: int = Field(default=0, ge=-1)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -55,6 +56,7 @@ class _SamplingFields(_Request):
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
+    include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     user: str | None = None
 

@@ -55,6 +55,7 @@ class _Builder:
                     prompt_len=len(sub.prompt_ids),
                     decode=decode,
                     stop_strings=sub.params.stop_strings,
+                    include_stop_str=sub.params.include_stop_str_in_output,
                 )
         self._first_chunk_sent: set[int] = set()
 

@@ -170,6 +170,7 @@ class ServerState:
                 seed=body.seed,
                 stop=body.stop_list or None,
                 stop_token_ids=body.stop_token_ids,
+                include_stop_str_in_output=body.include_stop_str_in_output,
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
             )
@@ -355,7 +356,8 @@ async def _respond(
     except (QueueFullError, EngineDeadError) as exc:
         for sub in subs:
             state.engine_loop.abort(sub.request_id)
-        raise APIError(503, str(exc), None, type="service_unavailable", code="queue_full") from None
+        code = "queue_full" if isinstance(exc, QueueFullError) else "engine_dead"
+        raise APIError(503, str(exc), None, type="service_unavailable", code=code) from None
     events = _events(state, raw, subs, build, queue)
     if stream:
         return StreamingResponse(_sse_stream(build, events), media_type="text/event-stream")

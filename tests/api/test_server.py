@@ -63,6 +63,8 @@ def test_same_seed_same_output_other_seed_differs(client: httpx.Client):
     )
     # Negative control: the fingerprint does tell two samples apart.
     assert other["fingerprint"] != first["fingerprint"]
+    # Seeds are 64-bit unsigned (the engine may draw one >= 2**63): the largest one is accepted.
+    assert _complete(client, seed=2**64 - 1, max_tokens=1)["choices"][0]["seed"] == 2**64 - 1
 
 
 def test_drawn_seed_is_reported_and_replays(client: httpx.Client):
@@ -179,6 +181,9 @@ def test_stop_token_ids_and_stop_strings(client: httpx.Client):
     cut = _complete(client, seed=31, max_tokens=12, ignore_eos=True, stop=[stop_char])["choices"][0]
     assert cut["text"] == text[: text.index(stop_char)]
     assert (cut["finish_reason"], cut["stop_reason"]) == ("stop", stop_char)
+    kept = _complete(client, seed=31, max_tokens=12, ignore_eos=True, stop=[stop_char],
+                     include_stop_str_in_output=True)["choices"][0]
+    assert kept["text"] == text[: text.index(stop_char) + 1]
 
 
 def test_openai_client(server: Server):
