@@ -292,9 +292,9 @@ def create_app(
 class BearerAuth:
     """401 unless ``Authorization: Bearer <api_key>``; health and metrics stay open.
 
-    A plain ASGI middleware, not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware wraps
-    ``receive``, which hides the client's disconnect from ``Request.is_disconnected`` (and so
-    from the abort of a non-streamed request whose client went away).
+    A plain ASGI middleware rather than ``@app.middleware("http")``: BaseHTTPMiddleware re-wraps
+    ``receive`` and ``send`` of every request, streamed ones included, which the disconnect
+    detection of ``_events`` reads; this one passes them through untouched.
     """
 
     def __init__(self, app: Any, api_key: str, metrics: ServerMetrics) -> None:
