@@ -99,7 +99,6 @@ def _decode_records(dims: dict, batch: int, ctx: int) -> list[dict]:
     peer_us = harness.bench_us(
         lambda: torch_absorbed_decode(q_full, contiguous, dims["scale"], dims["latent"])
     )
-    del contiguous
     cache_bytes = batch * ctx * entry * x["kv_cache"].element_size()
     bound_us = harness.memory_bound_us(cache_bytes)
     records = []
@@ -151,13 +150,19 @@ def _prefill_record(dims: dict, length: int) -> dict:
 
     x = prefill_inputs(dims, length, seed=length)
     cu = _cu([length])
-    us = harness.bench_us(lambda: mla_prefill_attention(
-        x["q"], x["k"], x["v"], cu, cu, dims["scale"], max_q_len=length, mode=Mode.CORUN))
+    us = harness.bench_us(
+        lambda: mla_prefill_attention(
+            x["q"], x["k"], x["v"], cu, cu, dims["scale"], max_q_len=length, mode=Mode.CORUN
+        )
+    )
     # SDPA wants one head dim for v too: pad v to 192 once, outside the timed region.
     q4, k4 = (t.transpose(0, 1).unsqueeze(0) for t in (x["q"], x["k"]))
     v_pad = F.pad(x["v"], (0, dims["qk_dim"] - dims["v_dim"])).transpose(0, 1).unsqueeze(0)
-    peer_us = harness.bench_us(lambda: F.scaled_dot_product_attention(
-        q4, k4, v_pad, is_causal=True, scale=dims["scale"])[..., : dims["v_dim"]])
+    peer_us = harness.bench_us(
+        lambda: F.scaled_dot_product_attention(q4, k4, v_pad, is_causal=True, scale=dims["scale"])[
+            ..., : dims["v_dim"]
+        ]
+    )
     flops = dims["heads"] * length * length * (dims["qk_dim"] + dims["v_dim"])  # causal half of 4x
     return harness.kernel_record(
         "mla_prefill", "corun", length, dims["heads"], length, DTYPE, us, "sdpa_v_padded_192",

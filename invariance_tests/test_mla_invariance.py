@@ -84,7 +84,9 @@ def test_mla_decode_invariant_to_co_runners_and_slot(
     q, rows, gen = _target(seed, dtype, MAX_MODEL_LEN)
     alone = _decode_batch(q, rows, target_len, [], 0, gen, MAX_MODEL_LEN, mode, split_size)
     slot = round(slot_frac * len(other_lens))
-    batched = _decode_batch(q, rows, target_len, other_lens, slot, gen, MAX_MODEL_LEN, mode, split_size)
+    batched = _decode_batch(
+        q, rows, target_len, other_lens, slot, gen, MAX_MODEL_LEN, mode, split_size
+    )
     assert_bitwise_equal(batched, alone, f"{mode} target len {target_len} at slot {slot}")
 
 

@@ -79,7 +79,8 @@ def _host_checkable(tensor: torch.Tensor) -> bool:
 def store_mla_kv(
     latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write ``[latent | k_pe]`` ([T, Lkv], [T, R]) at flat slots of the MLA cache [NB, BS, Lkv + R].
+    """Write ``[latent | k_pe]`` ([T, Lkv], [T, R]) at flat slots of the MLA cache
+    [NB, BS, Lkv + R].
 
     Slot ``-1`` (a padded token) is skipped. A copy: exact and invariant in every mode.
     """
@@ -96,7 +97,9 @@ def store_mla_kv(
     num_blocks, block_size, _ = kv_cache.shape
     if _host_checkable(slot_mapping) and num_tokens > 0:
         if int(slot_mapping.max()) >= num_blocks * block_size:
-            raise ValueError(f"slot_mapping: slot beyond the cache's {num_blocks * block_size} slots")
+            raise ValueError(
+                f"slot_mapping: slot beyond the cache's {num_blocks * block_size} slots"
+            )
     if num_tokens == 0:
         return
     _store_mla_kv_kernel[(num_tokens,)](
@@ -188,10 +191,16 @@ def mla_decode(
     check_tensor("q_latent", q_latent, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_tensor("q_pe", q_pe, ndim=3, dtypes=(q_latent.dtype,), last_dim_contiguous=True)
     check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(q_latent.dtype,), last_dim_contiguous=True)
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), last_dim_contiguous=True)
+    check_tensor(
+        "block_tables", block_tables, ndim=2, dtypes=(torch.int32,), last_dim_contiguous=True
+    )
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), contiguous=True)
     check_same_device(
-        q_latent=q_latent, q_pe=q_pe, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens
+        q_latent=q_latent,
+        q_pe=q_pe,
+        kv_cache=kv_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
     )
     batch, num_heads, latent_dim = q_latent.shape
     check_shape("q_pe", q_pe, (batch, num_heads, -1))
@@ -213,8 +222,10 @@ def mla_decode(
     if _host_checkable(seq_lens) and batch > 0:
         longest, shortest = int(seq_lens.max()), int(seq_lens.min())
         if longest > max_seq_len or shortest < 0:
-            raise ValueError(f"seq_lens: values must lie in [0, max_seq_len={max_seq_len}], got "
-                             f"[{shortest}, {longest}]")
+            raise ValueError(
+                f"seq_lens: values must lie in [0, max_seq_len={max_seq_len}], got "
+                f"[{shortest}, {longest}]"
+            )
 
     out = torch.empty_like(q_latent)
     if batch == 0 or num_heads == 0:
@@ -225,7 +236,9 @@ def mla_decode(
     mid_out = torch.empty(
         (batch, num_heads, cfg.num_splits, latent_dim), dtype=torch.float32, device=q_latent.device
     )
-    mid_lse = torch.empty((batch, num_heads, cfg.num_splits), dtype=torch.float32, device=q_latent.device)
+    mid_lse = torch.empty(
+        (batch, num_heads, cfg.num_splits), dtype=torch.float32, device=q_latent.device
+    )
     grid = (batch, cdiv(num_heads, cfg.block_h), cfg.num_splits)
     _mla_decode_split_kernel[grid](
         q_latent, q_pe, kv_cache, block_tables, seq_lens, mid_out, mid_lse,
@@ -233,7 +246,8 @@ def mla_decode(
         scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
-        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv, BLOCK_R=cfg.block_r,
         IS_FIXED_SPLIT=cfg.is_fixed_split, UPCAST=upcast_dot_operands(q_latent.dtype),
         DOT_PRECISION=_dot_precision(q_latent.dtype),
@@ -242,7 +256,8 @@ def mla_decode(
     _mla_decode_combine_kernel[(batch, num_heads)](
         mid_out, mid_lse, seq_lens, out,
         latent_dim, cfg.split_size, cfg.num_splits,
-        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv, IS_FIXED_SPLIT=cfg.is_fixed_split,
         num_warps=4,
@@ -303,7 +318,8 @@ def mla_prefill_attention(
 
     q [T, H, Dqk], k [S, H, Dqk], v [S, H, Dv]; ``cu_seqlens_q`` / ``cu_seqlens_k`` [B + 1] int32
     delimit each sequence's queries and keys (k_len_b >= q_len_b); ``max_q_len`` (host int) is the
-    longest chunk and sizes the grid only. Query i of sequence b sees keys 0 .. k_len_b - q_len_b + i.
+    longest chunk and sizes the grid only. Query i of sequence b sees keys
+    0 .. k_len_b - q_len_b + i.
     ``config`` overrides the policy (tests and tuning only; the engine never passes it).
     """
     mode = Mode.parse(mode)
@@ -330,8 +346,10 @@ def mla_prefill_attention(
             raise ValueError(f"cu_seqlens_q: expected 0 .. {num_tokens} non-decreasing, got {cu_q}")
         if cu_k[0] != 0 or cu_k[-1] != k.shape[0]:
             raise ValueError(f"cu_seqlens_k: expected 0 .. {k.shape[0]} non-decreasing, got {cu_k}")
-        if any(kl < ql for ql, kl in zip(q_lens, k_lens)):
-            raise ValueError(f"cu_seqlens_k: a sequence has fewer keys {k_lens} than queries {q_lens}")
+        if any(kl < ql for ql, kl in zip(q_lens, k_lens, strict=True)):
+            raise ValueError(
+                f"cu_seqlens_k: a sequence has fewer keys {k_lens} than queries {q_lens}"
+            )
         if max(q_lens, default=0) > max_q_len:
             raise ValueError(f"max_q_len: {max_q_len} is below the longest chunk {max(q_lens)}")
 

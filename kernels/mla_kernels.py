@@ -1,4 +1,4 @@
-"""Triton kernels of multi-head latent attention (DeepSeek-V3 MLA); launchers live in kernels/mla.py.
+"""Triton kernels of multi-head latent attention (DeepSeek-V3 MLA); launchers in kernels/mla.py.
 
 - ``_store_mla_kv_kernel``: one program per token writes ``[latent | k_pe]`` into the paged MLA
   cache ``[num_blocks, block_size, latent_dim + rope_dim]``; slot -1 is skipped.
@@ -52,7 +52,9 @@ def _store_mla_kv_kernel(
     slot = tl.load(slot_mapping_ptr + pid_t).to(tl.int64)
     if slot < 0:  # padded token: nothing to write
         return
-    row_ptr = kv_cache_ptr + (slot // block_size) * stride_cache_b + (slot % block_size) * stride_cache_t
+    row_ptr = (
+        kv_cache_ptr + (slot // block_size) * stride_cache_b + (slot % block_size) * stride_cache_t
+    )
     offs_l = tl.arange(0, BLOCK_L)
     mask_l = offs_l < latent_dim
     latent = tl.load(latent_ptr + pid_t.to(tl.int64) * stride_latent_t + offs_l, mask=mask_l)
@@ -64,7 +66,9 @@ def _store_mla_kv_kernel(
 
 
 @triton.jit
-def _split_len(seq_len, split_size, num_splits, IS_FIXED_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_len(
+    seq_len, split_size, num_splits, IS_FIXED_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """Tokens per split of one sequence: fixed (corun / batch_invariant), or the sequence spread
     over ``num_splits`` splits rounded up to whole BLOCK_N tiles (default). Never below BLOCK_N so
     that a length-0 sequence divides safely (it has no split either way)."""
@@ -133,9 +137,17 @@ def _mla_decode_split_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rope_dim
     q_row = pid_b.to(tl.int64) * stride_ql_b + offs_h * stride_ql_h
-    q = tl.load(q_latent_ptr + q_row[:, None] + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        q_latent_ptr + q_row[:, None] + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     qp_row = pid_b.to(tl.int64) * stride_qp_b + offs_h * stride_qp_h
-    q_pe = tl.load(q_pe_ptr + qp_row[:, None] + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+    q_pe = tl.load(
+        q_pe_ptr + qp_row[:, None] + offs_r[None, :],
+        mask=mask_h[:, None] & mask_r[None, :],
+        other=0.0,
+    )
     if UPCAST:  # interpreter only: its bf16 tl.dot is wrong (kernels.utils.upcast_dot_operands)
         q = q.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
@@ -150,7 +162,11 @@ def _mla_decode_split_kernel(
         blocks = tl.load(bt_ptr + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
         rows = blocks * stride_cache_b + (offs_n % block_size) * stride_cache_t
         # One load of the latent tile serves as both the key (with k_pe) and the value.
-        c = tl.load(kv_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        c = tl.load(
+            kv_cache_ptr + rows[:, None] + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
         k_pe = tl.load(
             kv_cache_ptr + rows[:, None] + latent_dim + offs_r[None, :],
             mask=mask_n[:, None] & mask_r[None, :],
@@ -281,13 +297,21 @@ def _mla_prefill_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < v_dim
     q_rows = (q_start + offs_m).to(tl.int64) * stride_q_t + pid_h * stride_q_h
-    q1 = tl.load(q_ptr + q_rows[:, None] + offs_d1[None, :], mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
+    q1 = tl.load(
+        q_ptr + q_rows[:, None] + offs_d1[None, :],
+        mask=mask_m[:, None] & mask_d1[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q1 = q1.to(tl.float32)
     if BLOCK_D2 > 0:
         offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
         mask_d2 = offs_d2 < qk_dim
-        q2 = tl.load(q_ptr + q_rows[:, None] + offs_d2[None, :], mask=mask_m[:, None] & mask_d2[None, :], other=0.0)
+        q2 = tl.load(
+            q_ptr + q_rows[:, None] + offs_d2[None, :],
+            mask=mask_m[:, None] & mask_d2[None, :],
+            other=0.0,
+        )
         if UPCAST:
             q2 = q2.to(tl.float32)
 
@@ -301,12 +325,20 @@ def _mla_prefill_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < k_len
         k_rows = (k_start + offs_n).to(tl.int64) * stride_k_t + pid_h * stride_k_h
-        k1 = tl.load(k_ptr + k_rows[:, None] + offs_d1[None, :], mask=mask_n[:, None] & mask_d1[None, :], other=0.0)
+        k1 = tl.load(
+            k_ptr + k_rows[:, None] + offs_d1[None, :],
+            mask=mask_n[:, None] & mask_d1[None, :],
+            other=0.0,
+        )
         if UPCAST:
             k1 = k1.to(tl.float32)
         qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
         if BLOCK_D2 > 0:
-            k2 = tl.load(k_ptr + k_rows[:, None] + offs_d2[None, :], mask=mask_n[:, None] & mask_d2[None, :], other=0.0)
+            k2 = tl.load(
+                k_ptr + k_rows[:, None] + offs_d2[None, :],
+                mask=mask_n[:, None] & mask_d2[None, :],
+                other=0.0,
+            )
             if UPCAST:
                 k2 = k2.to(tl.float32)
             qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
@@ -317,7 +349,11 @@ def _mla_prefill_kernel(
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = (k_start + offs_n).to(tl.int64) * stride_v_t + pid_h * stride_v_h
-        v = tl.load(v_ptr + v_rows[:, None] + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+        v = tl.load(
+            v_ptr + v_rows[:, None] + offs_dv[None, :],
+            mask=mask_n[:, None] & mask_dv[None, :],
+            other=0.0,
+        )
         if UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

@@ -40,7 +40,9 @@ def mla_prefill_reference(
         q_pos = torch.arange(k_len - q_len, k_len).view(1, -1, 1)
         scores = torch.einsum("lhd,shd->hls", qb, kb) * scale
         scores = scores.masked_fill(torch.arange(k_len).view(1, 1, -1) > q_pos, float("-inf"))
-        out[cu_q[b] : cu_q[b + 1]] = torch.einsum("hls,shd->lhd", scores.softmax(-1), vb).to(q.dtype)
+        out[cu_q[b] : cu_q[b + 1]] = torch.einsum("hls,shd->lhd", scores.softmax(-1), vb).to(
+            q.dtype
+        )
     return out
 
 
@@ -154,7 +156,9 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("q_lens,k_lens,heads,qk_dim,v_dim", PREFILL_CASES)
-def test_mla_prefill_attention_matches_reference(q_lens, k_lens, heads, qk_dim, v_dim, dtype) -> None:
+def test_mla_prefill_attention_matches_reference(
+    q_lens, k_lens, heads, qk_dim, v_dim, dtype
+) -> None:
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(sum(q_lens), heads, qk_dim, generator=gen).to(dtype)
     k = torch.randn(sum(k_lens), heads, qk_dim, generator=gen).to(dtype)
@@ -229,7 +233,8 @@ def test_store_and_prefill_reject_bad_input() -> None:
     with pytest.raises(ValueError, match="^v:"):
         mla_prefill_attention(q, k, v.half(), cu_q, cu_k, 0.1, max_q_len=4)
     with pytest.raises(ValueError, match="cu_seqlens_k"):
-        mla_prefill_attention(q, k[:3], v[:3], cu_q, torch.tensor([0, 3], dtype=torch.int32), 0.1,
-                              max_q_len=4)
+        mla_prefill_attention(
+            q, k[:3], v[:3], cu_q, torch.tensor([0, 3], dtype=torch.int32), 0.1, max_q_len=4
+        )
     with pytest.raises(ValueError, match="max_q_len"):
         mla_prefill_attention(q, k, v, cu_q, cu_k, 0.1, max_q_len=2)
