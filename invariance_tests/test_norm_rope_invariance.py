@@ -33,8 +33,14 @@ def _randn(gen, *shape, dtype=torch.float32):
     return torch.randn(*shape, generator=gen).to(dtype)
 
 
-@given(batch=batches(), hidden=st.sampled_from([16, 63, 64, 65, 145]), fused=st.booleans(),
-       mode=MODES, dtype=DTYPES, seed=SEEDS)
+@given(
+    batch=batches(),
+    hidden=st.sampled_from([16, 63, 64, 65, 145]),
+    fused=st.booleans(),
+    mode=MODES,
+    dtype=DTYPES,
+    seed=SEEDS,
+)
 def test_rmsnorm_row_invariant(batch, hidden, fused, mode, dtype, seed):
     """A row's rmsnorm output bits are the same alone, inside any batch, in any slot, whatever the
     other rows hold."""
@@ -74,9 +80,15 @@ def test_rmsnorm_negative_control_tiling_changes_bits(rows, hidden, seed):
     assert not torch.equal(default, tiled)
 
 
-@given(batch=batches(), heads=st.sampled_from([(4, 2), (3, 1), (8, 8)]),
-       rotary_dim=st.sampled_from([16, 34, 64]), is_neox=st.booleans(), mode=MODES, dtype=DTYPES,
-       seed=SEEDS)
+@given(
+    batch=batches(),
+    heads=st.sampled_from([(4, 2), (3, 1), (8, 8)]),
+    rotary_dim=st.sampled_from([16, 34, 64]),
+    is_neox=st.booleans(),
+    mode=MODES,
+    dtype=DTYPES,
+    seed=SEEDS,
+)
 def test_rope_row_invariant(batch, heads, rotary_dim, is_neox, mode, dtype, seed):
     """A token's rotated q/k bits are the same alone, inside any batch, in any slot, whatever the
     other tokens hold."""
@@ -88,8 +100,9 @@ def test_rope_row_invariant(batch, heads, rotary_dim, is_neox, mode, dtype, seed
     positions = torch.randint(0, 128, (tokens,), generator=gen)
     cache = build_rope_cache(rotary_dim, 128, 10000.0)
     full_q, full_k = rope(q, k, positions, cache, is_neox, mode=mode)
-    alone_q, alone_k = rope(q[row : row + 1], k[row : row + 1], positions[row : row + 1], cache,
-                            is_neox, mode=mode)
+    alone_q, alone_k = rope(
+        q[row : row + 1], k[row : row + 1], positions[row : row + 1], cache, is_neox, mode=mode
+    )
     perm_q, perm_k = rope(q[perm], k[perm], positions[perm], cache, is_neox, mode=mode)
     assert_bitwise_equal(alone_q[0], full_q[row], "q alone vs in batch")
     assert_bitwise_equal(alone_k[0], full_k[row], "k alone vs in batch")
@@ -98,12 +111,13 @@ def test_rope_row_invariant(batch, heads, rotary_dim, is_neox, mode, dtype, seed
     # Negative control: a kernel that read a neighbour slot's position would be caught.
     shifted = positions.roll(1)
     wrong_q, _ = rope(q, k, shifted, cache, is_neox, mode=mode)
-    differs = [not torch.equal(wrong_q[i], full_q[i]) for i in range(tokens) if shifted[i] != positions[i]]
+    differs = [
+        not torch.equal(wrong_q[i], full_q[i]) for i in range(tokens) if shifted[i] != positions[i]
+    ]
     assert all(differs)
 
 
-@given(batch=batches(), inter=st.sampled_from([16, 123, 145]), mode=MODES, dtype=DTYPES,
-       seed=SEEDS)
+@given(batch=batches(), inter=st.sampled_from([16, 123, 145]), mode=MODES, dtype=DTYPES, seed=SEEDS)
 def test_silu_mul_row_invariant(batch, inter, mode, dtype, seed):
     """A row's silu_mul bits are the same alone, inside any batch, in any slot."""
     rows, row, perm = batch

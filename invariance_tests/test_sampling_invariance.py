@@ -28,8 +28,13 @@ def _batch(gen, rows):
     return [logits, temperature, top_k, top_p, seeds, sample_indices, positions]
 
 
-@given(rows=st.integers(2, 6), row=st.integers(0, 5), slot=st.integers(0, 6),
-       mode=st.sampled_from(list(Mode)), seed=st.integers(0, 2**63 - 1))
+@given(
+    rows=st.integers(2, 6),
+    row=st.integers(0, 5),
+    slot=st.integers(0, 6),
+    mode=st.sampled_from(list(Mode)),
+    seed=st.integers(0, 2**63 - 1),
+)
 def test_sampled_token_independent_of_batch(rows, row, slot, mode, seed):
     """A row's sampled token is the same alone, in a batch of other rows, and moved to another slot
     of a larger batch with different neighbours."""
@@ -42,7 +47,10 @@ def test_sampled_token_independent_of_batch(rows, row, slot, mode, seed):
     # Move the row to `slot` of a batch of rows + 1 whose other rows are fresh.
     slot = slot % (rows + 1)
     others = _batch(gen, rows + 1)
-    moved = [torch.cat([o[:slot], a[row : row + 1], o[slot + 1 :]]) for o, a in zip(others, args)]
+    moved = [
+        torch.cat([o[:slot], a[row : row + 1], o[slot + 1 :]])
+        for o, a in zip(others, args, strict=True)
+    ]
     assert sample(*moved, mode=mode)[slot] == full[row]
     # Logprobs of the drawn tokens: the same bits alone and in the batch.
     lp_full = token_logprobs(args[0], full, mode=mode)
@@ -57,8 +65,13 @@ def test_negative_control_row_own_position_changes_draws(seed):
     gen = torch.Generator().manual_seed(seed)
     rows = 8
     logits = 0.1 * torch.randn(rows, VOCAB, generator=gen)
-    common = [torch.ones(rows), torch.zeros(rows, dtype=torch.int64), torch.ones(rows),
-              torch.randint(0, 2**62, (rows,), generator=gen), torch.zeros(rows, dtype=torch.int64)]
+    common = [
+        torch.ones(rows),
+        torch.zeros(rows, dtype=torch.int64),
+        torch.ones(rows),
+        torch.randint(0, 2**62, (rows,), generator=gen),
+        torch.zeros(rows, dtype=torch.int64),
+    ]
     positions = torch.randint(0, 4096, (rows,), generator=gen)
     first = sample(logits, *common, positions)
     second = sample(logits, *common, positions + 1)

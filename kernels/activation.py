@@ -23,11 +23,13 @@ from kernels.utils import FLOAT_DTYPES, check_tensor, next_power_of_2
 @triton.jit
 def _silu_mul_kernel(
     # pointers
-    x_ptr, out_ptr,
+    x_ptr,
+    out_ptr,
     # sizes
     n_inter,
     # strides
-    stride_x_t, stride_out_t,
+    stride_x_t,
+    stride_out_t,
     # meta
     BLOCK_SIZE: tl.constexpr,
 ):
@@ -49,8 +51,9 @@ class SiluMulConfig:
     num_warps: int
 
 
-def silu_mul_config(intermediate_size: int, dtype: torch.dtype,
-                    mode: Mode = Mode.CORUN) -> SiluMulConfig:
+def silu_mul_config(
+    intermediate_size: int, dtype: torch.dtype, mode: Mode = Mode.CORUN
+) -> SiluMulConfig:
     """Pure policy of I only (never the number of tokens); identical for every mode, since an
     elementwise op gives the same bits under any tiling."""
     del dtype, mode
@@ -75,7 +78,12 @@ def silu_mul(x: torch.Tensor, *, mode: Mode = Mode.CORUN) -> torch.Tensor:
     cfg = silu_mul_config(inter, x.dtype, mode)
     grid = (num_tokens, triton.cdiv(inter, cfg.BLOCK_SIZE))
     _silu_mul_kernel[grid](
-        x, out, inter, x.stride(0), out.stride(0),
-        BLOCK_SIZE=cfg.BLOCK_SIZE, num_warps=cfg.num_warps,
+        x,
+        out,
+        inter,
+        x.stride(0),
+        out.stride(0),
+        BLOCK_SIZE=cfg.BLOCK_SIZE,
+        num_warps=cfg.num_warps,
     )
     return out

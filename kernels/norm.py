@@ -23,20 +23,36 @@ import triton
 import triton.language as tl
 
 from kernels.mode import Mode
-from kernels.utils import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, next_power_of_2
+from kernels.utils import (
+    FLOAT_DTYPES,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    next_power_of_2,
+)
 
 
 @triton.jit
 def _rmsnorm_kernel(
     # pointers
-    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    new_residual_ptr,
     # sizes
-    n_inner, n_cols, eps,
+    n_inner,
+    n_cols,
+    eps,
     # strides (rows are addressed as [outer, inner] so strided [T, heads, D] views need no copy)
-    stride_x_outer, stride_x_inner,
-    stride_r_outer, stride_r_inner,
-    stride_o_outer, stride_o_inner,
-    stride_nr_outer, stride_nr_inner,
+    stride_x_outer,
+    stride_x_inner,
+    stride_r_outer,
+    stride_r_inner,
+    stride_o_outer,
+    stride_o_inner,
+    stride_nr_outer,
+    stride_nr_inner,
     # meta
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -56,15 +72,18 @@ def _rmsnorm_kernel(
         h = tl.load(x_row + offs, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             # Round the sum to the input dtype first: the reference (and HF) adds in that dtype.
-            h = (h.to(tl.float32) + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32))
+            h = h.to(tl.float32) + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
             h = h.to(x_ptr.dtype.element_ty)
             tl.store(nr_row + offs, h, mask=mask)
         h32 = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h32 * h32, axis=0) / n_cols + eps)
         w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
         normed = (h32 * rstd).to(x_ptr.dtype.element_ty)
-        tl.store(o_row + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(
+            o_row + offs,
+            (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
     else:
         # Wide rows: accumulate squares tile by tile into a BLOCK_SIZE vector, reduce once at the
         # end (a fixed order for a fixed H), then a second sweep normalises.
@@ -74,7 +93,7 @@ def _rmsnorm_kernel(
             mask = cols < n_cols
             h = tl.load(x_row + cols, mask=mask, other=0.0)
             if HAS_RESIDUAL:
-                h = (h.to(tl.float32) + tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32))
+                h = h.to(tl.float32) + tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
                 h = h.to(x_ptr.dtype.element_ty)
                 tl.store(nr_row + cols, h, mask=mask)
             h32 = h.to(tl.float32)
@@ -127,8 +146,10 @@ def _as_rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
         try:
             t = t.view(-1, t.shape[-2], t.shape[-1])
         except RuntimeError:
-            raise ValueError(f"{name}: leading dims of shape {tuple(t.shape)} strides "
-                             f"{t.stride()} cannot be collapsed without a copy") from None
+            raise ValueError(
+                f"{name}: leading dims of shape {tuple(t.shape)} strides "
+                f"{t.stride()} cannot be collapsed without a copy"
+            ) from None
     return t, t.shape[1], t.stride(0), t.stride(1)
 
 
@@ -174,9 +195,22 @@ def rmsnorm(
     nr3, _, snr0, snr1 = _as_rows("new_residual", new_residual)
     n_rows = x.numel() // hidden
     _rmsnorm_kernel[(n_rows,)](
-        x3, r3, weight, o3, nr3,
-        n_inner, hidden, float(eps),
-        sx0, sx1, sr0, sr1, so0, so1, snr0, snr1,
+        x3,
+        r3,
+        weight,
+        o3,
+        nr3,
+        n_inner,
+        hidden,
+        float(eps),
+        sx0,
+        sx1,
+        sr0,
+        sr1,
+        so0,
+        so1,
+        snr0,
+        snr1,
         HAS_RESIDUAL=residual is not None,
         BLOCK_SIZE=cfg.BLOCK_SIZE,
         NUM_BLOCKS=triton.cdiv(hidden, cfg.BLOCK_SIZE),

@@ -25,16 +25,30 @@ import triton
 import triton.language as tl
 
 from kernels.mode import Mode
-from kernels.utils import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, next_power_of_2
+from kernels.utils import (
+    FLOAT_DTYPES,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    next_power_of_2,
+)
 
 
 @triton.jit
 def _rope_rotate_heads(
-    in_ptr, out_ptr, cos, sin, offs_d, n_heads, half,
-    stride_in_h, stride_out_h,
-    IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr,
+    in_ptr,
+    out_ptr,
+    cos,
+    sin,
+    offs_d,
+    n_heads,
+    half,
+    stride_in_h,
+    stride_out_h,
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
-    """Rotate all heads of one token, BLOCK_H heads at a time (in_ptr/out_ptr point at the token)."""
+    """Rotate all heads of one token, BLOCK_H heads per step (pointers are at the token)."""
     if IS_NEOX:
         offs_x1, offs_x2 = offs_d, offs_d + half
     else:
@@ -56,12 +70,25 @@ def _rope_rotate_heads(
 @triton.jit
 def _rope_kernel(
     # pointers
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr,
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    positions_ptr,
+    cache_ptr,
     # sizes
-    n_q_heads, n_k_heads, half,
+    n_q_heads,
+    n_k_heads,
+    half,
     # strides
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h,
-    stride_qo_t, stride_qo_h, stride_ko_t, stride_ko_h,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_qo_t,
+    stride_qo_h,
+    stride_ko_t,
+    stride_ko_h,
     stride_cache_p,
     # meta
     IS_NEOX: tl.constexpr,
@@ -75,10 +102,32 @@ def _rope_kernel(
     cache_row = cache_ptr + pos * stride_cache_p
     cos = tl.load(cache_row + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     sin = tl.load(cache_row + half + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    _rope_rotate_heads(q_ptr + token * stride_q_t, q_out_ptr + token * stride_qo_t, cos, sin,
-                       offs_d, n_q_heads, half, stride_q_h, stride_qo_h, IS_NEOX, BLOCK_H)
-    _rope_rotate_heads(k_ptr + token * stride_k_t, k_out_ptr + token * stride_ko_t, cos, sin,
-                       offs_d, n_k_heads, half, stride_k_h, stride_ko_h, IS_NEOX, BLOCK_H)
+    _rope_rotate_heads(
+        q_ptr + token * stride_q_t,
+        q_out_ptr + token * stride_qo_t,
+        cos,
+        sin,
+        offs_d,
+        n_q_heads,
+        half,
+        stride_q_h,
+        stride_qo_h,
+        IS_NEOX,
+        BLOCK_H,
+    )
+    _rope_rotate_heads(
+        k_ptr + token * stride_k_t,
+        k_out_ptr + token * stride_ko_t,
+        cos,
+        sin,
+        offs_d,
+        n_k_heads,
+        half,
+        stride_k_h,
+        stride_ko_h,
+        IS_NEOX,
+        BLOCK_H,
+    )
 
 
 @dataclass(frozen=True)
@@ -90,8 +139,9 @@ class RopeConfig:
     num_warps: int
 
 
-def rope_config(num_q_heads: int, num_k_heads: int, rotary_dim: int, dtype: torch.dtype,
-                mode: Mode = Mode.CORUN) -> RopeConfig:
+def rope_config(
+    num_q_heads: int, num_k_heads: int, rotary_dim: int, dtype: torch.dtype, mode: Mode = Mode.CORUN
+) -> RopeConfig:
     """Pure policy of head counts and rotary dim; never the number of tokens. Same for all modes
     (the op is elementwise, so any tiling gives the same bits)."""
     del dtype, mode
@@ -125,8 +175,9 @@ def rope(
     check_shape("k", k, (num_tokens, -1, rotary_dim))
     check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64))
     check_shape("positions", positions, (num_tokens,))
-    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=FLOAT_DTYPES,
-                 last_dim_contiguous=True)
+    check_tensor(
+        "cos_sin_cache", cos_sin_cache, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True
+    )
     check_shape("cos_sin_cache", cos_sin_cache, (-1, rotary_dim))
     if rotary_dim % 2:
         raise ValueError(f"q: rotary dim must be even, got {rotary_dim}")
@@ -141,12 +192,28 @@ def rope(
         return q_out, k_out
     cfg = rope_config(num_q_heads, num_k_heads, rotary_dim, q.dtype, mode)
     _rope_kernel[(num_tokens,)](
-        q, k, q_out, k_out, positions, cos_sin_cache,
-        num_q_heads, num_k_heads, rotary_dim // 2,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        q,
+        k,
+        q_out,
+        k_out,
+        positions,
+        cos_sin_cache,
+        num_q_heads,
+        num_k_heads,
+        rotary_dim // 2,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
         cos_sin_cache.stride(0),
-        IS_NEOX=is_neox, BLOCK_D=cfg.BLOCK_D, BLOCK_H=cfg.BLOCK_H, num_warps=cfg.num_warps,
+        IS_NEOX=is_neox,
+        BLOCK_D=cfg.BLOCK_D,
+        BLOCK_H=cfg.BLOCK_H,
+        num_warps=cfg.num_warps,
     )
     return q_out, k_out
 
@@ -197,14 +264,18 @@ def _yarn_inv_freq(rotary_dim: int, base: float, params: dict) -> tuple[torch.Te
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if attention_factor is None:
         if mscale and mscale_all_dim:
-            attention_factor = _yarn_get_mscale(factor, mscale) / _yarn_get_mscale(factor, mscale_all_dim)
+            attention_factor = _yarn_get_mscale(factor, mscale) / _yarn_get_mscale(
+                factor, mscale_all_dim
+            )
         else:
             attention_factor = _yarn_get_mscale(factor)
     beta_fast = params.get("beta_fast") or 32
     beta_slow = params.get("beta_slow") or 1
 
     def correction_dim(num_rotations: float) -> float:
-        return (rotary_dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+        return (rotary_dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
     if params.get("truncate", True):
@@ -212,14 +283,20 @@ def _yarn_inv_freq(rotary_dim: int, base: float, params: dict) -> tuple[torch.Te
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # as HF: avoid a zero-width ramp
-    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp(
+        (torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+    )
     extrapolation_factor = 1 - ramp
     pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (
+        1.0 / pos_freqs
+    ) * extrapolation_factor
     return inv_freq, float(attention_factor)
 
 
-def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(
+    rotary_dim: int, base: float, scaling: dict | None = None
+) -> tuple[torch.Tensor, float]:
     """(inv_freq [rotary_dim / 2] fp32, attention_factor) for plain RoPE or YaRN, as transformers'
     rope init functions return them (``rope_theta`` inside ``scaling`` overrides ``base``)."""
     params = _rope_params(scaling)
@@ -228,7 +305,9 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> 
         raise ValueError(f"base: expected a positive float, got {base!r}")
     kind = params.get("rope_type", "default")
     if kind == "default":
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+        )
         return inv_freq, 1.0
     if kind == "yarn":
         return _yarn_inv_freq(rotary_dim, base, params)

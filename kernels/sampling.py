@@ -16,8 +16,8 @@ bit pattern, negative values flipped), and each threshold is found by bisection 
 Bisection stops once the kept *set* is pinned (no token key between the bounds, or exactly k kept).
 
 Invariance: one program owns one row and sweeps the vocab in fixed blocks; the config reads only V
-and the dtype; the noise is a function of the row's own (seed, position, sample index). A row's token
-(and log-probability) depends only on its own inputs under every mode: batch- and
+and the dtype; the noise is a function of the row's own (seed, position, sample index). A row's
+token (and log-probability) depends only on its own inputs under every mode: batch- and
 position-invariant in ``default``, ``batch_invariant`` and ``corun``.
 """
 
@@ -30,7 +30,13 @@ import triton
 import triton.language as tl
 
 from kernels.mode import Mode
-from kernels.utils import FLOAT_DTYPES, check_same_device, check_shape, check_tensor, next_power_of_2
+from kernels.utils import (
+    FLOAT_DTYPES,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    next_power_of_2,
+)
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -60,8 +66,14 @@ def _philox_uniform(offs, position, sample_index, seed):
 @triton.jit
 def _sample_kernel(
     # pointers
-    logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, sample_indices_ptr,
-    positions_ptr, out_ptr,
+    logits_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    seeds_ptr,
+    sample_indices_ptr,
+    positions_ptr,
+    out_ptr,
     # sizes
     vocab,
     # strides
@@ -178,8 +190,9 @@ def _sample_kernel(
         u = _philox_uniform(cols, position, sample_index, seed)
         noisy = tl.where(key >= threshold, s - tl.log(-tl.log(u)), float("-inf"))
         val = tl.where(mask, tl.where(is_greedy, x, noisy), float("-inf"))
-        block_val, block_idx = tl.max(val, axis=0, return_indices=True,
-                                      return_indices_tie_break_left=True)
+        block_val, block_idx = tl.max(
+            val, axis=0, return_indices=True, return_indices_tie_break_left=True
+        )
         better = block_val > best_val  # strict: an earlier block wins a tie
         best_idx = tl.where(better, start + block_idx.to(tl.int64), best_idx)
         best_val = tl.where(better, block_val, best_val)
@@ -189,7 +202,10 @@ def _sample_kernel(
 @triton.jit
 def _uniform_kernel(
     # pointers
-    seeds_ptr, sample_indices_ptr, positions_ptr, out_ptr,
+    seeds_ptr,
+    sample_indices_ptr,
+    positions_ptr,
+    out_ptr,
     # sizes
     vocab,
     # meta
@@ -197,15 +213,21 @@ def _uniform_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    u = _philox_uniform(cols, tl.load(positions_ptr + row), tl.load(sample_indices_ptr + row),
-                        tl.load(seeds_ptr + row))
+    u = _philox_uniform(
+        cols,
+        tl.load(positions_ptr + row),
+        tl.load(sample_indices_ptr + row),
+        tl.load(seeds_ptr + row),
+    )
     tl.store(out_ptr + row * vocab + cols, u, mask=cols < vocab)
 
 
 @triton.jit
 def _token_logprobs_kernel(
     # pointers
-    logits_ptr, token_ids_ptr, out_ptr,
+    logits_ptr,
+    token_ids_ptr,
+    out_ptr,
     # sizes
     vocab,
     # strides
@@ -279,8 +301,15 @@ def sample(
     _check_per_row("seeds", seeds, batch, (torch.int64,))
     _check_per_row("sample_indices", sample_indices, batch, _INT_DTYPES)
     _check_per_row("positions", positions, batch, _INT_DTYPES)
-    check_same_device(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seeds=seeds, sample_indices=sample_indices, positions=positions)
+    check_same_device(
+        logits=logits,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seeds=seeds,
+        sample_indices=sample_indices,
+        positions=positions,
+    )
     if vocab == 0:
         raise ValueError("logits: expected a non-empty vocab dim")
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
@@ -288,9 +317,18 @@ def sample(
         return out
     cfg = sampling_config(vocab, logits.dtype, mode)
     _sample_kernel[(batch,)](
-        logits, temperature, top_k, top_p, seeds, sample_indices, positions, out,
-        vocab, logits.stride(0),
-        BLOCK_V=cfg.BLOCK_V, num_warps=cfg.num_warps,
+        logits,
+        temperature,
+        top_k,
+        top_p,
+        seeds,
+        sample_indices,
+        positions,
+        out,
+        vocab,
+        logits.stride(0),
+        BLOCK_V=cfg.BLOCK_V,
+        num_warps=cfg.num_warps,
     )
     return out
 
@@ -298,7 +336,7 @@ def sample(
 def sampling_uniform(
     seeds: torch.Tensor, sample_indices: torch.Tensor, positions: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
-    """The noise ``sample`` draws with, [B, V] float32: ``sampling_uniform_reference`` bit for bit."""
+    """The noise ``sample`` draws with, [B, V] fp32: ``sampling_uniform_reference`` bit for bit."""
     check_tensor("seeds", seeds, ndim=1, dtypes=(torch.int64,))
     batch = seeds.shape[0]
     _check_per_row("sample_indices", sample_indices, batch, _INT_DTYPES)
@@ -311,14 +349,20 @@ def sampling_uniform(
         return out
     cfg = sampling_config(vocab_size, torch.float32)
     _uniform_kernel[(batch, triton.cdiv(vocab_size, cfg.BLOCK_V))](
-        seeds, sample_indices, positions, out, vocab_size,
-        BLOCK_V=cfg.BLOCK_V, num_warps=cfg.num_warps,
+        seeds,
+        sample_indices,
+        positions,
+        out,
+        vocab_size,
+        BLOCK_V=cfg.BLOCK_V,
+        num_warps=cfg.num_warps,
     )
     return out
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
-                   mode: Mode = Mode.CORUN) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, *, mode: Mode = Mode.CORUN
+) -> torch.Tensor:
     """log_softmax(logits[b])[token_ids[b]] in fp32, [B]; an id outside [0, V) gives NaN.
 
     Batch- and position-invariant under every mode (one program per row, fixed block order).
@@ -335,7 +379,12 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
         return out
     cfg = sampling_config(vocab, logits.dtype, mode)
     _token_logprobs_kernel[(batch,)](
-        logits, token_ids, out, vocab, logits.stride(0),
-        BLOCK_V=cfg.BLOCK_V, num_warps=cfg.num_warps,
+        logits,
+        token_ids,
+        out,
+        vocab,
+        logits.stride(0),
+        BLOCK_V=cfg.BLOCK_V,
+        num_warps=cfg.num_warps,
     )
     return out

@@ -11,8 +11,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("tokens, inter", [(1, 64), (3, 145), (5, 123), (2, 2065)],
-                         ids=["1x64", "3x145", "5x123", "2x2065"])
+@pytest.mark.parametrize(
+    "tokens, inter",
+    [(1, 64), (3, 145), (5, 123), (2, 2065)],
+    ids=["1x64", "3x145", "5x123", "2x2065"],
+)
 def test_silu_mul_matches_reference(tokens, inter, dtype):
     gen = torch.Generator().manual_seed(tokens * inter)
     x = (2 * torch.randn(tokens, 2 * inter, generator=gen)).to(dtype)
@@ -30,7 +33,12 @@ def test_silu_mul_strided_rows():
 
 @pytest.mark.parametrize(
     "x",
-    [torch.randn(3, 7), torch.randn(3, 8).t(), torch.randn(2, 3, 8), torch.ones(2, 8, dtype=torch.int32)],
+    [
+        torch.randn(3, 7),
+        torch.randn(3, 8).t(),
+        torch.randn(2, 3, 8),
+        torch.ones(2, 8, dtype=torch.int32),
+    ],
     ids=["odd-width", "strided-last-dim", "3d", "int"],
 )
 def test_silu_mul_bad_input_names_x(x):

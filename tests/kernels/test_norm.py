@@ -52,8 +52,11 @@ def test_rmsnorm_per_head_strided_view():
     k = qkv[:, 4 * 16 : 6 * 16].view(3, 2, 16)
     weight = torch.randn(16, generator=gen)
     for t in (q, k):
-        assert_close(rmsnorm(t, weight, 1e-6), rmsnorm_reference(t.double(), weight.double(), 1e-6),
-                     torch.float32)
+        assert_close(
+            rmsnorm(t, weight, 1e-6),
+            rmsnorm_reference(t.double(), weight.double(), 1e-6),
+            torch.float32,
+        )
 
 
 def test_rmsnorm_tiled_sweep_matches_reference():

@@ -12,8 +12,13 @@ from tests.utils import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DEEPSEEK_YARN = {
-    "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+    "type": "yarn",
+    "factor": 40,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
 }
 
 
@@ -26,8 +31,11 @@ def _qk(tokens, q_heads, k_heads, rotary_dim, dtype, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
-@pytest.mark.parametrize("shape", [(1, 4, 2, 16), (5, 3, 1, 34), (3, 8, 8, 64)],
-                         ids=["1t-4q-2k-16", "5t-3q-1k-34", "3t-8q-8k-64"])
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 4, 2, 16), (5, 3, 1, 34), (3, 8, 8, 64)],
+    ids=["1t-4q-2k-16", "5t-3q-1k-34", "3t-8q-8k-64"],
+)
 def test_rope_matches_reference(shape, is_neox, dtype):
     tokens, q_heads, k_heads, rotary_dim = shape
     q, k, gen = _qk(tokens, q_heads, k_heads, rotary_dim, dtype, seed=sum(shape))
@@ -49,8 +57,12 @@ def test_rope_strided_views_deepseek_layout():
     q_full = torch.randn(4, 3, 8 + 16, generator=gen)
     ckv = torch.randn(4, 12 + 16, generator=gen)
     q_pe, k_pe = q_full[..., 8:], ckv[:, 12:].unsqueeze(1)
-    cache = build_rope_cache(16, 64, 10000.0, {"rope_type": "yarn", **DEEPSEEK_YARN, "factor": 4,
-                                               "original_max_position_embeddings": 16})
+    cache = build_rope_cache(
+        16,
+        64,
+        10000.0,
+        {"rope_type": "yarn", **DEEPSEEK_YARN, "factor": 4, "original_max_position_embeddings": 16},
+    )
     positions = torch.tensor([0, 63, 17, 17])
     q_ref, k_ref = rope_reference(q_pe.double(), k_pe.double(), positions, cache.double(), False)
     q_out, k_out = rope(q_pe, k_pe, positions, cache, False)
@@ -65,20 +77,27 @@ def _hf_inv_freq(scaling: dict | None, rotary_dim: int, theta: float, max_pos: i
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config = transformers.DeepseekV3Config(
-        qk_rope_head_dim=rotary_dim, max_position_embeddings=max_pos, rope_theta=theta,
+        qk_rope_head_dim=rotary_dim,
+        max_position_embeddings=max_pos,
+        rope_theta=theta,
         rope_scaling=scaling,
     )
     kind = config.rope_parameters["rope_type"]
     if kind == "default":
-        return transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding \
-            .compute_default_rope_parameters(config)
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+        return DeepseekV3RotaryEmbedding.compute_default_rope_parameters(config)
     return ROPE_INIT_FUNCTIONS[kind](config)
 
 
 @pytest.mark.parametrize(
     "scaling",
-    [None, DEEPSEEK_YARN, {**DEEPSEEK_YARN, "mscale": 0.707}, {**DEEPSEEK_YARN, "beta_fast": 8,
-                                                               "factor": 4}],
+    [
+        None,
+        DEEPSEEK_YARN,
+        {**DEEPSEEK_YARN, "mscale": 0.707},
+        {**DEEPSEEK_YARN, "beta_fast": 8, "factor": 4},
+    ],
     ids=["default", "deepseek-v3-yarn", "yarn-mscale-0.707", "yarn-beta-fast-8"],
 )
 def test_rope_inv_freq_equals_transformers(scaling):
@@ -99,7 +118,8 @@ def test_yarn_attention_scale_deepseek_v3():
 
     config = transformers.DeepseekV3Config(rope_scaling=DEEPSEEK_YARN, rope_theta=10000.0)
     assert yarn_attention_scale(DEEPSEEK_YARN) == pytest.approx(
-        yarn_apply_mscale(config.rope_parameters, 1.0), rel=1e-12)
+        yarn_apply_mscale(config.rope_parameters, 1.0), rel=1e-12
+    )
     assert yarn_attention_scale(DEEPSEEK_YARN) == pytest.approx((0.1 * math.log(40) + 1) ** 2)
     assert yarn_attention_scale(None) == 1.0
     assert yarn_attention_scale({"rope_type": "default", "rope_theta": 1e6}) == 1.0
@@ -130,8 +150,18 @@ def test_scaling_dict_styles_agree():
         (lambda q, k, p, c: build_rope_cache(16, 8, 1e4, {"type": "yarn", "factor": 4}), "scaling"),
         (lambda q, k, p, c: build_rope_cache(16, 8, 1e4, {"rope_type": "longrope"}), "scaling"),
     ],
-    ids=["k-shape", "k-dtype", "positions-dtype", "positions-shape", "cache-width", "q-ndim",
-         "is-neox-type", "odd-rotary-dim", "yarn-missing-key", "unsupported-type"],
+    ids=[
+        "k-shape",
+        "k-dtype",
+        "positions-dtype",
+        "positions-shape",
+        "cache-width",
+        "q-ndim",
+        "is-neox-type",
+        "odd-rotary-dim",
+        "yarn-missing-key",
+        "unsupported-type",
+    ],
 )
 def test_rope_bad_input_names_argument(case, name):
     q, k, _ = _qk(3, 2, 1, 16, torch.float32, seed=0)

@@ -5,7 +5,11 @@ draws (chi-square), and ``token_logprobs`` vs an fp64 log-softmax."""
 import pytest
 import torch
 
-from kernels.reference import sample_reference, sampling_uniform_reference, top_k_top_p_mask_reference
+from kernels.reference import (
+    sample_reference,
+    sampling_uniform_reference,
+    top_k_top_p_mask_reference,
+)
 from kernels.sampling import sample, sampling_uniform, token_logprobs
 from tests.utils import assert_close
 
@@ -25,7 +29,9 @@ def _rows(batch, seed):
 
 def _distinct_logits(batch, vocab, gen, dtype):
     # Distinct values 0.05 apart, exact in fp16/bf16 for |x| < 4: no ties for top-k to break.
-    rows = [(torch.randperm(vocab, generator=gen) - vocab // 2) * (6.0 / vocab) for _ in range(batch)]
+    rows = [
+        (torch.randperm(vocab, generator=gen) - vocab // 2) * (6.0 / vocab) for _ in range(batch)
+    ]
     return torch.stack(rows).to(dtype)
 
 
@@ -53,15 +59,24 @@ def test_sample_equals_reference(dtype):
 def test_sample_equals_reference_multi_block_vocab():
     _, seeds, sample_indices, positions = _rows(3, seed=3)
     logits = _distinct_logits(3, 4096 + 17, torch.Generator().manual_seed(4), torch.float32)
-    args = (logits, torch.tensor([1.0, 0.6, 0.0]), torch.tensor([0, 40, 0]),
-            torch.tensor([1.0, 0.9, 1.0]), seeds, sample_indices, positions)
+    args = (
+        logits,
+        torch.tensor([1.0, 0.6, 0.0]),
+        torch.tensor([0, 40, 0]),
+        torch.tensor([1.0, 0.9, 1.0]),
+        seeds,
+        sample_indices,
+        positions,
+    )
     assert torch.equal(sample(*args), sample_reference(*args))
 
 
 def test_temperature_zero_is_argmax_lowest_id_on_ties():
     logits = torch.tensor([[0.0, 1.0, 3.0, -1.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0, 5.0, 5.0]])
     one = torch.ones(2, dtype=torch.int64)
-    out = sample(logits, torch.zeros(2), torch.tensor([2, 0]), torch.tensor([0.5, 0.1]), one, one, one)
+    out = sample(
+        logits, torch.zeros(2), torch.tensor([2, 0]), torch.tensor([0.5, 0.1]), one, one, one
+    )
     assert out.tolist() == [2, 0]
 
 
@@ -78,9 +93,15 @@ def draws():
     out = {}
     for name, (k, p) in CONFIGS.items():
         n = NUM_DRAWS
-        out[name] = sample(LOGITS_4.repeat(n, 1), torch.full((n,), TEMPERATURE),
-                           torch.full((n,), k), torch.full((n,), p), seeds,
-                           torch.zeros(n, dtype=torch.int64), torch.full((n,), 9))
+        out[name] = sample(
+            LOGITS_4.repeat(n, 1),
+            torch.full((n,), TEMPERATURE),
+            torch.full((n,), k),
+            torch.full((n,), p),
+            seeds,
+            torch.zeros(n, dtype=torch.int64),
+            torch.full((n,), 9),
+        )
     return out
 
 
@@ -111,9 +132,15 @@ def test_different_seeds_give_different_draws(draws):
     assert len(set(draws["plain"].tolist())) == 4  # all four tokens appear across seeds
     # Control: one seed for every row gives one token, so the check above can fail.
     n = 8
-    same = sample(LOGITS_4.repeat(n, 1), torch.full((n,), TEMPERATURE), torch.zeros(n, dtype=torch.int64),
-                  torch.ones(n), torch.full((n,), 11), torch.zeros(n, dtype=torch.int64),
-                  torch.full((n,), 9))
+    same = sample(
+        LOGITS_4.repeat(n, 1),
+        torch.full((n,), TEMPERATURE),
+        torch.zeros(n, dtype=torch.int64),
+        torch.ones(n),
+        torch.full((n,), 11),
+        torch.zeros(n, dtype=torch.int64),
+        torch.full((n,), 9),
+    )
     assert len(set(same.tolist())) == 1
 
 
@@ -123,8 +150,15 @@ def test_sample_indices_give_distinct_noise_and_draws():
     sample_indices = torch.arange(n)
     u = sampling_uniform(seeds, sample_indices, positions, 64)
     assert len({tuple(row) for row in u.tolist()}) == n
-    tokens = sample(LOGITS_4.repeat(n, 1), torch.ones(n), torch.zeros(n, dtype=torch.int64),
-                    torch.ones(n), seeds, sample_indices, positions)
+    tokens = sample(
+        LOGITS_4.repeat(n, 1),
+        torch.ones(n),
+        torch.zeros(n, dtype=torch.int64),
+        torch.ones(n),
+        seeds,
+        sample_indices,
+        positions,
+    )
     assert len(set(tokens.tolist())) >= 2
 
 
@@ -147,16 +181,26 @@ def test_token_logprobs_out_of_range_id_is_nan():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("logits", torch.randn(2, 10, dtype=torch.float64)), ("temperature", torch.ones(2, dtype=torch.float64)),
-     ("top_k", torch.zeros(3, dtype=torch.int64)), ("top_p", torch.ones(2, 1)),
-     ("seeds", torch.zeros(2, dtype=torch.int32)), ("sample_indices", torch.zeros(2)),
-     ("positions", torch.zeros(2, 2, dtype=torch.int64))],
+    [
+        ("logits", torch.randn(2, 10, dtype=torch.float64)),
+        ("temperature", torch.ones(2, dtype=torch.float64)),
+        ("top_k", torch.zeros(3, dtype=torch.int64)),
+        ("top_p", torch.ones(2, 1)),
+        ("seeds", torch.zeros(2, dtype=torch.int32)),
+        ("sample_indices", torch.zeros(2)),
+        ("positions", torch.zeros(2, 2, dtype=torch.int64)),
+    ],
 )
 def test_sample_bad_input_names_argument(field, value):
-    args = {"logits": torch.randn(2, 10), "temperature": torch.ones(2),
-            "top_k": torch.zeros(2, dtype=torch.int64), "top_p": torch.ones(2),
-            "seeds": torch.zeros(2, dtype=torch.int64), "sample_indices": torch.zeros(2, dtype=torch.int64),
-            "positions": torch.zeros(2, dtype=torch.int64)}
+    args = {
+        "logits": torch.randn(2, 10),
+        "temperature": torch.ones(2),
+        "top_k": torch.zeros(2, dtype=torch.int64),
+        "top_p": torch.ones(2),
+        "seeds": torch.zeros(2, dtype=torch.int64),
+        "sample_indices": torch.zeros(2, dtype=torch.int64),
+        "positions": torch.zeros(2, dtype=torch.int64),
+    }
     args[field] = value
     with pytest.raises(ValueError, match=f"^{field}"):
         sample(**args)

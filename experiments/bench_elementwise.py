@@ -1,0 +1,244 @@
+"""Row ops on the H200: rmsnorm (+ fused residual), rope, silu_mul vs torch eager, against the
+memory bound, plus bitwise invariance checks at the real shapes in bf16.
+
+``collect()`` times each op at M (tokens) in {1 ... 8192} against its torch-eager peer (the
+reference math of ``kernels/reference.py``) measured in the same call; ``bound_us`` is bytes moved /
+4.3 TB/s and ``bw_fraction`` = bound_us / us (the target is >= 0.9 where launch overhead does not
+dominate, i.e. at M >= 2048; below that a few-microsecond launch is most of the time).
+
+    python -m experiments.bench_elementwise [--quick]   -> experiments/results/elementwise-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.harness import bench_us, kernel_record, memory_bound_us, write_results  # noqa: E402
+from kernels.activation import silu_mul  # noqa: E402
+from kernels.mode import Mode  # noqa: E402
+from kernels.norm import RmsNormConfig, rmsnorm  # noqa: E402
+from kernels.reference import rmsnorm_reference, rope_reference, silu_mul_reference  # noqa: E402
+from kernels.rope import build_rope_cache, rope  # noqa: E402
+
+M_VALUES = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
+QUICK_M = (1, 256, 8192)
+HIDDEN_SIZES = (4096, 2048, 7168)  # Qwen3-8B, Qwen3-30B-A3B, DeepSeek-V3
+INTERMEDIATE_SIZES = (12288, 768, 18432)  # Qwen3-8B dense, Qwen3-MoE expert, DeepSeek-V3 dense
+# (label, q heads, k heads, rotary dim, q head width (rope part is the tail), is_neox)
+ROPE_SHAPES = (("qwen3-8b", 32, 8, 128, 128, True), ("deepseek-v3", 128, 1, 64, 192, False))
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+ELEM = 2  # bytes per bf16 element
+
+
+def _require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_elementwise needs a CUDA device (H200); none is available here")
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE, dtype=DTYPE)
+
+
+def _record(op, m, n, k, us, peer_us, num_bytes, **extra) -> dict:
+    bound = memory_bound_us(num_bytes)
+    return kernel_record(
+        op,
+        str(Mode.CORUN),
+        m,
+        n,
+        k,
+        DTYPE,
+        us,
+        "torch-eager",
+        peer_us,
+        bound_us=round(bound, 3),
+        bw_fraction=round(bound / us, 4),
+        peer_bw_fraction=round(bound / peer_us, 4),
+        **extra,
+    )
+
+
+def collect(quick: bool = False) -> list[dict]:
+    """Timing records: one per (op, shape, M), the torch-eager peer timed at the same point."""
+    _require_cuda()
+    torch.manual_seed(0)
+    m_values = QUICK_M if quick else M_VALUES
+    warmup_ms, rep_ms = (5, 20) if quick else (10, 30)
+    bench = lambda fn: bench_us(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)  # noqa: E731
+    records = []
+    for hidden in HIDDEN_SIZES[:1] if quick else HIDDEN_SIZES:
+        weight = 1 + 0.1 * _randn(hidden)
+        for m in m_values:
+            x, residual = _randn(m, hidden), _randn(m, hidden)
+            us = bench(partial(rmsnorm, x, weight, 1e-6))
+            peer = bench(partial(rmsnorm_reference, x, weight, 1e-6))
+            records.append(_record("rmsnorm", m, hidden, 0, us, peer, (2 * m + 1) * hidden * ELEM))
+            us = bench(partial(rmsnorm, x, weight, 1e-6, residual))
+            peer = bench(partial(rmsnorm_reference, x, weight, 1e-6, residual))
+            records.append(
+                _record("rmsnorm_residual", m, hidden, 0, us, peer, (4 * m + 1) * hidden * ELEM)
+            )
+    for label, q_heads, k_heads, rotary_dim, q_width, is_neox in ROPE_SHAPES:
+        cache = build_rope_cache(rotary_dim, 8192, 10000.0, device=DEVICE)
+        for m in m_values:
+            q = _randn(m, q_heads, q_width)[..., q_width - rotary_dim :]
+            k = _randn(m, k_heads, rotary_dim)
+            positions = torch.randint(0, 8192, (m,), device=DEVICE)
+            us = bench(partial(rope, q, k, positions, cache, is_neox, inplace=True))
+            peer = bench(partial(rope_reference, q, k, positions, cache, is_neox))
+            num_bytes = 2 * m * (q_heads + k_heads) * rotary_dim * ELEM + m * rotary_dim * 4
+            records.append(
+                _record(
+                    "rope",
+                    m,
+                    q_heads * rotary_dim,
+                    k_heads * rotary_dim,
+                    us,
+                    peer,
+                    num_bytes,
+                    shape=label,
+                    is_neox=is_neox,
+                )
+            )
+    for inter in INTERMEDIATE_SIZES[:1] if quick else INTERMEDIATE_SIZES:
+        for m in m_values:
+            x = _randn(m, 2 * inter)
+            us = bench(partial(silu_mul, x))
+            peer = bench(partial(silu_mul_reference, x))
+            records.append(_record("silu_mul", m, inter, 0, us, peer, 3 * m * inter * ELEM))
+    return records
+
+
+def _check(op: str, check: str, mode: Mode, shape: tuple, passed: bool, detail: str = "") -> dict:
+    return {
+        "op": op,
+        "check": check,
+        "mode": str(mode),
+        "shape": list(shape),
+        "passed": bool(passed),
+        "detail": detail,
+    }
+
+
+def check_invariance_gpu() -> list[dict]:
+    """Row 0 alone vs inside a batch of 256 (batch invariance) and under a row permutation
+    (position invariance), bf16, real shapes, every mode; plus the rmsnorm tiling control."""
+    _require_cuda()
+    torch.manual_seed(1)
+    batch = 256
+    perm = torch.randperm(batch, device=DEVICE)
+    out = []
+    for mode in Mode:
+        for hidden in HIDDEN_SIZES:
+            x, residual, weight = _randn(batch, hidden), _randn(batch, hidden), _randn(hidden)
+            full, full_res = rmsnorm(x, weight, 1e-6, residual, mode=mode)
+            alone, _ = rmsnorm(x[:1], weight, 1e-6, residual[:1], mode=mode)
+            permuted, _ = rmsnorm(x[perm], weight, 1e-6, residual[perm], mode=mode)
+            out.append(
+                _check("rmsnorm", "batch", mode, (batch, hidden), torch.equal(alone[0], full[0]))
+            )
+            out.append(
+                _check(
+                    "rmsnorm", "position", mode, (batch, hidden), torch.equal(permuted, full[perm])
+                )
+            )
+        for label, q_heads, k_heads, rotary_dim, q_width, is_neox in ROPE_SHAPES:
+            cache = build_rope_cache(rotary_dim, 8192, 10000.0, device=DEVICE)
+            q = _randn(batch, q_heads, q_width)[..., q_width - rotary_dim :]
+            k = _randn(batch, k_heads, rotary_dim)
+            positions = torch.randint(0, 8192, (batch,), device=DEVICE)
+            fq, fk = rope(q, k, positions, cache, is_neox, mode=mode)
+            aq, ak = rope(q[:1], k[:1], positions[:1], cache, is_neox, mode=mode)
+            pq, pk = rope(q[perm], k[perm], positions[perm], cache, is_neox, mode=mode)
+            shape = (batch, q_heads, k_heads, rotary_dim)
+            out.append(
+                _check(
+                    "rope",
+                    "batch",
+                    mode,
+                    shape,
+                    torch.equal(aq[0], fq[0]) and torch.equal(ak[0], fk[0]),
+                    label,
+                )
+            )
+            out.append(
+                _check(
+                    "rope",
+                    "position",
+                    mode,
+                    shape,
+                    torch.equal(pq, fq[perm]) and torch.equal(pk, fk[perm]),
+                    label,
+                )
+            )
+        for inter in INTERMEDIATE_SIZES:
+            x = _randn(batch, 2 * inter)
+            full = silu_mul(x, mode=mode)
+            out.append(
+                _check(
+                    "silu_mul",
+                    "batch",
+                    mode,
+                    (batch, inter),
+                    torch.equal(silu_mul(x[:1], mode=mode)[0], full[0]),
+                )
+            )
+            out.append(
+                _check(
+                    "silu_mul",
+                    "position",
+                    mode,
+                    (batch, inter),
+                    torch.equal(silu_mul(x[perm], mode=mode), full[perm]),
+                )
+            )
+    # Negative control: a tiled sweep (what an M-dependent policy could pick) changes bits.
+    x, weight = _randn(batch, 4096), _randn(4096)
+    tiled = rmsnorm(x, weight, 1e-6, config=RmsNormConfig(BLOCK_SIZE=1024, num_warps=4))
+    out.append(
+        _check(
+            "rmsnorm",
+            "negative_control_tiling_changes_bits",
+            Mode.CORUN,
+            (batch, 4096),
+            not torch.equal(tiled, rmsnorm(x, weight, 1e-6)),
+            "passed = the bitwise check detects another reduction order",
+        )
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a handful of shapes (smoke run)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_elementwise: needs a CUDA device (H200); nothing measured.", file=sys.stderr)
+        return 1
+    t0 = time.monotonic()
+    records = collect(quick=args.quick)
+    t_collect = time.monotonic() - t0
+    checks = check_invariance_gpu()
+    failed = [c for c in checks if not c["passed"]]
+    path = write_results(
+        "elementwise-h200", records + checks, collect_s=round(t_collect, 1), quick=args.quick
+    )
+    print(
+        f"wrote {path}: {len(records)} timings in {t_collect:.1f}s, {len(checks)} checks, "
+        f"{len(failed)} failed"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
