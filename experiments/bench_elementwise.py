@@ -12,9 +12,9 @@ dominate, i.e. at M >= 2048; below that a few-microsecond launch is most of the 
 from __future__ import annotations
 
 import argparse
-from functools import partial
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch

@@ -12,9 +12,9 @@ several times while bisecting, so bw_fraction < 1 with top-k/top-p is expected).
 from __future__ import annotations
 
 import argparse
-from functools import partial
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
