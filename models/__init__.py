@@ -4,6 +4,10 @@
 ``NAMED_CONFIGS`` gives seeded random weights, a directory loads a HF checkpoint. The model runs
 ``model(input_ids, batch)`` -> hidden and ``model.compute_logits(hidden)``; how it computes
 (backend, mode) travels in ``batch.ops``.
+
+Tensor parallelism: pass ``parallel=ParallelContext(rank, world_size, group)`` (``models.parallel``)
+and each rank builds and loads only its shard; random weights are the shards of the same full
+weights a TP=1 build draws from ``seed``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from torch import nn
 
 from models.config import NAMED_CONFIGS, ModelConfig
+from models.parallel import SINGLE, ParallelContext
 
 # HF architecture name -> (module, class), imported only when used.
 MODEL_REGISTRY: dict[str, tuple[str, str]] = {
@@ -34,35 +39,38 @@ def model_class(architecture: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def create_model(config: ModelConfig, *, dtype: torch.dtype,
-                 device: torch.device | str) -> nn.Module:
-    """Construct on the meta device and materialise on ``device`` (weights uninitialised)."""
+def create_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str,
+                 parallel: ParallelContext = SINGLE) -> nn.Module:
+    """Construct this rank's shard on the meta device and materialise it on ``device`` (weights
+    uninitialised)."""
     from models.weights import materialize
 
     with torch.device("meta"):
-        model = model_class(config.architecture)(config)
+        model = model_class(config.architecture)(config, parallel)
     return materialize(model, dtype, device).eval()
 
 
 def build_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype,
-                device: torch.device | str, seed: int = 0) -> tuple[nn.Module, ModelConfig]:
-    """A named config with random weights drawn from ``seed``, or a HF checkpoint directory."""
+                device: torch.device | str, seed: int = 0,
+                parallel: ParallelContext = SINGLE) -> tuple[nn.Module, ModelConfig]:
+    """A named config with random weights drawn from ``seed``, or a HF checkpoint directory;
+    this rank's shard under ``parallel``."""
     from models.weights import init_random_weights
 
     name = str(name_or_path)
     if name in NAMED_CONFIGS:
         config = NAMED_CONFIGS[name]
-        model = create_model(config, dtype=dtype, device=device)
+        model = create_model(config, dtype=dtype, device=device, parallel=parallel)
         init_random_weights(model, config.num_hidden_layers, seed)
         model.process_weights_after_loading()
         return model, config
     if Path(name).is_dir():
         from models.loader import load_model
 
-        return load_model(name, dtype=dtype, device=device)
+        return load_model(name, dtype=dtype, device=device, parallel=parallel)
     raise ValueError(f"name_or_path: {name!r} is neither a named config "
                      f"({', '.join(NAMED_CONFIGS)}) nor a checkpoint directory")
 
 
-__all__ = ["MODEL_REGISTRY", "NAMED_CONFIGS", "ModelConfig", "build_model", "create_model",
-           "model_class"]
+__all__ = ["MODEL_REGISTRY", "NAMED_CONFIGS", "ModelConfig", "ParallelContext", "build_model",
+           "create_model", "model_class"]

@@ -17,22 +17,24 @@ from models.layers.decoder import CausalLM, DecoderLayer
 from models.layers.mla import MLAAttention
 from models.layers.mlp import GatedMLP
 from models.layers.moe import GroupedTopKMoE
+from models.parallel import SINGLE, ParallelContext
 
 
 class DeepseekV3ForCausalLM(CausalLM):
     # Only gate/up are fused; q_a_proj, q_b_proj, kv_a_proj_with_mqa stay separate modules.
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
         layers = []
         for i in range(config.num_hidden_layers):
             is_moe = config.is_moe_layer(i)
-            mlp: nn.Module = (GroupedTopKMoE(config) if is_moe
-                              else GatedMLP(config.hidden_size, config.intermediate_size))
-            layers.append(DecoderLayer(config, MLAAttention(config, i), mlp, is_moe))
-        super().__init__(config, layers)
+            mlp: nn.Module = (GroupedTopKMoE(config, parallel) if is_moe
+                              else GatedMLP(config.hidden_size, config.intermediate_size, parallel))
+            layers.append(DecoderLayer(config, MLAAttention(config, i, parallel), mlp, is_moe))
+        super().__init__(config, layers, parallel)
 
     def kv_cache_spec(self) -> KVCacheSpec:
+        """The latent cache is replicated: the same entry width on every rank."""
         c = self.config
         return KVCacheSpec(kind="mla", num_layers=c.num_hidden_layers,
                            entry_dim=c.kv_lora_rank + c.qk_rope_head_dim)

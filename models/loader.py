@@ -15,6 +15,11 @@ Keys of layers >= num_hidden_layers (DeepSeek-V3's MTP layer 61) are skipped, as
 headers first (unexpected keys, shapes, missing keys) and only then streamed tensor by tensor onto
 the target device and dtype, so a bad checkpoint fails before any weight is copied, with a
 ``CheckpointError`` naming the problem; nothing half-loaded is returned.
+
+Tensor parallelism: each checkpoint key covers a region of a full (TP=1) parameter; the loader
+intersects it with the pieces of the parameter's ``ShardLayout`` that this rank holds and reads
+only those slices (``safe_open(...).get_slice(key)[...]``), so a rank never materialises another
+rank's weights. Shapes are still validated against the full checkpoint tensors.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
-from models.layers.linear import MergedLinear
+from models.layers.linear import ColumnParallelLinear
 from models.layers.moe import FusedExperts
+from models.parallel import SINGLE, ParallelContext
+from models.weights import Index, ShardLayout, shard_layout
 
 
 class CheckpointError(ValueError):
@@ -37,12 +44,57 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
-class _Target:
-    """Where one checkpoint tensor goes: ``param[index]``, which must have ``shape``."""
+class _Copy:
+    """``param[local_index] = checkpoint_tensor[source_index]``."""
 
     param_name: str
-    index: tuple
+    local_index: Index
+    source_index: Index
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What one checkpoint tensor (which must have ``shape``) feeds on this rank."""
+
     shape: tuple[int, ...]
+    copies: tuple[_Copy, ...]
+
+
+def _ranges(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int, bool]]:
+    """(start, stop, is_int_index) per dim of ``shape`` for an index of ints and unit slices."""
+    out = []
+    for dim, size in enumerate(shape):
+        item = index[dim] if dim < len(index) else slice(None)
+        if isinstance(item, int):
+            out.append((item, item + 1, True))
+        else:
+            start, stop, _ = item.indices(size)
+            out.append((start, stop, False))
+    return out
+
+
+def _target(param_name: str, layout: ShardLayout, region: tuple) -> _Target:
+    """The checkpoint tensor ``full[region]`` of a parameter, intersected with this rank's
+    pieces (int entries of ``region`` are dims the checkpoint tensor does not have)."""
+    full = layout.full_shape
+    reg = _ranges(region, full)
+    copies = []
+    for local_index, full_index in layout.pieces:
+        local, source = [], []
+        for dim, ((r0, r1, dropped), (p0, p1, _)) in enumerate(
+                zip(reg, _ranges(full_index, full), strict=True)):
+            start, stop = max(r0, p0), min(r1, p1)
+            if start >= stop:
+                break
+            # Pieces are unit slices; a local dim the piece leaves whole starts at 0.
+            local_offset = (local_index[dim].start or 0) if dim < len(local_index) else 0
+            local_start = local_offset + start - p0
+            local.append(slice(local_start, local_start + stop - start))
+            if not dropped:
+                source.append(slice(start - r0, stop - r0))
+        else:
+            copies.append(_Copy(param_name, tuple(local), tuple(source)))
+    return _Target(tuple(r1 - r0 for r0, r1, dropped in reg if not dropped), tuple(copies))
 
 
 def _expected_keys(model: nn.Module) -> tuple[dict[str, _Target], dict[str, list[list[str]]]]:
@@ -59,18 +111,18 @@ def _expected_keys(model: nn.Module) -> tuple[dict[str, _Target], dict[str, list
     for name, tensor in tensors.items():
         prefix, _, leaf = name.rpartition(".")
         owner = owners[prefix]
+        layout = shard_layout(owner, leaf, tensor)
         module_prefix, _, module_name = prefix.rpartition(".")
         keys: list[str] = []
-        if isinstance(owner, MergedLinear) and module_name in shards_of and leaf in ("weight",
-                                                                                     "bias"):
+        if (isinstance(owner, ColumnParallelLinear) and module_name in shards_of
+                and leaf in ("weight", "bias")):
             for hf_name, shard in shards_of[module_name]:
                 key = ".".join(p for p in (module_prefix, hf_name, leaf) if p)
-                rows = owner.shard_rows(shard)
-                targets[key] = _Target(name, (rows,), (rows.stop - rows.start, *tensor.shape[1:]))
+                targets[key] = _target(name, layout, (owner.shard_rows(shard),))
                 keys.append(key)
             coverage[name] = [keys]
             continue
-        targets[name] = _Target(name, (), tuple(tensor.shape))
+        targets[name] = _target(name, layout, ())
         coverage[name] = [[name]]
         if isinstance(owner, FusedExperts):
             inter = owner.intermediate_size
@@ -79,11 +131,11 @@ def _expected_keys(model: nn.Module) -> tuple[dict[str, _Target], dict[str, list
                     for hf_name, rows in (("gate_proj", slice(0, inter)),
                                           ("up_proj", slice(inter, 2 * inter))):
                         key = f"{prefix}.{e}.{hf_name}.weight"
-                        targets[key] = _Target(name, (e, rows), (inter, tensor.shape[2]))
+                        targets[key] = _target(name, layout, (e, rows))
                         keys.append(key)
                 else:
                     key = f"{prefix}.{e}.down_proj.weight"
-                    targets[key] = _Target(name, (e,), tuple(tensor.shape[1:]))
+                    targets[key] = _target(name, layout, (e,))
                     keys.append(key)
             coverage[name].append(keys)
     return targets, coverage
@@ -168,7 +220,8 @@ def _plan(model: nn.Module, config: ModelConfig,
 
 @torch.no_grad()
 def load_weights(model: nn.Module, config: ModelConfig, path: str | os.PathLike) -> None:
-    """Validate the checkpoint at ``path`` against ``model``, then copy it in tensor by tensor."""
+    """Validate the checkpoint at ``path`` against ``model``, then copy this rank's slices of it
+    in tensor by tensor."""
     from safetensors import safe_open
 
     plan = _plan(model, config, _checkpoint_files(Path(path)))
@@ -177,13 +230,20 @@ def load_weights(model: nn.Module, config: ModelConfig, path: str | os.PathLike)
     for file, entries in plan.items():
         with safe_open(file, framework="pt", device="cpu") as f:
             for key, target in entries:
-                # One host tensor at a time; copy_ casts to the parameter's dtype on its device.
-                tensors[target.param_name][target.index].copy_(f.get_tensor(key))
+                if not target.copies:
+                    continue
+                tensor_slice = f.get_slice(key)
+                for copy in target.copies:
+                    # Only this rank's slice is read; copy_ casts to the parameter's dtype on its
+                    # device (an int-indexed dim of the parameter broadcasts from the slice).
+                    tensors[copy.param_name][copy.local_index].copy_(
+                        tensor_slice[copy.source_index])
 
 
-def load_model(path: str | os.PathLike, *, dtype: torch.dtype,
-               device: torch.device | str) -> tuple[nn.Module, ModelConfig]:
-    """Build the model a HF directory describes and load its weights; CheckpointError if not."""
+def load_model(path: str | os.PathLike, *, dtype: torch.dtype, device: torch.device | str,
+               parallel: ParallelContext = SINGLE) -> tuple[nn.Module, ModelConfig]:
+    """Build the model a HF directory describes (this rank's shard under ``parallel``) and load
+    its weights; CheckpointError if not."""
     from models import create_model
 
     path = Path(path)
@@ -195,7 +255,7 @@ def load_model(path: str | os.PathLike, *, dtype: torch.dtype,
         config = ModelConfig.from_hf(hf_config)
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
-    model = create_model(config, dtype=dtype, device=device)
+    model = create_model(config, dtype=dtype, device=device, parallel=parallel)
     load_weights(model, config, path)
     model.process_weights_after_loading()
     return model, config

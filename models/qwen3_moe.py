@@ -15,20 +15,21 @@ from models.layers.attention import GQAAttention
 from models.layers.decoder import CausalLM, DecoderLayer
 from models.layers.mlp import GatedMLP
 from models.layers.moe import SoftmaxTopKMoE
+from models.parallel import SINGLE, ParallelContext
 from models.qwen3 import QWEN3_PACKED_MODULES, mha_cache_spec
 
 
 class Qwen3MoeForCausalLM(CausalLM):
     packed_modules_mapping = QWEN3_PACKED_MODULES
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
         layers = []
         for i in range(config.num_hidden_layers):
             is_moe = config.is_moe_layer(i)
-            mlp: nn.Module = (SoftmaxTopKMoE(config) if is_moe
-                              else GatedMLP(config.hidden_size, config.intermediate_size))
-            layers.append(DecoderLayer(config, GQAAttention(config, i), mlp, is_moe))
-        super().__init__(config, layers)
+            mlp: nn.Module = (SoftmaxTopKMoE(config, parallel) if is_moe
+                              else GatedMLP(config.hidden_size, config.intermediate_size, parallel))
+            layers.append(DecoderLayer(config, GQAAttention(config, i, parallel), mlp, is_moe))
+        super().__init__(config, layers, parallel)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return mha_cache_spec(self.config)
+        return mha_cache_spec(self.config, self.parallel)

@@ -10,11 +10,18 @@ scales chosen so activations stay O(1) through every layer in bf16: matrices ~ N
 (unit gain), the residual-branch outputs (o_proj, down_proj) further scaled by (2 L)^-1/2 so the
 residual stream grows like sqrt of depth at most, norm weights 1, biases 0. Logits then have
 roughly unit spread: finite and varied, not degenerate.
+
+Tensor parallelism: a sharded parameter declares its ``ShardLayout`` (the TP=1 shape and which
+pieces of that full tensor this rank holds). Random weights draw the *full* tensor per parameter,
+in the TP=1 order from the same generator, and keep this rank's pieces, so every rank holds the
+shard of the very weights a TP=1 build draws (transient memory: the largest full parameter). The
+loader reads the same layout to narrow each checkpoint tensor to the rank's slice.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,6 +29,40 @@ from torch import nn
 from models.layers.norm import RMSNorm
 
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
+
+Index = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where a rank's parameter comes from: ``local[local_index] = full[full_index]`` for each
+    piece, ``full`` being the TP=1 parameter of ``full_shape``. Local elements no piece covers
+    (a padded vocab shard's tail) are zeros."""
+
+    full_shape: tuple[int, ...]
+    pieces: tuple[tuple[Index, Index], ...]
+
+
+def replicated(param: torch.Tensor) -> ShardLayout:
+    return ShardLayout(tuple(param.shape), (((), ()),))
+
+
+def shard_layout(module: nn.Module, leaf: str, param: torch.Tensor) -> ShardLayout:
+    """A module's declared layout of parameter ``leaf`` (``shard_layout(leaf)``), else
+    replicated."""
+    declare = getattr(module, "shard_layout", None)
+    layout = declare(leaf) if callable(declare) else None
+    return layout if layout is not None else replicated(param)
+
+
+def parameter_layouts(model: nn.Module) -> dict[str, ShardLayout]:
+    """name -> ShardLayout of every parameter (tied parameters once, as named_parameters)."""
+    owners = dict(model.named_modules())
+    layouts = {}
+    for name, param in model.named_parameters():
+        prefix, _, leaf = name.rpartition(".")
+        layouts[name] = shard_layout(owners[prefix], leaf, param)
+    return layouts
 
 
 def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
@@ -41,18 +82,27 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str
 @torch.no_grad()
 def init_random_weights(model: nn.Module, num_layers: int, seed: int) -> None:
     """Fill every parameter from one generator seeded by ``seed`` (same seed and device, same
-    bits)."""
+    bits); a tensor-parallel rank gets its pieces of the same full tensors as TP=1."""
     first = next(model.parameters())
     generator = torch.Generator(device=first.device).manual_seed(seed)
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     residual_scale = 1.0 / math.sqrt(2 * max(num_layers, 1))
+    layouts = parameter_layouts(model)
     for name, param in model.named_parameters():  # tied parameters appear once
         if id(param) in norm_weights:
             param.fill_(1.0)
         elif param.dim() == 1:
             param.zero_()
         else:
-            std = param.shape[-1] ** -0.5
+            layout = layouts[name]
+            std = layout.full_shape[-1] ** -0.5  # the fan-in of the full matrix
             if any(part in RESIDUAL_OUTPUTS for part in name.split(".")):
                 std *= residual_scale
-            param.normal_(0.0, std, generator=generator)
+            if layout == replicated(param):
+                param.normal_(0.0, std, generator=generator)
+                continue
+            full = torch.empty(layout.full_shape, dtype=param.dtype, device=param.device)
+            full.normal_(0.0, std, generator=generator)
+            param.zero_()
+            for local_index, full_index in layout.pieces:
+                param[local_index] = full[full_index]

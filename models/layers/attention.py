@@ -5,6 +5,11 @@
 decode runs one query per slot with ``batch.max_seq_len`` and ``batch.ops.decode_split_size``
 (DESIGN.md section 3: the split count depends on a sequence's own length, so under corun and
 batch_invariant a sequence's output does not depend on its co-runners).
+
+Tensor parallel (vLLM's layout): the q heads are split evenly across ranks; the kv heads too when
+there are at least as many as ranks, otherwise each kv head is replicated on W / num_kv_heads
+ranks so that every rank holds the one kv head its q heads attend with. q|k|v is
+column-parallel, o_proj row-parallel with the all-reduce; each rank caches its local kv heads.
 """
 
 from __future__ import annotations
@@ -15,9 +20,25 @@ from torch import nn
 from models import ops
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
-from models.layers.linear import Linear, MergedLinear
+from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding
+from models.parallel import SINGLE, ParallelContext
+
+
+def kv_head_range(num_heads: int, num_kv_heads: int, parallel: ParallelContext
+                  ) -> tuple[int, int]:
+    """[start, stop) of the kv heads this rank holds (ValueError naming the field that does not
+    split across the tensor-parallel size)."""
+    world, rank = parallel.world_size, parallel.rank
+    parallel.shard(num_heads, "num_attention_heads")
+    if num_kv_heads >= world:
+        return parallel.shard(num_kv_heads, "num_key_value_heads")
+    if world % num_kv_heads:
+        raise ValueError(f"num_key_value_heads: {num_kv_heads} kv heads can not be replicated "
+                         f"evenly over tensor-parallel size {world}")
+    head = rank // (world // num_kv_heads)  # the kv head of this rank's q heads
+    return head, head + 1
 
 
 class PagedAttention(nn.Module):
@@ -41,14 +62,20 @@ class GQAAttention(nn.Module):
     grouped-query attention with scale head_dim^-0.5, o_proj from heads*head_dim (which may be
     wider than hidden: 32 x 128 over 2048 for Qwen3-30B-A3B)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int,
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size],
-                                     bias=config.attention_bias)
-        self.o_proj = Linear(q_size, config.hidden_size)
+        d = self.head_dim = config.head_dim
+        q_start, q_stop = parallel.shard(config.num_attention_heads, "num_attention_heads")
+        kv_start, kv_stop = kv_head_range(config.num_attention_heads,
+                                          config.num_key_value_heads, parallel)
+        self.num_heads, self.num_kv_heads = q_stop - q_start, kv_stop - kv_start  # local
+        full_q, full_kv = config.num_attention_heads * d, config.num_key_value_heads * d
+        kv_rows = (kv_start * d, kv_stop * d)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [full_q, full_kv, full_kv], parallel, bias=config.attention_bias,
+            local_ranges=[(q_start * d, q_stop * d), kv_rows, kv_rows])
+        self.o_proj = RowParallelLinear(full_q, config.hidden_size, parallel)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,

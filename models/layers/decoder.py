@@ -4,6 +4,10 @@ name. A model file only says how to build layer i's attention and MLP and what i
 
 The residual stream travels beside the hidden state: each norm adds it first and returns the sum
 (``h = x + residual`` in the activation dtype, as the HF layers add), so the math is HF's.
+
+Under tensor parallelism the model holds its ``ParallelContext`` (given at construction): the
+residual stream and the norms are replicated on every rank (each layer ends in an all-reduce),
+and ``compute_logits`` returns the full-vocabulary logits on every rank.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from models.config import ModelConfig
 from models.forward_batch import ForwardBatch, KVCacheSpec, OpsConfig
 from models.layers.embedding import LMHead, VocabEmbedding
 from models.layers.norm import RMSNorm
+from models.parallel import SINGLE, ParallelContext
 
 
 class DecoderLayer(nn.Module):
@@ -41,14 +46,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer],
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, parallel)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h, residual = self.embed_tokens(input_ids), None
+        h, residual = self.embed_tokens(input_ids, batch.ops), None
         for layer in self.layers:
             h, residual = layer(h, residual, batch)
         h, _ = self.norm(h, batch.ops, residual)
@@ -62,11 +68,12 @@ class CausalLM(nn.Module):
     # HF module name -> (our fused module name, shard index); matched on dotted components.
     packed_modules_mapping: dict[str, tuple[str, int]] = {}
 
-    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer],
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        self.config = config
-        self.model = DecoderModel(config, layers)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.config, self.parallel = config, parallel
+        self.model = DecoderModel(config, layers, parallel)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, parallel)
         self.tie_weights()
 
     def tie_weights(self) -> None:

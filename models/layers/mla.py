@@ -12,6 +12,11 @@ kv_a_layernorm-ed latent and the roped, head-shared k_pe (576 values for V3).
 
 Softmax scale ``qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2`` in both forms (0.13523 for
 V3). RoPE is interleaved (GPT-J pairs), as DeepSeek's ``rope_interleave``.
+
+Tensor parallel by heads: q_b_proj (or q_proj) and kv_b_proj are column-parallel with whole
+heads per rank, o_proj row-parallel with the all-reduce; q_a_proj, kv_a_proj_with_mqa and the
+latent norms are replicated, so every rank computes and caches the same latent rows (the latent
+cache is replicated) and attends with its own heads.
 """
 
 from __future__ import annotations
@@ -22,19 +27,23 @@ from torch import nn
 from models import ops
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
-from models.layers.linear import Linear
+from models.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding, yarn_softmax_scale_factor
+from models.parallel import SINGLE, ParallelContext
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int,
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
+        head_start, head_stop = parallel.shard(config.num_attention_heads, "num_attention_heads")
+        self.num_heads = head_stop - head_start  # local heads
+        full_heads = config.num_attention_heads
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         qk_dim, hidden = config.qk_head_dim, config.hidden_size
@@ -42,13 +51,15 @@ class MLAAttention(nn.Module):
         if self.has_q_lora:
             self.q_a_proj = Linear(hidden, config.q_lora_rank)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * qk_dim)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, [full_heads * qk_dim],
+                                                 parallel)
         else:
-            self.q_proj = Linear(hidden, self.num_heads * qk_dim)
+            self.q_proj = ColumnParallelLinear(hidden, [full_heads * qk_dim], parallel)
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
-        self.o_proj = Linear(self.num_heads * self.v_dim, hidden)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, [full_heads * (self.nope_dim + self.v_dim)], parallel)
+        self.o_proj = RowParallelLinear(full_heads * self.v_dim, hidden, parallel)
         self.rotary_emb = RotaryEmbedding(self.rope_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling, is_neox=False)
         self.scale = qk_dim**-0.5 * yarn_softmax_scale_factor(config.rope_scaling)

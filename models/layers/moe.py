@@ -7,6 +7,15 @@ from the fused v5 keys. Routing and the expert GEMMs go through ``models.ops`` (
 grouped GEMM uses an expert-count-independent tile config under corun and batch_invariant; the
 combine sums the top-k in rank order), so a token's output does not depend on how many tokens
 the other requests sent to its experts. Dummy tokens (``token_mask`` False) give zeros.
+
+Tensor parallel *within* experts (vLLM's default for TP): every rank holds every expert, with
+gate|up split on the intermediate dim I ([E, 2I/W, H]) and down on I ([E, H, I/W]); the router is
+replicated, so every rank routes every token identically, computes a partial sum over its slice
+of I, combines the top-k in rank order, and one all-reduce (shared experts' partial included)
+finishes the layer. Not expert parallel: that sends each token to the ranks owning its experts,
+so which rank computes a token, and how many rows share its grouped GEMM there, would depend on
+the other tokens' routing; here a token's reduction order is fixed by the layer alone, and the
+load is balanced whatever the routing.
 """
 
 from __future__ import annotations
@@ -19,16 +28,36 @@ from models.config import ModelConfig
 from models.forward_batch import OpsConfig
 from models.layers.linear import Linear
 from models.layers.mlp import GatedMLP
+from models.parallel import SINGLE, ParallelContext
+from models.weights import ShardLayout
 
 
 class FusedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    """All experts' weights; under TP this rank's slice [i_start, i_stop) of every expert's
+    intermediate dim. ``intermediate_size`` is the full I (the checkpoint's)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.intermediate_size = intermediate_size
+        self.i_start, self.i_stop = parallel.shard(intermediate_size, "moe_intermediate_size")
+        local = self.i_stop - self.i_start
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+            torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+            torch.empty(num_experts, hidden_size, local), requires_grad=False)
+
+    def shard_layout(self, leaf: str) -> ShardLayout:
+        e, h, inter = self.num_experts, self.hidden_size, self.intermediate_size
+        start, stop, local = self.i_start, self.i_stop, self.i_stop - self.i_start
+        every = slice(None)
+        if leaf == "gate_up_proj":  # gate rows then up rows, each sliced on I
+            return ShardLayout((e, 2 * inter, h), (
+                ((every, slice(0, local)), (every, slice(start, stop))),
+                ((every, slice(local, 2 * local)), (every, slice(inter + start, inter + stop)))))
+        return ShardLayout((e, h, inter),
+                           (((every, every, slice(0, local)), (every, every, slice(start, stop))),))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 ops_config: OpsConfig, token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -40,18 +69,20 @@ class SoftmaxTopKMoE(nn.Module):
     """Qwen3-MoE sparse block: softmax over E router logits, top-k, optionally renormalised
     (``norm_topk_prob``), no shared expert."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.parallel = parallel
         self.gate = Linear(config.hidden_size, config.num_experts)
         self.experts = FusedExperts(config.num_experts, config.hidden_size,
-                                    config.moe_intermediate_size)
+                                    config.moe_intermediate_size, parallel)
 
     def forward(self, x: torch.Tensor, ops_config: OpsConfig,
                 token_mask: torch.Tensor | None = None) -> torch.Tensor:
         router_logits = self.gate(x, ops_config)
         weights, ids = ops.softmax_topk(router_logits, self.top_k, self.norm_topk_prob, ops_config)
-        return self.experts(x, weights, ids, ops_config, token_mask)
+        out = self.experts(x, weights, ids, ops_config, token_mask)
+        return self.parallel.all_reduce(out, ops_config.mode)
 
 
 class GroupedTopKRouter(nn.Module):
@@ -77,14 +108,16 @@ class GroupedTopKMoE(nn.Module):
     """DeepSeek-V3 MoE: sigmoid scores, group-limited top-k (noaux_tc), weights renormalised and
     times routed_scaling_factor, plus the always-on shared experts."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.parallel = config, parallel
         self.gate = GroupedTopKRouter(config.num_experts, config.hidden_size)
         self.experts = FusedExperts(config.num_experts, config.hidden_size,
-                                    config.moe_intermediate_size)
+                                    config.moe_intermediate_size, parallel)
+        # Partial sums: added to the routed partial before the layer's one all-reduce.
         self.shared_experts = (
-            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+                     parallel, reduce_results=False)
             if config.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor, ops_config: OpsConfig,
@@ -97,4 +130,4 @@ class GroupedTopKMoE(nn.Module):
         out = self.experts(x, weights, ids, ops_config, token_mask)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, ops_config)
-        return out
+        return self.parallel.all_reduce(out, ops_config.mode)
