@@ -8,12 +8,16 @@ q's dtype).
 
 Invariance, per op:
 
-- ``prefill_attention`` (every mode): a query row's output depends only on its own query, its
-  position and the keys at positions <= it; the config depends on (head_dim, dtype) only. So a
-  prompt prefilled whole or in chunks gives bitwise the same output rows, for ANY chunk boundaries
-  (aligned at multiples of C or not): each row walks KV tiles of BLOCK_N keys from key 0 whatever
-  its query tile, and fully masked tiles are exact no-ops. The KV written by ``store_kv`` is a copy,
-  identical by construction. Rows are also independent of the other sequences in the batch.
+- ``prefill_attention`` (every mode): the config depends on (head_dim, dtype) only, each query
+  row walks KV tiles of BLOCK_N keys from key 0 whatever its query tile, and tiles fully masked
+  for a row are exact no-ops for it. Guarantee: a prompt prefilled whole or in chunks of C,
+  aligned at multiples of C, with C a multiple of BLOCK_M (128 for 16-bit dtypes, 64 for fp32;
+  BLOCK_M is a multiple of BLOCK_N), gives bitwise the same output rows; the KV written by
+  ``store_kv`` is a copy, identical by construction. With that alignment a row also sits at the
+  same offset of its query tile in both runs. Unaligned C only adds a different in-tile row
+  offset: GPU MMA rows do not depend on it, but the interpreter's BLAS matmul does, so it is not
+  promised (``experiments/bench_attention.check_invariance_gpu`` reports it on the H200).
+  A prompt's rows are also independent of the other sequences in the batch.
 - ``decode_attention`` under ``corun`` and ``batch_invariant``: a sequence is cut into splits of a
   fixed ``split_size`` tokens, so its bits depend only on its own query, length and KV: not on the
   other sequences, the batch size, its slot, or ``max_seq_len`` (which only sizes the grid, so one
@@ -170,7 +174,9 @@ class PrefillAttentionConfig:
     num_stages: int
 
 
-def prefill_attention_config(head_dim: int, dtype: torch.dtype, mode: Mode) -> PrefillAttentionConfig:
+def prefill_attention_config(
+    head_dim: int, dtype: torch.dtype, mode: Mode
+) -> PrefillAttentionConfig:
     """Tile config of prefill attention. Depends on (head_dim, dtype) only: never on the chunk
     length or the batch, so chunked and whole prefill walk the same KV tiles. The same in every
     mode (the kernel is already chunk- and batch-invariant)."""
@@ -226,7 +232,7 @@ def prefill_attention(
         if max(q_lens) > max_q_len:
             raise ValueError(f"max_q_len: {max_q_len} < the longest chunk {max(q_lens)}")
         ctx = context_lens.tolist()
-        if any(c < n for c, n in zip(ctx, q_lens)) or max(ctx) > capacity:
+        if any(c < n for c, n in zip(ctx, q_lens, strict=True)) or max(ctx) > capacity:
             raise ValueError(f"context_lens: each must lie in [q_len, {capacity}] "
                              f"(q_lens {q_lens}, table capacity {capacity}), got {ctx}")
         _check_block_ids(block_tables, context_lens, block_size, k_cache.shape[0])

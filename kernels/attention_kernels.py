@@ -8,8 +8,8 @@ table (``_paged_offsets``), so a sequence's blocks may sit anywhere in the cache
 Invariance comes from the loop structure, not from special arithmetic:
 - prefill: every query row walks the KV tiles [0, BLOCK_N), [BLOCK_N, 2 BLOCK_N), ... from key 0,
   whatever query tile it sits in, and tiles that are fully masked for a row leave its state
-  bit-for-bit unchanged (``_prefill_tile``), so a row's bits depend only on its own position and
-  the keys it can see.
+  bit-for-bit unchanged (``_prefill_tile``), so a row's bits depend only on its own position, the
+  keys it can see and (through the dot units) its offset inside the query tile.
 - decode: a split is SPLIT_SIZE consecutive tokens of one sequence starting at a multiple of
   SPLIT_SIZE; its partial result depends only on that sequence, and the combine folds the splits
   in index order.
