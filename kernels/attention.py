@@ -373,20 +373,21 @@ def decode_attention(
                           dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, cfg.num_split_programs)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
-        num_q_heads // num_kv_heads, block_size, cfg.num_split_programs, float(scale) * LOG2E,
+        num_q_heads // num_kv_heads, block_size, cfg.split_size, cfg.num_split_programs,
+        float(scale) * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        SPLIT_SIZE=cfg.split_size, BLOCK_N=cfg.BLOCK_N, BLOCK_H=cfg.BLOCK_H, BLOCK_D=head_dim,
+        BLOCK_N=cfg.BLOCK_N, BLOCK_H=cfg.BLOCK_H, BLOCK_D=head_dim,
         UPCAST=upcast_dot_operands(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _decode_combine_kernel[(num_seqs, num_q_heads)](
         mid_o, mid_lse, seq_lens, out,
-        head_dim,
+        head_dim, cfg.split_size,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        SPLIT_SIZE=cfg.split_size, BLOCK_D=head_dim,
+        BLOCK_D=head_dim,
         num_warps=1 if head_dim <= 64 else 2,
     )
     return out

@@ -10,8 +10,9 @@ Invariance comes from the loop structure, not from special arithmetic:
   whatever query tile it sits in, and tiles that are fully masked for a row leave its state
   bit-for-bit unchanged (``_prefill_tile``), so a row's bits depend only on its own position, the
   keys it can see and (through the dot units) its offset inside the query tile.
-- decode: a split is SPLIT_SIZE consecutive tokens of one sequence starting at a multiple of
-  SPLIT_SIZE; its partial result depends only on that sequence, and the combine folds the splits
+- decode: a split is split_size consecutive tokens of one sequence starting at a multiple of
+  split_size (a runtime argument, a multiple of BLOCK_N: default mode's size changes with the
+  batch and must not trigger recompiles); its partial result depends only on that sequence, and the combine folds the splits
   in index order.
 """
 
@@ -185,12 +186,12 @@ def _decode_split_kernel(
     # pointers
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     # sizes
-    group_size, block_size, num_programs_s, qk_scale,
+    group_size, block_size, split_size, num_programs_s, qk_scale,
     # strides
     stride_qb, stride_qh, stride_bt, stride_cb, stride_co, stride_ch,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     # constexprs
-    SPLIT_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Stage 1: one program per (sequence, kv head, split lane); the lane handles splits
@@ -200,7 +201,7 @@ def _decode_split_kernel(
     pid_kvh = tl.program_id(1)
     pid_s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + pid_b)
-    num_splits = tl.cdiv(seq_len, SPLIT_SIZE)
+    num_splits = tl.cdiv(seq_len, split_size)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -217,8 +218,8 @@ def _decode_split_kernel(
 
     # Lanes whose first split starts past the sequence do zero iterations (early exit).
     for split in range(pid_s, num_splits, num_programs_s):
-        split_start = split * SPLIT_SIZE
-        split_end = tl.minimum(split_start + SPLIT_SIZE, seq_len)
+        split_start = split * split_size
+        split_end = tl.minimum(split_start + split_size, seq_len)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -260,18 +261,18 @@ def _decode_combine_kernel(
     # pointers
     mid_o_ptr, mid_lse_ptr, seq_lens_ptr, o_ptr,
     # sizes
-    head_dim,
+    head_dim, split_size,
     # strides
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     # constexprs
-    SPLIT_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Stage 2: one program per (sequence, q head); folds that sequence's real splits in index
     order (a fixed order, so the result depends only on the split partials). Length 0 -> zeros."""
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + pid_b)
-    num_splits = tl.cdiv(seq_len, SPLIT_SIZE)
+    num_splits = tl.cdiv(seq_len, split_size)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     base_o = mid_o_ptr + pid_b.to(tl.int64) * stride_mb + pid_h * stride_mh
