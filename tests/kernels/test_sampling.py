@@ -122,8 +122,9 @@ def test_empirical_distribution_matches_softmax(draws, name):
     counts = torch.bincount(draws[name], minlength=4).double()
     stat, dof = _chi_square(counts, probs)
     assert stat < CHI2_CRITICAL_1E3[dof], f"chi2 {stat:.2f} (dof {dof}), counts {counts.tolist()}"
-    # Negative control: the same counts reject the uniform distribution over the same set.
-    wrong = keep.double() / keep.sum()
+    # Negative control: the same counts reject the probabilities reversed over the same set.
+    wrong = probs.clone()
+    wrong[keep] = probs[keep].flip(0)
     wrong_stat, _ = _chi_square(counts, wrong)
     assert wrong_stat > CHI2_CRITICAL_1E3[dof]
 
