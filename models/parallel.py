@@ -222,13 +222,14 @@ def spawn_workers(fn: Callable[..., Any], world_size: int, args: Sequence[Any] =
             try:
                 rank, ok, payload = results.get(timeout=0.05)
             except queue.Empty:
-                _check_alive(procs, payloads, results)
+                if any(p.exitcode is not None for r, p in enumerate(procs) if r not in payloads):
+                    _raise_failures(procs, payloads, results, {})
                 if time.monotonic() > deadline:
                     raise WorkerError(f"tensor-parallel workers timed out after {timeout_s} s "
                                       f"({len(payloads)} of {world_size} finished)") from None
                 continue
             if not ok:
-                raise WorkerError(f"tensor-parallel rank {rank} failed:\n{payload}")
+                _raise_failures(procs, payloads, results, {rank: payload})
             payloads[rank] = payload
         finished = True
     finally:
@@ -238,21 +239,29 @@ def spawn_workers(fn: Callable[..., Any], world_size: int, args: Sequence[Any] =
             for rank in range(world_size)]
 
 
-def _check_alive(procs: list[Any], payloads: dict[int, bytes], results: Any) -> None:
-    """WorkerError if a rank exited without reporting (killed, crashed, os._exit)."""
-    for rank, proc in enumerate(procs):
-        if rank in payloads or proc.exitcode is None:
-            continue
-        # Its report may still be in the pipe: a process flushes its queue before it exits.
+def _raise_failures(procs: list[Any], payloads: dict[int, bytes], results: Any,
+                    failures: dict[int, str]) -> None:
+    """WorkerError naming every rank that failed, if any did. A rank that dies (killed, crashed,
+    ``os._exit``) makes its peers fail in their next collective, often before its own exit is
+    seen, so reports and exit codes are collected for a short while and the silent deaths are
+    named first: they are the cause."""
+    settle = time.monotonic() + 0.5
+    while time.monotonic() < settle:
         try:
-            reported, ok, payload = results.get(timeout=1.0)
+            rank, ok, payload = results.get(timeout=0.05)
         except queue.Empty:
-            raise WorkerError(f"tensor-parallel rank {rank} exited with code {proc.exitcode} "
-                              f"without a result") from None
-        if not ok:
-            raise WorkerError(f"tensor-parallel rank {reported} failed:\n{payload}")
-        payloads[reported] = payload
-        return
+            continue
+        if ok:
+            payloads[rank] = payload
+        else:
+            failures[rank] = payload
+    silent = [f"tensor-parallel rank {rank} exited with code {proc.exitcode} without a result"
+              for rank, proc in enumerate(procs)
+              if proc.exitcode not in (None, 0) and rank not in failures and rank not in payloads]
+    raised = [f"tensor-parallel rank {rank} failed:\n{trace}"
+              for rank, trace in sorted(failures.items())]
+    if silent or raised:  # else: the exited rank's result was still in the pipe, now read
+        raise WorkerError("\n".join(silent + raised))
 
 
 def _stop(procs: list[Any], grace_s: float) -> None:
