@@ -36,15 +36,7 @@ TARGET_PROMPT = [17, 3, 250, 9, 81, 44, 5, 128, 66, 7, 200, 31, 12]  # 13 tokens
 TARGET_PARAMS = SamplingParams(max_tokens=6, temperature=0.8, top_k=40, top_p=0.9, seed=1234)
 VOCAB = 256
 
-# On the torch backend (the CPU engine), models/ops.py's prefill attention under batch_invariant is
-# the per-sequence reference, whose einsum over a chunk of L queries is a matmul with M = L: a
-# query's bits depend on how its prompt was chunked, and the dynamic schedule chunks by the shared
-# token budget. Computing each query alone (L = 1) there makes every scenario below pass (checked
-# by patching it). Strict: once models/ops.py is chunk-invariant this XPASSes and must be removed.
-BI_TORCH_CHUNKING = pytest.mark.xfail(
-    strict=True, reason="models/ops.py torch prefill attention is not chunk-invariant under "
-    "batch_invariant (einsum over L queries); needs a per-query (L = 1) path")
-DETERMINISTIC_MODES = ["corun", pytest.param("batch_invariant", marks=BI_TORCH_CHUNKING)]
+DETERMINISTIC_MODES = ["corun", "batch_invariant"]
 
 
 @dataclass(frozen=True)
@@ -127,7 +119,7 @@ PINNED = [
     Scenario(((24, 8), (11, 8), (2, 6)), 1, 3, False, 3),
     # The target (19 tokens at the end) arrives after a 48-token co-runner; both outgrow the
     # 64-token pool while decoding and the latest arrival, the target, is swapped out.
-    Scenario(((40, 8),), 1, 0, True, 4),
+    Scenario(((48, 8),), 1, 0, True, 4),
 ]
 
 

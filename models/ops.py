@@ -131,8 +131,26 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return prefill_kernel(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                               batch.context_lens, scale, max_q_len=batch.max_q_len,
                               mode=batch.ops.mode)
+    if batch.ops.mode is Mode.BATCH_INVARIANT:
+        return _prefill_per_query(q, k_cache, v_cache, batch, scale)
     return ref.prefill_attention_reference(q, k_cache, v_cache, batch.block_tables,
                                            batch.cu_seqlens_q, batch.context_lens, scale)
+
+
+def _prefill_per_query(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """Each query token attends alone over its own causal prefix (the decode computation).
+
+    The dynamic schedules chunk a prompt by the shared token budget, and a CPU matmul over L
+    queries gives a row different bits for different L; one query at a time, with exactly its
+    prefix, makes a token's bits a function of its own position only - the same as decode.
+    """
+    cu = batch.cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    seq_of_token = torch.repeat_interleave(torch.arange(q_lens.numel(), device=q.device), q_lens)
+    token_lens = (batch.positions + 1).to(torch.int32)
+    return ref.decode_attention_reference(q, k_cache, v_cache, batch.block_tables[seq_of_token],
+                                          token_lens, scale)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -188,6 +206,14 @@ def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qb = q[cu_q[b] : cu_q[b + 1]].to(acc)
         kb, vb = k[cu_k[b] : cu_k[b + 1]].to(acc), v[cu_k[b] : cu_k[b + 1]].to(acc)
         q_pos = torch.arange(qb.shape[0], device=q.device) + (kb.shape[0] - qb.shape[0])
+        if ops.mode is Mode.BATCH_INVARIANT:
+            # One query at a time over exactly its causal prefix: a token's bits must not depend
+            # on how the dynamic schedule chunked its prompt (see _prefill_per_query).
+            for i, pos in enumerate(q_pos.tolist()):
+                scores = torch.einsum("hd,shd->hs", qb[i], kb[: pos + 1]) * scale
+                out[cu_q[b] + i] = torch.einsum(
+                    "hs,shd->hd", torch.softmax(scores, dim=-1), vb[: pos + 1]).to(q.dtype)
+            continue
         k_pos = torch.arange(kb.shape[0], device=q.device)
         scores = torch.einsum("lhd,shd->hls", qb, kb) * scale
         scores = scores.masked_fill(k_pos.view(1, 1, -1) > q_pos.view(1, -1, 1), float("-inf"))
