@@ -28,8 +28,7 @@ Invariance, per op:
 Host-side checks: shapes, dtypes, devices and host ints always. Checks that read tensor values
 (cu_seqlens consistency, lengths vs table capacity, block ids < num_blocks, slots in range) run
 only when the tensors are on the CPU: on a GPU they would cost a device sync per call and break
-CUDA-graph capture. ``max_seq_len`` / ``max_q_len`` vs the table capacity are host ints and are
-always checked.
+CUDA-graph capture. ``max_q_len`` vs the table capacity is a host int and always checked.
 """
 
 from __future__ import annotations
@@ -352,13 +351,13 @@ def decode_attention(
     block_size, capacity = k_cache.shape[1], block_tables.shape[1] * k_cache.shape[1]
     if not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise ValueError(f"max_seq_len: expected a host int >= 1, got {max_seq_len!r}")
-    if max_seq_len > capacity:
-        raise ValueError(f"max_seq_len: {max_seq_len} exceeds the block-table capacity {capacity}")
+    # max_seq_len may exceed the table width (under corun it is max_model_len, whatever width the
+    # engine gives the tables): the kernels never read table entries past a sequence's length.
     if seq_lens.device.type == "cpu" and num_seqs:
         lens = seq_lens.tolist()
-        if min(lens) < 0 or max(lens) > max_seq_len:
-            raise ValueError(f"seq_lens: each must lie in [0, max_seq_len={max_seq_len}], "
-                             f"got {lens}")
+        if min(lens) < 0 or max(lens) > min(max_seq_len, capacity):
+            raise ValueError(f"seq_lens: each must lie in [0, min(max_seq_len={max_seq_len}, "
+                             f"table capacity {capacity})], got {lens}")
         _check_block_ids(block_tables, seq_lens, block_size, k_cache.shape[0])
 
     out = torch.empty_like(q)

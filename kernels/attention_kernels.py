@@ -12,8 +12,8 @@ Invariance comes from the loop structure, not from special arithmetic:
   keys it can see and (through the dot units) its offset inside the query tile.
 - decode: a split is split_size consecutive tokens of one sequence starting at a multiple of
   split_size (a runtime argument, a multiple of BLOCK_N: default mode's size changes with the
-  batch and must not trigger recompiles); its partial result depends only on that sequence, and the combine folds the splits
-  in index order.
+  batch and must not trigger recompiles); its partial result depends only on that sequence,
+  and the combine folds the splits in index order.
 """
 
 from __future__ import annotations
@@ -77,14 +77,18 @@ def _prefill_tile(
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    n_mask = offs_n < kv_len
     if MASKED:
-        n_mask = offs_n < kv_len
-    else:
-        n_mask = offs_n >= 0  # all true; keeps one code path for the loads
-    kv_off = _paged_offsets(table_row_ptr, offs_n, n_mask, block_size, stride_cb, stride_co)
-    kv_off = kv_off[:, None] + kv_head_off + offs_d[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        kv_off = _paged_offsets(table_row_ptr, offs_n, n_mask, block_size, stride_cb, stride_co)
+        kv_off = kv_off[:, None] + kv_head_off + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+    else:  # every key of the tile is < kv_len: unmasked loads
+        page = tl.load(table_row_ptr + offs_n // block_size).to(tl.int64)
+        kv_off = page * stride_cb + (offs_n % block_size).to(tl.int64) * stride_co
+        kv_off = kv_off[:, None] + kv_head_off + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off)
+        v = tl.load(v_cache_ptr + kv_off)
     if UPCAST:
         k = k.to(tl.float32)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)

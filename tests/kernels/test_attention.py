@@ -178,9 +178,10 @@ def test_decode_attention_rejects_bad_input(overrides, name):
         decode_attention(*args.values(), max_seq_len=24)
 
 
-def test_decode_attention_rejects_max_seq_len_beyond_table():
-    with pytest.raises(ValueError, match="max_seq_len"):
-        decode_attention(*_decode_args().values(), max_seq_len=25)  # 3 blocks of 8 = 24
+def test_decode_attention_rejects_lengths_beyond_table():
+    args = _decode_args(seq_lens=torch.tensor([20, 25], dtype=torch.int32))
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode_attention(*args.values(), max_seq_len=64)  # tables hold 3 blocks of 8 = 24
 
 
 @pytest.mark.parametrize(

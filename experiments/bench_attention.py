@@ -1,0 +1,299 @@
+"""Paged attention on the H200: prefill vs SDPA flash, decode vs the memory bound and SDPA, and
+bitwise invariance checks at the real shapes (Qwen3-8B heads: 32 q, 8 kv, head_dim 128, bf16).
+
+Run: ``python -m experiments.bench_attention [--quick]`` -> experiments/results/attention-h200.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from experiments.harness import bench_us, kernel_record, memory_bound_us, write_results
+from kernels.attention import decode_attention, decode_attention_config, prefill_attention, store_kv
+from kernels.mode import Mode
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B
+BLOCK_SIZE = 16
+DTYPE = torch.bfloat16
+SCALE = HEAD_DIM**-0.5
+PREFILL_LENS = (512, 1024, 2048, 4096, 8192)
+DECODE_BATCHES = (1, 8, 32, 64, 128)
+DECODE_CONTEXTS = (512, 2048, 4096, 8192, 32768)
+MAX_KV_BYTES = 8 * 2**30  # skip decode shapes whose K+V exceed ~8 GB
+
+
+def _require_cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_attention needs a CUDA device (the H200); none is available")
+    return torch.device("cuda")
+
+
+def _paged_cache(lens: list[int], seeds: list[int], device: torch.device):
+    """Caches with each sequence's blocks scattered (a shuffled block table) and its K/V, drawn
+    on the GPU from its own seed, written through store_kv as the engine does. Returns
+    (k_cache, v_cache, block_tables, k, v) with k/v the contiguous rows [sum(lens), Hkv, D]."""
+    blocks = [-(-n // BLOCK_SIZE) for n in lens]
+    num_blocks, width = max(1, sum(blocks)), max(1, max(blocks))
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.zeros(shape, dtype=DTYPE, device=device)
+    v_cache = torch.zeros(shape, dtype=DTYPE, device=device)
+    placement = torch.Generator().manual_seed(sum(seeds) + len(lens))
+    perm = torch.randperm(num_blocks, generator=placement).to(torch.int32)
+    tables = torch.zeros((len(blocks), width), dtype=torch.int32)
+    start = 0
+    for b, count in enumerate(blocks):
+        tables[b, :count] = perm[start : start + count]
+        start += count
+    tables = tables.to(device)
+    ks, vs, slots = [], [], []
+    for b, (n, seed) in enumerate(zip(lens, seeds, strict=True)):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        ks.append(torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=device).to(DTYPE))
+        vs.append(torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=device).to(DTYPE))
+        token = torch.arange(n, device=device)
+        slots.append(tables[b, token // BLOCK_SIZE].long() * BLOCK_SIZE + token % BLOCK_SIZE)
+    k, v = torch.cat(ks), torch.cat(vs)
+    del ks, vs
+    store_kv(k, v, k_cache, v_cache, torch.cat(slots))
+    return k_cache, v_cache, tables, k, v
+
+
+def _queries(seeds: list[int], device: torch.device) -> torch.Tensor:
+    """One decode query [Hq, D] per sequence, each from its own seed -> [B, Hq, D]."""
+    rows = [torch.randn(NUM_Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(s + 1))
+            for s in seeds]
+    return torch.stack(rows).to(device, DTYPE)
+
+
+def _sdpa(q, k, v, backend, is_causal):
+    """SDPA on contiguous [B, H, L, D]; GQA through enable_gqa, else K/V repeated beforehand."""
+    from torch.nn.attention import sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    try:
+        with sdpa_kernel(backend):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
+                                                             enable_gqa=True)
+
+        def run():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=is_causal, enable_gqa=True)
+        return run, "enable_gqa"
+    except RuntimeError:
+        k_rep = k.repeat_interleave(group, dim=1)
+        v_rep = v.repeat_interleave(group, dim=1)
+
+        def run_rep():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k_rep, v_rep, is_causal=is_causal)
+        run_rep()  # raises if this backend cannot run the shape at all
+        return run_rep, "repeat_interleave"
+
+
+def _bench_prefill(length: int, device: torch.device) -> dict:
+    from torch.nn.attention import SDPBackend
+
+    k_cache, v_cache, tables, k, v = _paged_cache([length], [length], device)
+    gen = torch.Generator(device=device).manual_seed(length + 1)
+    q = torch.randn(length, NUM_Q_HEADS, HEAD_DIM, generator=gen, device=device).to(DTYPE)
+    cu = torch.tensor([0, length], dtype=torch.int32, device=device)
+    ctx = torch.tensor([length], dtype=torch.int32, device=device)
+    us = bench_us(lambda: prefill_attention(q, k_cache, v_cache, tables, cu, ctx, SCALE,
+                                            max_q_len=length, mode=Mode.CORUN))
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+    peer_fn, gqa = _sdpa(q4, k4, v4, SDPBackend.FLASH_ATTENTION, is_causal=True)
+    peer_us = bench_us(peer_fn)
+    flops = 2 * 2 * NUM_Q_HEADS * HEAD_DIM * length * (length + 1) / 2  # causal: half the scores
+    return kernel_record(
+        "prefill_attention", "corun", length, NUM_Q_HEADS, HEAD_DIM, DTYPE, us,
+        "sdpa_flash", peer_us, peer_gqa=gqa, tflops=round(flops / us / 1e6, 1),
+        num_kv_heads=NUM_KV_HEADS, target_ratio=0.8,
+    )
+
+
+def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
+    from torch.nn.attention import SDPBackend
+
+    seeds = [batch * 100003 + context * 7 + b for b in range(batch)]
+    k_cache, v_cache, tables, k, v = _paged_cache([context] * batch, seeds, device)
+    q = _queries(seeds, device)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    bound = memory_bound_us(kv_bytes + 2 * q.numel() * q.element_size())
+    # Peer: SDPA with q len 1 over a contiguous cache (flash, else the efficient backend).
+    q4 = q.unsqueeze(2)  # [B, Hq, 1, D]
+    k4 = k.view(batch, context, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    v4 = v.view(batch, context, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    del k, v
+    peer_name, peer_fn, gqa = None, None, None
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            peer_fn, gqa = _sdpa(q4, k4, v4, backend, is_causal=False)
+            peer_name = name
+            break
+        except RuntimeError:
+            continue
+    peer_us = bench_us(peer_fn) if peer_fn is not None else 0.0  # ratio 0: no peer ran
+    records = []
+    for mode in (Mode.CORUN, Mode.DEFAULT):
+        # corun: the engine's max_model_len; here the context itself (the grid bound only).
+        cfg = decode_attention_config(batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, context,
+                                      DTYPE, mode)
+        us = bench_us(lambda mode=mode: decode_attention(
+            q, k_cache, v_cache, tables, seq_lens, SCALE, max_seq_len=context, mode=mode))
+        records.append(kernel_record(
+            "decode_attention", mode.value, batch, NUM_Q_HEADS, HEAD_DIM, DTYPE, us,
+            peer_name or "none", peer_us, context=context, num_kv_heads=NUM_KV_HEADS,
+            peer_gqa=gqa, kv_bytes=kv_bytes, bound_us=round(bound, 3),
+            bw_fraction=round(bound / us, 4), split_size=cfg.split_size,
+            num_splits=cfg.max_num_splits,
+        ))
+    return records
+
+
+def collect(quick: bool = False) -> list[dict]:
+    """Timing records: prefill vs SDPA flash; decode (corun, default) vs bound and SDPA."""
+    device = _require_cuda()
+    torch.manual_seed(0)
+    records = []
+    for length in (512, 4096) if quick else PREFILL_LENS:
+        records.append(_bench_prefill(length, device))
+        torch.cuda.empty_cache()
+    batches = (1, 64) if quick else DECODE_BATCHES
+    contexts = (4096,) if quick else DECODE_CONTEXTS
+    for batch in batches:
+        for context in contexts:
+            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+            if kv_bytes > MAX_KV_BYTES:
+                continue
+            records.extend(_bench_decode(batch, context, device))
+            torch.cuda.empty_cache()
+    return records
+
+
+def _diff_count(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.view(torch.int16) != b.view(torch.int16)).sum())
+
+
+def _decode_row(device, own, others, slot, mode, max_seq_len) -> torch.Tensor:
+    """Decode output of the sequence ``own`` = (seed, length) placed at ``slot`` among
+    ``others`` (a list of (seed, length)); every sequence's data comes from its own seed."""
+    seqs = list(others)
+    seqs.insert(slot, own)
+    seeds, lens = [s for s, _ in seqs], [n for _, n in seqs]
+    k_cache, v_cache, tables, _, _ = _paged_cache(lens, seeds, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = decode_attention(_queries(seeds, device), k_cache, v_cache, tables, seq_lens, SCALE,
+                           max_seq_len=max_seq_len, mode=mode)
+    return out[slot].clone()
+
+
+def check_invariance_gpu() -> list[dict]:
+    """Bitwise checks in bf16 at Qwen3-8B heads: decode row vs co-runners per mode, prefill whole
+    vs chunked."""
+    device = _require_cuda()
+    results = []
+    gen = torch.Generator().manual_seed(1)
+    # Batch 8: small enough that default mode splits a 3000-token sequence several times.
+    own, batch, max_model_len, slot_b = (11, 3000), 8, 8192, 5
+    set_a = [(100 + i, int(n)) for i, n in enumerate(torch.randint(0, 2000, (batch - 1,),
+                                                                   generator=gen))]
+    set_b = [(500 + i, int(n)) for i, n in enumerate(torch.randint(0, 8192, (batch - 1,),
+                                                                   generator=gen))]
+    shape = f"B={batch} Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} own_len={own[1]}"
+    for mode in (Mode.CORUN, Mode.BATCH_INVARIANT, Mode.DEFAULT):
+        if mode == Mode.DEFAULT:  # default passes the batch's longest as the grid bound
+            max_a = max([own[1]] + [n for _, n in set_a])
+            max_b = max([own[1]] + [n for _, n in set_b])
+        else:
+            max_a = max_b = max_model_len
+        a = _decode_row(device, own, set_a, 0, mode, max_a)
+        b = _decode_row(device, own, set_b, slot_b, mode, max_b)
+        diff = _diff_count(a, b)
+        if mode == Mode.DEFAULT:
+            results.append({
+                "op": "decode_attention", "check": "negative_control_co_runners_change_bits",
+                "mode": mode.value, "shape": shape, "passed": diff > 0,
+                "detail": f"{diff} of {a.numel()} elements differ (expected > 0: default splits "
+                          f"follow the batch's longest sequence, {max_a} vs {max_b})",
+            })
+        else:
+            results.append({
+                "op": "decode_attention", "check": "row_independent_of_co_runners_and_slot",
+                "mode": mode.value, "shape": shape, "passed": diff == 0,
+                "detail": f"{diff} of {a.numel()} elements differ (slot 0 vs {slot_b}, other "
+                          f"lengths and contents changed)",
+            })
+    length = 4096
+    whole = _prefill_chunked(device, length, length)
+    for chunk, promised in ((1024, True), (512, True), (1000, False)):
+        chunked = _prefill_chunked(device, length, chunk)
+        diffs = [_diff_count(x, y) for x, y in zip(whole, chunked, strict=True)]
+        results.append({
+            "op": "prefill_attention",
+            "check": "whole_vs_chunked" if promised else "whole_vs_chunked_unaligned_informational",
+            "mode": Mode.CORUN.value, "shape": f"L={length} C={chunk} Hq={NUM_Q_HEADS} "
+                                               f"Hkv={NUM_KV_HEADS} D={HEAD_DIM}",
+            "passed": all(d == 0 for d in diffs),
+            "detail": f"differing elements (out, k, v): {diffs}"
+                      + ("" if promised else "; C not a multiple of BLOCK_M: not promised"),
+        })
+    return results
+
+
+def _prefill_chunked(device, length: int, chunk: int):
+    """Prefill one prompt in chunks of ``chunk`` (whole if chunk >= length); returns the output
+    rows and the prompt's K/V read back from the cache."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(length, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(device, DTYPE)
+    k = torch.randn(length, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(device, DTYPE)
+    v = torch.randn(length, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(device, DTYPE)
+    num_blocks = -(-length // BLOCK_SIZE)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    junk = torch.Generator().manual_seed(chunk)  # unwritten slots differ between the runs
+    k_cache = torch.randn(shape, generator=junk).to(device, DTYPE)
+    v_cache = torch.randn(shape, generator=junk).to(device, DTYPE)
+    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3))
+    table = table.to(torch.int32).view(1, -1).to(device)
+    outs = []
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        token = torch.arange(start, end, device=device)
+        slots = table[0, token // BLOCK_SIZE].long() * BLOCK_SIZE + token % BLOCK_SIZE
+        store_kv(k[start:end], v[start:end], k_cache, v_cache, slots)
+        cu = torch.tensor([0, end - start], dtype=torch.int32, device=device)
+        ctx = torch.tensor([end], dtype=torch.int32, device=device)
+        outs.append(prefill_attention(q[start:end], k_cache, v_cache, table, cu, ctx, SCALE,
+                                      max_q_len=end - start, mode=Mode.CORUN))
+    token = torch.arange(length, device=device)
+    rows = table[0, token // BLOCK_SIZE].long(), token % BLOCK_SIZE
+    return torch.cat(outs), k_cache[rows], v_cache[rows]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a handful of shapes (smoke run)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_attention: no CUDA device; run this on the H200", file=sys.stderr)
+        return 2
+    records = collect(quick=args.quick)
+    for r in records:
+        print({k: r[k] for k in ("op", "policy", "M", "us", "peer", "peer_us", "ratio")}
+              | {k: r[k] for k in ("context", "bw_fraction") if k in r})
+    checks = check_invariance_gpu()
+    for c in checks:
+        print(c)
+    path = write_results("attention-h200", records + checks)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
