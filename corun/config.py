@@ -45,6 +45,12 @@ class EngineConfig:
     - ``cuda_graphs``: capture decode steps as CUDA graphs (ignored off CUDA).
     - ``seed``: the seed of the random model weights (named configs); request seeds are separate.
     - ``max_queue_len``: waiting requests beyond this are refused (None = unbounded).
+    - ``tensor_parallel_size``: N ranks, each holding a shard of the model and of the KV cache
+      (one GPU per rank with NCCL on CUDA, one CPU process per rank with gloo). The engine's
+      process is rank 0 and schedules; ranks 1..N-1 are worker processes (``corun.tp_executor``).
+    - ``distributed_timeout_s``: how long a rank waits for its peers in one collective (and at
+      start-up) before it fails; a dead worker is normally noticed much sooner (its exit or its
+      closed connections).
     """
 
     model: str = "tiny-qwen3"
@@ -65,6 +71,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     seed: int = 0
     max_queue_len: int | None = None
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -108,6 +116,11 @@ class EngineConfig:
             raise ValueError(f"seed: expected an int in [0, 2**64), got {self.seed!r}")
         if self.max_queue_len is not None:
             _positive("max_queue_len", self.max_queue_len)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if isinstance(self.distributed_timeout_s, bool) or not isinstance(
+                self.distributed_timeout_s, (int, float)) or not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s: expected a positive number of seconds, "
+                             f"got {self.distributed_timeout_s!r}")
 
     # -- derived values --------------------------------------------------------------------------
 
@@ -178,6 +191,15 @@ class EngineConfig:
     @property
     def resolved_backend(self) -> str:
         return self.backend or ("triton" if self.is_cuda else "torch")
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.tensor_parallel_size > 1
+
+    @property
+    def distributed_backend(self) -> str:
+        """The torch.distributed backend of tensor parallelism: NCCL on CUDA, gloo elsewhere."""
+        return "nccl" if self.is_cuda else "gloo"
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -54,8 +54,17 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         # A runner may be shared with another engine of the same model (the benchmark reruns a
-        # workload under a different max_num_seqs without rebuilding the model and graphs).
-        self.runner = model_runner or ModelRunner(config)
+        # workload under a different max_num_seqs without rebuilding the model and graphs); only
+        # a runner built here is torn down by ``close``.
+        self._owns_runner = model_runner is None
+        if model_runner is None:
+            if config.is_parallel:
+                from corun.tp_executor import TPModelRunner
+
+                model_runner = TPModelRunner(config)  # rank 0; starts ranks 1..N-1
+            else:
+                model_runner = ModelRunner(config)
+        self.runner = model_runner
         self.scheduler = Scheduler(config, self.runner.num_kv_blocks)
         # EOS: the model config's ids and the tokenizer's (Qwen3 ends chat turns on <|im_end|>
         # and documents on <|endoftext|>; either stops generation).
@@ -131,6 +140,12 @@ class LLMEngine:
             seq.finish_reason = "abort"
             seq.finish_time = time.perf_counter()
         self._aborted.append(request)
+
+    def close(self) -> None:
+        """Release the runner: its CUDA graphs and, at tensor_parallel_size > 1, the worker
+        processes and the process group. Idempotent; the engine cannot step afterwards."""
+        if self._owns_runner:
+            self.runner.destroy()
 
     @property
     def device_is_cuda(self) -> bool:

@@ -36,15 +36,42 @@ def _default_tokenizer(model: str) -> Tokenizer | None:
 
 
 class LLM:
-    """An engine plus a tokenizer. ``**config`` are ``EngineConfig`` fields."""
+    """An engine plus a tokenizer. ``**config`` are ``EngineConfig`` fields.
+
+    ``tensor_parallel_size=N`` shards the model over N ranks (N GPUs, or N CPU processes with
+    gloo): this process is rank 0 and starts N - 1 worker processes. They stop on ``close()``
+    (also ``with LLM(...) as llm:`` and garbage collection); a worker that fails makes
+    ``generate`` raise ``models.parallel.WorkerError`` and stops the others.
+    """
 
     def __init__(self, model: str = "tiny-qwen3", mode: str = "corun",
                  tokenizer: str | Tokenizer | None = None, **config) -> None:
+        self.engine: LLMEngine | None = None  # set last: __del__ may run on a failed __init__
+        self._closed = False
         self.config = EngineConfig(model=model, mode=mode, **config)
         if isinstance(tokenizer, (str, Path)):
             tokenizer = Tokenizer.from_dir(tokenizer)
         self.tokenizer = tokenizer if tokenizer is not None else _default_tokenizer(model)
         self.engine = LLMEngine(self.config, self.tokenizer)
+
+    def close(self) -> None:
+        """Stop the engine (worker processes included); idempotent."""
+        if self.engine is not None and not self._closed:
+            self._closed = True
+            self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM was closed; create a new one")
 
     def _to_ids(self, prompt: object) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
@@ -66,6 +93,7 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        self._check_open()
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

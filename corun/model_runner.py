@@ -10,6 +10,10 @@ whatever the number of live sequences, a prefill step is one sequence's aligned 
 batch_invariant, so the launch shape never depends on the other sequences; under default it is the
 batch's longest sequence when eager (a captured graph is fixed at ``max_model_len``).
 
+Tensor parallelism: a runner is one rank's (``parallel``): it builds that rank's shard, holds that
+rank's KV-cache shard and runs the same steps as its peers; ``corun.tp_executor`` keeps the ranks
+in step. Every rank gets the full-vocabulary logits (the model gathers them); rank 0 samples.
+
 Swap (preemption): ``swap_out`` copies a sequence's blocks to host memory, ``swap_in`` copies
 them back into the blocks the scheduler gave it; the bytes are unchanged, so attention, which
 reads through the block table, computes the same bits afterwards.
@@ -27,6 +31,7 @@ from corun.sampler import Sampler
 from corun.scheduler import ScheduledChunk
 from kernels.mode import Mode
 from models.forward_batch import ForwardBatch, KVCache, OpsConfig
+from models.parallel import SINGLE, ParallelContext
 
 # Memory kept free beyond the profiled peak when sizing the cache from free GPU memory: the
 # decode graphs' pool and allocator fragmentation.
@@ -36,24 +41,30 @@ _GPU_RESERVE_BYTES = 2 << 30
 class ModelRunner:
     """Owns the model, the KV cache, the sampler and the decode graphs of one engine."""
 
-    def __init__(self, config: EngineConfig, model: tuple | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: tuple | None = None,
+                 parallel: ParallelContext = SINGLE) -> None:
         """``model``: an already built ``(model, ModelConfig)`` of ``config.model`` to reuse
-        (the benchmark runs every mode on one set of weights); built from the config otherwise."""
+        (the benchmark runs every mode on one set of weights); built from the config otherwise.
+        ``parallel``: this runner's tensor-parallel rank (its process group already set up)."""
         from models import build_model
 
         self.config = config
+        self.parallel = parallel
         self.device = torch.device(config.resolved_device)
+        if parallel.is_parallel and self.device.type == "cuda":
+            self.device = torch.device("cuda", parallel.rank)  # one GPU per rank
         self.dtype = config.torch_dtype
         if model is None:
             model = build_model(config.model, dtype=self.dtype, device=self.device,
-                                seed=config.seed)
+                                seed=config.seed, parallel=parallel)
         self.model, self.model_config = model
         self.ops = OpsConfig(mode=config.kernel_mode, backend=config.resolved_backend,
                              decode_split_size=config.decode_split_size)
         self.vocab_size = self.model_config.vocab_size
         self.block_width = config.max_blocks_per_seq
         spec = self.model.kv_cache_spec()
-        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks(spec)
+        self.num_kv_blocks = self._agree_num_blocks(
+            config.num_kv_blocks or self._auto_num_blocks(spec))
         self.kv_cache = KVCache(spec, self.num_kv_blocks, config.block_size, self.dtype,
                                 self.device)
         # Blocks are dim 2 of the MHA storage [L, 2, NB, ...] and dim 1 of the MLA one [L, NB, ...].
@@ -83,6 +94,18 @@ class ModelRunner:
                 f"{max(num_blocks, 0)} KV blocks, less than one max_model_len sequence"
             )
         return num_blocks
+
+    def _agree_num_blocks(self, num_blocks: int) -> int:
+        """The same block count on every rank: the scheduler (rank 0) hands out block ids that
+        index every rank's cache shard. The smallest rank's count fits everywhere (free memory
+        can differ between GPUs); at TP=1 it is ``num_blocks`` itself."""
+        if not self.parallel.is_parallel:
+            return num_blocks
+        import torch.distributed as dist
+
+        agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.parallel.group)
+        return int(agreed.item())
 
     @torch.inference_mode()
     def _profile_peak_bytes(self, spec) -> int:
