@@ -54,8 +54,10 @@ def test_disconnect_mid_stream_frees_kv(server: Server):
 def test_disconnect_while_waiting_for_a_whole_response(server: Server):
     """A non-streamed request whose client times out is aborted too."""
     aborted_before = _wait_for_idle(server).get("corun:request_success_total[abort]", 0.0)
+    # 100 decode steps take ~1 s even on an idle machine; the client leaves after 0.1 s and the
+    # server's disconnect check (every 0.5 s) must abort the rest.
     with server.client() as client, pytest.raises(httpx.ReadTimeout):
-        client.post("/v1/completions", json=LONG, timeout=1.0)
+        client.post("/v1/completions", json=LONG, timeout=0.1)
     after = _wait_for_idle(server)
     # Aborted, not run to its 100 tokens after the client left.
     assert after["corun:request_success_total[abort]"] == aborted_before + 1
