@@ -7,8 +7,62 @@ unless the caller set the variable.
 
 import os
 
+import pytest
+
 HAS_CUDA_DEVICE = os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
 if not HAS_CUDA_DEVICE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# On a GPU machine the kernel tests (written with CPU tensors, as CI runs them) run natively: a
+# torch-function mode puts every tensor the test creates on the GPU. Tensors drawn from a CPU
+# torch.Generator are drawn on the CPU first, so a test sees the same data on both machines.
+_NATIVE_DIRS = ("tests/kernels/", "invariance_tests/test_")
+_ENGINE_TESTS = ("invariance_tests/test_engine_determinism.py",)
+
+
+def _cuda_factory_mode():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    factories = {
+        torch.randn, torch.rand, torch.randint, torch.randperm, torch.normal, torch.empty,
+        torch.zeros, torch.ones, torch.full, torch.arange, torch.tensor, torch.linspace,
+        torch.eye, torch.as_tensor, torch.empty_strided,
+    }
+
+    class CudaFactoryMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func in factories and kwargs.get("device") is None:
+                generator = kwargs.get("generator")
+                if generator is not None and generator.device.type == "cpu":
+                    return func(*args, **kwargs).to("cuda")
+                kwargs["device"] = "cuda"
+            return func(*args, **kwargs)
+
+    return CudaFactoryMode()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Run the kernel and invariance tests on the GPU when there is one (CORUN_TEST_DEVICE=cpu
+    keeps them on the CPU)."""
+    path = item.nodeid.split("::")[0]
+    native = (
+        os.environ.get("TRITON_INTERPRET", "0") != "1"
+        and os.environ.get("CORUN_TEST_DEVICE", "cuda") != "cpu"
+        and path.startswith(_NATIVE_DIRS)
+        and not path.startswith(_ENGINE_TESTS)
+    )
+    if native:
+        import torch
+
+        native = torch.cuda.is_available()
+    if native:
+        with _cuda_factory_mode():
+            yield
+    else:
+        yield

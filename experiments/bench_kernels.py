@@ -97,12 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         timings += t
         checks += c
         errors += e
-    path = harness.write_results(
-        "kernels-h200",
-        timings + checks + [{"error": True, **e} for e in errors],
-        args.out,
-        quick=args.quick,
-    )
+        # Written after every family, so a run cut short by its time limit still leaves a file.
+        path = harness.write_results(
+            "kernels-h200",
+            timings + checks + [{"error": True, **e} for e in errors],
+            args.out,
+            quick=args.quick,
+            families=args.families,
+        )
     plot_ratios(timings, path.with_suffix(".png"))
     failed = [c for c in checks if not c.get("passed") and not c.get("negative_control")]
     print(

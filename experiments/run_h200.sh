@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One device call on the H200: `bash experiments/run_h200.sh STAGE...` with STAGE in
+#   tests    native GPU run of the kernel and invariance tests (bf16 paths the interpreter can't run)
+#   tune     experiments/tune_gemm.py -> kernels/tuned/gemm_h200.json
+#   kernels  experiments/bench_kernels.py -> kernels-h200.json (+ png)
+#   models   experiments/bench_models.py -> models-h200.json
+#   offline  experiments/bench_offline.py -> offline-h200.json (+ png)
+#   serving  experiments/bench_serving.py --launch -> serving-h200.json (+ png per mode)
+# Results land in $OUT/results (bundled as results.tgz), logs in $OUT/*.log. The image's python3
+# holds torch/triton; packages it lacks travel as wheels in .whl (carry it).
+set -uo pipefail
+OUT=${OUT:-/tmp/corun-out}
+mkdir -p "$OUT/results"
+export PYTHONUNBUFFERED=1 CORUN_RESULTS_DIR="$OUT/results" HF_HUB_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+
+run() {  # run NAME SECONDS CMD...: time-limited, logged, never stops the script
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout --signal=INT --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc $((SECONDS - start))s"; tail -n 12 "$OUT/$name.log"
+}
+
+for stage in "$@"; do
+  case $stage in
+    tests)   run tests ${TESTS_LIMIT:-110} python3 -m pytest -v --tb=short -n 8 -p no:cacheprovider tests/kernels invariance_tests \
+               --ignore=invariance_tests/test_engine_determinism.py --timeout=60 ;;
+    tune)    run tune 170 python3 -m experiments.tune_gemm --budget-s 140 && cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
+    kernels) run kernels ${KERNELS_LIMIT:-330} python3 -m experiments.bench_kernels ${KERNELS_ARGS:-} ;;
+    models)  run models 200 python3 -m experiments.bench_models ;;
+    offline) run offline 330 python3 -m experiments.bench_offline --time-budget-s 270 ;;
+    serving) run serving 240 python3 -m experiments.bench_serving --launch --time-budget-s 200 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+tar -czf "$OUT/results.tgz" -C "$OUT" results
+ls -la "$OUT/results"
