@@ -33,7 +33,7 @@ for stage in "$@"; do
   case $stage in
     tests)   run tests ${TESTS_LIMIT:-110} python3 -m pytest -v --tb=short -n 8 -p no:cacheprovider tests/kernels invariance_tests \
                --ignore=invariance_tests/test_engine_determinism.py --timeout=60 ;;
-    tune)    run tune 170 python3 -m experiments.tune_gemm --budget-s 140 && cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
+    tune)    run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-120} && cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
     kernels) run kernels ${KERNELS_LIMIT:-330} python3 -m experiments.bench_kernels ${KERNELS_ARGS:-} ;;
     models)  run models 200 python3 -m experiments.bench_models ;;
     offline) run offline 330 python3 -m experiments.bench_offline --time-budget-s 270 ;;
