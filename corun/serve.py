@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -99,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when present)")
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="shard the model over N ranks: N GPUs with NCCL (rank r on GPU r), or N CPU "
+        "processes with gloo. This process is rank 0 (it schedules and samples); ranks 1..N-1 "
+        "are worker processes, stopped with the server; if one dies the server exits",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="no CUDA graphs (they are only used on CUDA anyway)",
@@ -145,6 +155,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         device=device,
         cuda_graphs=not args.enforce_eager,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     return kwargs
 
@@ -171,12 +182,21 @@ def load_tokenizer(model: str | None):
     return Tokenizer.from_dir(ASSETS_DIR)
 
 
+def _shut_down_on_engine_failure(exc: BaseException) -> None:
+    """The engine died (e.g. a tensor-parallel worker did): every waiting client got a 500;
+    stop the server (uvicorn's SIGTERM path: graceful shutdown, then ``main`` exits with the
+    reason) rather than serve 503s from a dead engine."""
+    logger.critical("engine failed, shutting the server down: %s", exc)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def build_app(args: argparse.Namespace):
     """The engine (built and warmed up here, before the port opens) and the FastAPI app."""
     from corun.api.server import create_app
     from corun.config import EngineConfig
     from corun.default_model import DEFAULT_MODEL_NAME
     from corun.engine import LLMEngine
+    from models.parallel import WorkerError
 
     try:
         config = EngineConfig(**engine_config_kwargs(args))
@@ -190,11 +210,16 @@ def build_app(args: argparse.Namespace):
             config.model,
             config.seed,
         )
-    engine = LLMEngine(config, tokenizer)
+    try:
+        engine = LLMEngine(config, tokenizer)
+    except ValueError as exc:
+        raise SystemExit(f"invalid configuration: {exc}") from None
+    except WorkerError as exc:
+        raise SystemExit(f"tensor-parallel start-up failed: {exc}") from None
     stats = engine.stats()
     logger.info(
         "engine ready: model %s, mode %s, device %s, backend %s, dtype %s, max_num_seqs %d, "
-        "decode buckets %s, max_model_len %d, %d KV blocks of %d tokens",
+        "decode buckets %s, max_model_len %d, %d KV blocks of %d tokens, tensor parallel %d",
         config.model,
         config.kernel_mode,
         config.resolved_device,
@@ -205,6 +230,7 @@ def build_app(args: argparse.Namespace):
         config.max_model_len,
         stats["num_kv_blocks"],
         config.block_size,
+        config.tensor_parallel_size,
     )
     name = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
     return create_app(
@@ -214,6 +240,7 @@ def build_app(args: argparse.Namespace):
         mode=str(config.kernel_mode),
         api_key=args.api_key,
         max_queue_len=args.max_queue_len,
+        on_engine_failure=_shut_down_on_engine_failure,
     )
 
 
@@ -231,6 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
+    error = app.state.corun.engine_loop.error
+    if error is not None:
+        raise SystemExit(f"corun.serve: the engine failed: {error}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from corun.engine import QueueFullError as EngineQueueFullError
@@ -66,8 +67,12 @@ class EngineLoop:
         metrics: ServerMetrics | None = None,
         max_queue_len: int | None = None,
         idle_timeout_s: float = 0.5,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
+        """``on_failure(exc)`` runs on the engine thread after the engine died and every waiting
+        client got its error (``corun.serve`` shuts the server down from it)."""
         self._engine = engine
+        self._on_failure = on_failure
         self._metrics = metrics
         self.max_queue_len = max_queue_len
         self._idle_timeout_s = idle_timeout_s
@@ -200,6 +205,13 @@ class EngineLoop:
                 sinks = list(self._sinks)
             for request_id in sinks:
                 self._deliver(request_id, EngineError(f"engine failure: {exc!r}", status=500))
+            if self._on_failure is not None:
+                self._on_failure(exc)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception the engine thread died of, if it did."""
+        return self._error
 
     def _refresh_stats(self) -> None:
         stats = self._engine.stats()

@@ -190,11 +190,17 @@ def create_app(
     mode: str,
     api_key: str | None = None,
     max_queue_len: int | None = None,
+    on_engine_failure: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """The FastAPI app over ``engine`` (an ``LLMEngine``, owned by the app's engine thread)."""
+    """The FastAPI app over ``engine`` (an ``LLMEngine``, owned by the app's engine thread).
+
+    The app owns the engine: its shutdown stops the engine thread, then closes the engine
+    (worker processes of tensor parallelism included). ``on_engine_failure(exc)`` runs on the
+    engine thread if the engine dies.
+    """
     metrics = ServerMetrics(model_name)
     state = ServerState(
-        engine_loop=EngineLoop(engine, metrics, max_queue_len),
+        engine_loop=EngineLoop(engine, metrics, max_queue_len, on_failure=on_engine_failure),
         tokenizer=tokenizer,
         model_name=model_name,
         max_model_len=engine.config.max_model_len,
@@ -210,6 +216,9 @@ def create_app(
         state.engine_loop.start()
         yield
         state.engine_loop.stop()
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
 
     app = FastAPI(title="CoRun", lifespan=lifespan)
     app.state.corun = state
