@@ -147,6 +147,11 @@ class LLMEngine:
         if self._owns_runner:
             self.runner.destroy()
 
+    def check_health(self) -> None:
+        """Raise if the engine cannot step any more (at tensor_parallel_size > 1: a worker
+        died or failed, ``WorkerError``). Cheap; the server calls it while idle."""
+        self.runner.check_health()
+
     @property
     def device_is_cuda(self) -> bool:
         return self.runner.device.type == "cuda"

@@ -254,6 +254,9 @@ class ModelRunner:
     def num_swapped_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._host_kv.values())
 
+    def check_health(self) -> None:
+        """Nothing to check at TP=1 (``TPModelRunner`` checks its workers)."""
+
     def destroy(self) -> None:
         if self.graph_runner is not None:
             self.graph_runner.destroy()

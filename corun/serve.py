@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -182,16 +181,23 @@ def load_tokenizer(model: str | None):
     return Tokenizer.from_dir(ASSETS_DIR)
 
 
-def _shut_down_on_engine_failure(exc: BaseException) -> None:
-    """The engine died (e.g. a tensor-parallel worker did): every waiting client got a 500;
-    stop the server (uvicorn's SIGTERM path: graceful shutdown, then ``main`` exits with the
-    reason) rather than serve 503s from a dead engine."""
-    logger.critical("engine failed, shutting the server down: %s", exc)
-    os.kill(os.getpid(), signal.SIGTERM)
+class _ShutDownOnEngineFailure:
+    """The engine died (e.g. a tensor-parallel worker did) and every waiting client got a 500:
+    stop the server (graceful shutdown, then ``main`` exits non-zero with the reason) rather than
+    answer 503s from a dead engine. Runs on the engine thread."""
+
+    def __init__(self) -> None:
+        self.server = None  # the uvicorn.Server, once it exists
+
+    def __call__(self, exc: BaseException) -> None:
+        logger.critical("engine failed, shutting the server down: %s", exc)
+        if self.server is not None:
+            self.server.should_exit = True  # uvicorn polls it; no signal to re-raise
 
 
-def build_app(args: argparse.Namespace):
-    """The engine (built and warmed up here, before the port opens) and the FastAPI app."""
+def build_app(args: argparse.Namespace, on_engine_failure=None):
+    """The engine (built and warmed up here, before the port opens) and the FastAPI app;
+    ``on_engine_failure(exc)`` runs if the engine dies."""
     from corun.api.server import create_app
     from corun.config import EngineConfig
     from corun.default_model import DEFAULT_MODEL_NAME
@@ -240,7 +246,7 @@ def build_app(args: argparse.Namespace):
         mode=str(config.kernel_mode),
         api_key=args.api_key,
         max_queue_len=args.max_queue_len,
-        on_engine_failure=_shut_down_on_engine_failure,
+        on_engine_failure=on_engine_failure,
     )
 
 
@@ -253,11 +259,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--max-queue-len: expected a positive int")
     import uvicorn
 
-    app = build_app(args)
+    on_engine_failure = _ShutDownOnEngineFailure()
+    app = build_app(args, on_engine_failure)
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
-    uvicorn.run(
+    server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
-    )
+    ))
+    on_engine_failure.server = server
+    server.run()
     error = app.state.corun.engine_loop.error
     if error is not None:
         raise SystemExit(f"corun.serve: the engine failed: {error}")

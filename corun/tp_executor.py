@@ -360,6 +360,10 @@ class TPModelRunner(ModelRunner):
             dist.broadcast(packed, src=0, group=self.parallel.group)
             return super().run(input_ids, batch, sample_rows)
 
+    def check_health(self) -> None:
+        with self._guard():
+            self.workers.check()
+
     def swap_out(self, seq_id: int, blocks: list[int]) -> None:
         with self._guard():
             self.workers.send("swap_out", seq_id, list(blocks))

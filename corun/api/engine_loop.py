@@ -172,6 +172,8 @@ class EngineLoop:
                         and not self._engine.has_unfinished_requests()
                     ):
                         self._cond.wait(self._idle_timeout_s)
+                        # Idle is when nothing else would notice a dead tensor-parallel worker.
+                        self._check_health()
                     if self._stopped:
                         return
                     adds = list(self._pending_adds)
@@ -212,6 +214,11 @@ class EngineLoop:
     def error(self) -> BaseException | None:
         """The exception the engine thread died of, if it did."""
         return self._error
+
+    def _check_health(self) -> None:
+        check = getattr(self._engine, "check_health", None)
+        if check is not None:
+            check()
 
     def _refresh_stats(self) -> None:
         stats = self._engine.stats()

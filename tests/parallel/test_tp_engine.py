@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ TINY = dict(dtype="float32", device="cpu", backend="torch", max_num_seqs=4, max_
 # 16 blocks of 4 tokens: one max_model_len sequence, so co-runners of ~30 tokens force swaps.
 TIGHT_KV_BLOCKS = 16
 MODELS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3")
-# Measured max |logprob TP2 - TP1|: ~5e-7 (model-level logits agree to ~1e-6 relative).
+# Measured max |logprob TP2 - TP1|: 7.2e-7 dense, 9.5e-7 MoE, 1.7e-6 MLA.
 LOGPROB_ATOL = 1e-5
 TARGET_PROMPT = [17, 3, 250, 9, 81, 44, 5, 128, 66, 7, 200, 31, 12]  # two prefill chunks of 8
 TARGET_PARAMS = SamplingParams(max_tokens=6, temperature=0.8, top_k=40, top_p=0.9, seed=1234)
@@ -237,3 +238,47 @@ def test_failed_worker_makes_generate_raise_within_seconds(fault, match):
     with pytest.raises(WorkerError, match="stopped"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.close()
+
+
+# -- server ----------------------------------------------------------------------------------
+
+
+def _worker_pids(server_pid: int) -> list[int]:
+    """The server's spawned rank processes (its other child is multiprocessing's tracker)."""
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server_pid)],
+                         capture_output=True, text=True, check=False).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
+
+
+def test_server_tp2_answers_then_exits_when_a_worker_dies(tmp_path):
+    """``corun.serve -tp 2`` answers a greedy completion with the TP=1 engine's text; when its
+    worker is killed, the idle server notices within seconds and exits with code 1 and the
+    reason."""
+    from corun.default_model import ASSETS_DIR
+    from tests.api.conftest import launch
+
+    server = launch(tmp_path, "tp2", "--tensor-parallel-size", "2", "--device", "cpu",
+                    "--dtype", "float32", "--max-num-seqs", "2", "--model", "tiny-qwen3")
+    try:
+        body = {"model": "tiny-qwen3", "prompt": [5, 6, 7, 8], "max_tokens": 4,
+                "temperature": 0.0, "ignore_eos": True}
+        with server.client() as client:
+            response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        # The server serves a named config with the byte-level tokenizer of corun/assets.
+        with LLM("tiny-qwen3", tokenizer=ASSETS_DIR,
+                 **dict(TINY, max_model_len=128, prefill_chunk_size=64)) as tp1:
+            expected = tp1.generate([[5, 6, 7, 8]], SamplingParams(
+                max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        assert response.json()["choices"][0]["text"] == expected[0].outputs[0].text
+        workers = _worker_pids(server.proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        start = time.monotonic()
+        code = server.proc.wait(timeout=30)
+        assert time.monotonic() - start < 15.0
+        log = server.log_path.read_text()
+        assert code == 1, log[-2000:]
+        assert "the engine failed: tensor-parallel rank 1 exited with code -9" in log, log[-2000:]
+    finally:
+        server.stop()
