@@ -262,9 +262,15 @@ def main(argv: list[str] | None = None) -> None:
     on_engine_failure = _ShutDownOnEngineFailure()
     app = build_app(args, on_engine_failure)
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
-    ))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+        )
+    )
     on_engine_failure.server = server
     server.run()
     error = app.state.corun.engine_loop.error

@@ -190,6 +190,8 @@ class WorkerGroup:
             raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size} ranks need "
                              f"as many GPUs, {torch.cuda.device_count()} visible")
         self.config = config
+        if config.is_cuda:
+            torch.cuda.set_device(0)  # rank 0's GPU, for this (the engine's) thread
         ctx = mp.get_context("spawn")
         port = find_free_port()
         self.procs: list[Any] = []

@@ -23,8 +23,8 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from corun.engine import QueueFullError as EngineQueueFullError
