@@ -46,22 +46,38 @@ def _cuda_factory_mode():
     return CudaFactoryMode()
 
 
+def _runs_native(item) -> bool:
+    path = item.nodeid.split("::")[0]
+    if (
+        os.environ.get("TRITON_INTERPRET", "0") == "1"
+        or os.environ.get("CORUN_TEST_DEVICE", "cuda") == "cpu"
+        or not path.startswith(_NATIVE_DIRS)
+        or path.startswith(_ENGINE_TESTS)
+    ):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """Kernel and invariance tests run on the GPU when there is one (CORUN_TEST_DEVICE=cpu keeps
+    them on the CPU); fixtures are built under the same mode. A test marked ``interpreter_only``
+    is skipped there, with its reason."""
+    if _runs_native(item):
+        marker = item.get_closest_marker("interpreter_only")
+        if marker is not None:
+            pytest.skip(f"interpreter only: {marker.kwargs.get('reason', marker.args)}")
+        with _cuda_factory_mode():
+            yield
+    else:
+        yield
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    """Run the kernel and invariance tests on the GPU when there is one (CORUN_TEST_DEVICE=cpu
-    keeps them on the CPU)."""
-    path = item.nodeid.split("::")[0]
-    native = (
-        os.environ.get("TRITON_INTERPRET", "0") != "1"
-        and os.environ.get("CORUN_TEST_DEVICE", "cuda") != "cpu"
-        and path.startswith(_NATIVE_DIRS)
-        and not path.startswith(_ENGINE_TESTS)
-    )
-    if native:
-        import torch
-
-        native = torch.cuda.is_available()
-    if native:
+    if _runs_native(item):
         with _cuda_factory_mode():
             yield
     else:

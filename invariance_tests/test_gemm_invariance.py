@@ -115,6 +115,9 @@ def test_negative_control_default_mode_is_batch_variant(m_large, n, k, seed):
     assert not _row_bits_equal_across_m((1, m_large), n, k, dtype, seed, Mode.DEFAULT, 0)
 
 
+@pytest.mark.interpreter_only(
+    reason="Hopper MMA accumulates a K tile in the same order whatever BLOCK_K (H200: 0 elements "
+    "differ); on the GPU the split-K control is the negative control")
 @given(m=sizes(1, 32), n=sizes(16, 64), k=sizes(130, 256, blocks=(64,)), seed=seeds())
 @example(m=1, n=16, k=256, seed=0)
 def test_negative_control_block_k_changes_bits(m, n, k, seed):

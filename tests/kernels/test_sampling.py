@@ -80,7 +80,7 @@ def test_temperature_zero_is_argmax_lowest_id_on_ties():
     assert out.tolist() == [2, 0]
 
 
-LOGITS_4 = torch.tensor([2.0, 0.5, 1.5, 1.0])
+LOGITS_4_VALUES = [2.0, 0.5, 1.5, 1.0]
 TEMPERATURE = 0.8
 NUM_DRAWS = 96
 CONFIGS = {"plain": (0, 1.0), "top-k-3": (3, 1.0), "top-p-0.7": (0, 0.7)}
@@ -94,7 +94,7 @@ def draws():
     for name, (k, p) in CONFIGS.items():
         n = NUM_DRAWS
         out[name] = sample(
-            LOGITS_4.repeat(n, 1),
+            torch.tensor(LOGITS_4_VALUES).repeat(n, 1),
             torch.full((n,), TEMPERATURE),
             torch.full((n,), k),
             torch.full((n,), p),
@@ -115,7 +115,7 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_empirical_distribution_matches_softmax(draws, name):
     k, p = CONFIGS[name]
-    scaled = (LOGITS_4 / TEMPERATURE).view(1, -1)
+    scaled = (torch.tensor(LOGITS_4_VALUES) / TEMPERATURE).view(1, -1)
     keep = top_k_top_p_mask_reference(scaled, torch.tensor([k]), torch.tensor([p]))[0]
     probs = torch.where(keep, torch.softmax(scaled[0].double(), 0), 0.0)
     probs = probs / probs.sum()
@@ -134,7 +134,7 @@ def test_different_seeds_give_different_draws(draws):
     # Control: one seed for every row gives one token, so the check above can fail.
     n = 8
     same = sample(
-        LOGITS_4.repeat(n, 1),
+        torch.tensor(LOGITS_4_VALUES).repeat(n, 1),
         torch.full((n,), TEMPERATURE),
         torch.zeros(n, dtype=torch.int64),
         torch.ones(n),
@@ -152,7 +152,7 @@ def test_sample_indices_give_distinct_noise_and_draws():
     u = sampling_uniform(seeds, sample_indices, positions, 64)
     assert len({tuple(row) for row in u.tolist()}) == n
     tokens = sample(
-        LOGITS_4.repeat(n, 1),
+        torch.tensor(LOGITS_4_VALUES).repeat(n, 1),
         torch.ones(n),
         torch.zeros(n, dtype=torch.int64),
         torch.ones(n),
