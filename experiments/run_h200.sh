@@ -35,9 +35,14 @@ for stage in "$@"; do
                --ignore=invariance_tests/test_engine_determinism.py --timeout=60 ;;
     tune)    run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-120} && cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
     kernels) run kernels ${KERNELS_LIMIT:-330} python3 -m experiments.bench_kernels ${KERNELS_ARGS:-} ;;
-    models)  run models 200 python3 -m experiments.bench_models ;;
-    offline) run offline 330 python3 -m experiments.bench_offline --time-budget-s 270 ;;
-    serving) run serving 240 python3 -m experiments.bench_serving --launch --time-budget-s 200 ;;
+    models)  run models ${MODELS_LIMIT:-150} python3 -m experiments.bench_models ;;
+    offline) run offline ${OFFLINE_LIMIT:-300} python3 -m experiments.bench_offline --time-budget-s ${OFFLINE_BUDGET:-250} ;;
+    serving) run serving ${SERVING_LIMIT:-170} python3 -m experiments.bench_serving --launch \
+               --model qwen3-8b --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
+               --request-rate 4,16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
+               --time-budget-s ${SERVING_BUDGET:-110} --result-dir "$OUT/results" ;;
+    gputest) run gputest ${GPUTEST_LIMIT:-60} python3 -m pytest -v --tb=short -p no:cacheprovider \
+               invariance_tests/test_engine_determinism.py -k "graph" --timeout=55 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
