@@ -24,7 +24,11 @@ so a token's output is also batch-invariant.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -46,13 +50,20 @@ from kernels.utils import (
     upcast_dot_operands,
 )
 
+TUNED_PATH = Path(__file__).resolve().parent / "tuned" / "moe_h200.json"
 MAX_EXPERTS = 256  # routers hold a token's whole expert row in one block
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Tile config of both expert GEMMs (BLOCK_N is per half for gate_up) and the combine."""
+    """Tile config of both expert GEMMs and the combine.
+
+    ``block_m`` is shared (the alignment pads every expert to it); the gate_up GEMM uses
+    ``block_n`` (per half), ``block_k``, ``num_warps``, ``num_stages``, and the down GEMM its own
+    ``down_*`` fields, which default to the gate_up ones. Each GEMM's BLOCK_K fixes its rows'
+    reduction order; every other field changes speed only.
+    """
 
     block_m: int
     block_n: int
@@ -60,37 +71,133 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     block_h: int = 1024  # combine: hidden columns per program (elementwise, order-free)
+    down_block_n: int | None = None
+    down_block_k: int | None = None
+    down_num_warps: int | None = None
+    down_num_stages: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k", "block_h"):
+        for name in ("block_m", "block_n", "block_k", "block_h", "down_block_n", "down_block_k"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name}: expected a power of two >= 16, got {value}")
+            if value is None and name.startswith("down_"):
+                continue
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"{name}: expected a power of two >= 16, got {value!r}")
+        for name in ("num_warps", "down_num_warps"):
+            value = getattr(self, name)
+            if not (value is None and name.startswith("down_")) and value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{name}: expected 1, 2, 4, 8 or 16, got {value!r}")
+        for name in ("num_stages", "down_num_stages"):
+            value = getattr(self, name)
+            if value is None and name.startswith("down_"):
+                continue
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
 
-    def gemm_meta(self) -> dict:
+    def gate_up_meta(self) -> dict:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
                 "num_warps": self.num_warps, "num_stages": self.num_stages}
 
+    def down_meta(self) -> dict:
+        def pick(own, shared):
+            return shared if own is None else own
 
-def moe_config(
-    num_tokens: int,
-    num_experts: int,
-    top_k: int,
-    hidden: int,
-    intermediate: int,
-    dtype: torch.dtype,
-    mode: Mode = Mode.CORUN,
-) -> MoEConfig:
-    """Pure policy: tiles from the total token count and expert shapes, never per-expert counts.
+        return {"BLOCK_M": self.block_m,
+                "BLOCK_N": pick(self.down_block_n, self.block_n),
+                "BLOCK_K": pick(self.down_block_k, self.block_k),
+                "num_warps": pick(self.down_num_warps, self.num_warps),
+                "num_stages": pick(self.down_num_stages, self.num_stages)}
 
-    May depend on: ``batch_invariant`` -> expert shapes only (one config for every T);
-    ``default``/``corun`` -> also ``num_tokens * top_k / num_experts``, the expected rows per
-    expert (vLLM likewise picks from the total M). BLOCK_K can change a row's bits (it does in
-    the interpreter); BLOCK_M/N do not.
-    Tiles are clamped to the expert dims (a shape-only rule) so tiny test shapes stay small.
+    def to_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MoEConfig:
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"config: unknown fields {sorted(unknown)}")
+        return cls(**data)
+
+
+# ----------------------------------------------------------------------------------------------
+# tuned table: kernels/tuned/moe_h200.json, written by experiments/tune_moe.py
+# ----------------------------------------------------------------------------------------------
+
+ExpertShape = tuple[int, int, int, int]  # (num_experts, top_k, hidden, intermediate)
+
+
+@dataclass(frozen=True)
+class MoETunedTable:
+    """Configs measured fastest on the H200 for 16-bit inputs, keyed by expert shape.
+
+    ``entries[shape]`` holds (tuned total token count, config) sorted by count; ``lookup`` takes
+    the smallest tuned count >= num_tokens (the largest past the end). ``batch_invariant[shape]``
+    is the one config for every token count. Neither key holds a per-expert count.
     """
-    del dtype  # one table for 16-bit types; fp32 only runs in tests
-    mode = Mode.parse(mode)
+
+    entries: dict[ExpertShape, tuple[tuple[int, MoEConfig], ...]]
+    batch_invariant: dict[ExpertShape, MoEConfig]
+
+    def lookup(self, num_tokens: int, shape: ExpertShape, batch_invariant: bool) -> MoEConfig | None:
+        if batch_invariant:
+            return self.batch_invariant.get(shape)
+        rows = self.entries.get(shape)
+        if not rows:
+            return None
+        for tuned_tokens, config in rows:
+            if num_tokens <= tuned_tokens:
+                return config
+        return rows[-1][1]
+
+
+def _shape_key(entry: dict) -> ExpertShape:
+    return (int(entry["num_experts"]), int(entry["top_k"]), int(entry["hidden"]),
+            int(entry["intermediate"]))
+
+
+def load_moe_tuned_table(path: Path | str) -> MoETunedTable:
+    """Parse a tuned file: ``{"header", "entries": [{num_experts, top_k, hidden, intermediate,
+    num_tokens, config}], "batch_invariant": [{num_experts, top_k, hidden, intermediate, config}]}``.
+
+    A missing file gives an empty table (the literal policy); a malformed one raises ValueError
+    naming the path, since a silent fallback would change which configs (and bits) the engine runs.
+    """
+    path = Path(path)
+    if not path.exists():
+        return MoETunedTable(entries={}, batch_invariant={})
+    try:
+        data = json.loads(path.read_text())
+        grouped: dict[ExpertShape, dict[int, MoEConfig]] = {}
+        for entry in data["entries"]:
+            rows = grouped.setdefault(_shape_key(entry), {})
+            tokens = int(entry["num_tokens"])
+            if tokens < 1 or tokens in rows:
+                raise ValueError(f"num_tokens {tokens} invalid or repeated")
+            rows[tokens] = MoEConfig.from_dict(entry["config"])
+        fixed: dict[ExpertShape, MoEConfig] = {}
+        for entry in data.get("batch_invariant") or []:
+            key = _shape_key(entry)
+            if key in fixed:
+                raise ValueError(f"batch_invariant: shape {key} repeated")
+            fixed[key] = MoEConfig.from_dict(entry["config"])
+    except (KeyError, TypeError, ValueError, AttributeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: malformed MoE tuned table ({err})") from err
+    return MoETunedTable(
+        entries={key: tuple(sorted(rows.items())) for key, rows in grouped.items()},
+        batch_invariant=fixed,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _tuned_table(path: Path) -> MoETunedTable:
+    return load_moe_tuned_table(path)
+
+
+def fallback_moe_config(
+    num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int, mode: Mode
+) -> MoEConfig:
+    """The literal policy, used without tuned data (any dtype, shapes the table does not cover);
+    same dependence rules as ``moe_config``."""
     if mode is Mode.BATCH_INVARIANT:
         block_m, block_n, block_k, stages = 32, 64, 64, 4
     else:
@@ -110,6 +217,35 @@ def moe_config(
         num_stages=stages,
         block_h=min(1024, max(16, next_power_of_2(hidden))),
     )
+
+
+def moe_config(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    intermediate: int,
+    dtype: torch.dtype,
+    mode: Mode = Mode.CORUN,
+) -> MoEConfig:
+    """Pure policy: tiles from the total token count and expert shapes, never per-expert counts.
+
+    May depend on: ``batch_invariant`` -> expert shapes (E, k, H, I) and dtype only, one config
+    for every T; ``default``/``corun`` -> also ``num_tokens`` (vLLM likewise picks from the total
+    M). For 16-bit dtypes the tuned table (kernels/tuned/moe_h200.json, read once, a lookup; no
+    timing at run time) decides when it covers the expert shape; otherwise the literal rule on
+    the expected rows per expert ``num_tokens * top_k / num_experts``. BLOCK_K can change a row's
+    bits (it does in the interpreter); BLOCK_M/N, warps and stages do not. Literal tiles are
+    clamped to the expert dims (a shape-only rule) so tiny test shapes stay small.
+    """
+    mode = Mode.parse(mode)
+    if dtype.itemsize == 2:  # tuned in bf16; fp16 has the same tile economics
+        tuned = _tuned_table(TUNED_PATH).lookup(
+            num_tokens, (num_experts, top_k, hidden, intermediate),
+            batch_invariant=mode is Mode.BATCH_INVARIANT)
+        if tuned is not None:
+            return tuned
+    return fallback_moe_config(num_tokens, num_experts, top_k, hidden, intermediate, mode)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,32 +451,102 @@ def fused_moe(
     num_tokens, hidden, inter, num_experts = _check_moe_args(
         x, w13, w2, topk_weights, topk_ids, token_mask, check_ids)
     top_k = topk_ids.shape[1]
-    out = torch.empty_like(x)
     if num_tokens == 0:
-        return out
+        return torch.empty_like(x)
+    if config is not None and not isinstance(config, MoEConfig):
+        raise ValueError(f"config: expected a MoEConfig, got {type(config).__name__}")
     if config is None:
         config = moe_config(num_tokens, num_experts, top_k, hidden, inter, x.dtype, mode)
     sorted_pair_ids, block_expert_ids = moe_align_block_size(
         topk_ids, num_experts, config.block_m, token_mask)
-    num_pairs = num_tokens * top_k
-    num_blocks = block_expert_ids.shape[0]
-    dot_flags = {"UPCAST": upcast_dot_operands(x.dtype),
-                 "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else "tf32"}
+    act = moe_gate_up(x, w13, sorted_pair_ids, block_expert_ids, top_k, config)
+    y = moe_down(act, w2, sorted_pair_ids, block_expert_ids, config)
+    return moe_combine(y, topk_weights, topk_ids, num_experts, config, token_mask)
 
+
+# ----------------------------------------------------------------------------------------------
+# the steps of fused_moe, launched one by one (fused_moe checks the user-facing arguments; the
+# tuner times each step alone)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_alignment(sorted_pair_ids: torch.Tensor, block_expert_ids: torch.Tensor,
+                     config: MoEConfig) -> None:
+    if not isinstance(config, MoEConfig):
+        raise ValueError(f"config: expected a MoEConfig, got {type(config).__name__}")
+    if sorted_pair_ids.numel() != block_expert_ids.numel() * config.block_m:
+        raise ValueError(f"sorted_pair_ids: {sorted_pair_ids.numel()} rows, expected "
+                         f"{block_expert_ids.numel()} blocks x block_m {config.block_m} "
+                         f"(aligned with another block_m?)")
+
+
+def _dot_flags(dtype: torch.dtype) -> dict:
+    return {"UPCAST": upcast_dot_operands(dtype),
+            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+
+
+def moe_gate_up(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    sorted_pair_ids: torch.Tensor,
+    block_expert_ids: torch.Tensor,
+    top_k: int,
+    config: MoEConfig,
+) -> torch.Tensor:
+    """Step 2 of ``fused_moe``: act [T*k, I] = silu(x_t . gate_e) * (x_t . up_e) per pair, from
+    ``moe_align_block_size(..., config.block_m)``'s layout. A pair's bits depend on block_k only."""
+    _check_alignment(sorted_pair_ids, block_expert_ids, config)
+    num_pairs = x.shape[0] * top_k
+    hidden, inter = x.shape[1], w13.shape[1] // 2
+    meta = config.gate_up_meta()
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    _moe_gate_up_kernel[(num_blocks, cdiv(inter, config.block_n))](
+    _moe_gate_up_kernel[(block_expert_ids.shape[0], cdiv(inter, meta["BLOCK_N"]))](
         x, w13, act, sorted_pair_ids, block_expert_ids,
         num_pairs, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
-        TOP_K=top_k, **config.gemm_meta(), **dot_flags,
+        TOP_K=top_k, EVEN_K=hidden % meta["BLOCK_K"] == 0, **meta, **_dot_flags(x.dtype),
     )
-    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    _moe_down_kernel[(num_blocks, cdiv(hidden, config.block_n))](
+    return act
+
+
+def moe_down(
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    sorted_pair_ids: torch.Tensor,
+    block_expert_ids: torch.Tensor,
+    config: MoEConfig,
+) -> torch.Tensor:
+    """Step 3 of ``fused_moe``: y [T*k, H] = act[pair] . down_e, one row per pair (no atomics).
+    A pair's bits depend on the down block_k only."""
+    _check_alignment(sorted_pair_ids, block_expert_ids, config)
+    num_pairs, inter = act.shape
+    hidden = w2.shape[1]
+    meta = config.down_meta()
+    y = torch.empty((num_pairs, hidden), dtype=act.dtype, device=act.device)
+    _moe_down_kernel[(block_expert_ids.shape[0], cdiv(hidden, meta["BLOCK_N"]))](
         act, w2, y, sorted_pair_ids, block_expert_ids,
         num_pairs, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
-        **config.gemm_meta(), **dot_flags,
+        EVEN_K=inter % meta["BLOCK_K"] == 0, **meta, **_dot_flags(act.dtype),
     )
+    return y
+
+
+def moe_combine(
+    y: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    config: MoEConfig,
+    token_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Step 4 of ``fused_moe``: out[t] = sum over ranks 0..k-1 (fixed order) of w[t, r] *
+    y[t*k + r] in fp32, one cast; masked tokens and out-of-range ids contribute nothing."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = y.shape[1]
+    if y.shape[0] != num_tokens * top_k:
+        raise ValueError(f"y: expected {num_tokens * top_k} rows (T*k), got {y.shape[0]}")
+    out = torch.empty((num_tokens, hidden), dtype=y.dtype, device=y.device)
     mask_arg = token_mask.view(torch.uint8) if token_mask is not None else y  # y: unused dummy
     _moe_combine_kernel[(num_tokens, cdiv(hidden, config.block_h))](
         y, topk_weights, topk_ids, mask_arg, out,

@@ -126,7 +126,7 @@ def _moe_gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_wk, stride_ap,
     # meta
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """act[pair, n] = silu(x_t . w13[e, n]) * (x_t . w13[e, I + n]) for n in this column tile."""
     pid_m = tl.program_id(0)
@@ -151,10 +151,17 @@ def _moe_gate_up_kernel(
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        mask_k = offs_k < hidden - k0
-        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b_gate = tl.load(wg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        b_up = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        # EVEN_K drops the K mask so the weight loads vectorize along K; masked lanes would be
+        # zeros, so the sum (and its bits) is the same either way
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            b_gate = tl.load(wg_ptrs, mask=mask_n[None, :], other=0.0)
+            b_up = tl.load(wu_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < hidden - k0
+            a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b_gate = tl.load(wg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            b_up = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:  # interpreter only: its bf16 tl.dot is wrong
             a = a.to(tl.float32)
             b_gate = b_gate.to(tl.float32)
@@ -184,7 +191,7 @@ def _moe_down_kernel(
     stride_ap, stride_we, stride_wn, stride_wk, stride_yp,
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """y[pair, n] = act[pair] . w2[e, n]: each (token, rank) pair gets its own output row."""
     pid_m = tl.program_id(0)
@@ -206,9 +213,13 @@ def _moe_down_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        mask_k = offs_k < inter - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if EVEN_K:  # see the gate_up kernel
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < inter - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
