@@ -115,7 +115,9 @@ def _decode_records(dims: dict, batch: int, ctx: int) -> list[dict]:
         records.append(harness.kernel_record(
             "mla_decode", policy, batch, dims["heads"], ctx, DTYPE, us,
             "torch_bmm_absorbed", peer_us, batch=batch, context=ctx, split_size=split_size,
-            num_splits=cfg.num_splits, cache_bytes=cache_bytes, partial_bytes=partial_bytes,
+            num_splits=cfg.num_splits, block_h=cfg.block_h, block_n=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            cache_bytes=cache_bytes, partial_bytes=partial_bytes,
             bound_us=round(bound_us, 3), bw_fraction=round(bound_us / us, 4),
         ))  # fmt: skip
     return records

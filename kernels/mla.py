@@ -31,7 +31,11 @@ The Triton kernels are in kernels/mla_kernels.py.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -58,6 +62,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 NUM_SMS = 132
 # Default mode never splits below this many tokens per split (below it the combine dominates).
 MIN_DEFAULT_SPLIT_TOKENS = 64
+# Measured tiles, written by experiments/tune_mla.py; absent -> the literal policies below.
+TUNED_PATH = Path(__file__).resolve().parent / "tuned" / "mla_h200.json"
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -116,6 +122,128 @@ def store_mla_kv(
 
 
 @dataclass(frozen=True)
+class MLATile:
+    """The tunable part of a launch: tile sizes and pipelining.
+
+    For decode, ``block_m`` is BLOCK_H (query heads per program, 16/32/64: more heads per program
+    means fewer re-reads of each cache tile but a larger [BLOCK_H, latent] fp32 accumulator). For
+    prefill it is the query tile. ``block_n`` (tokens per inner step) fixes the online-softmax
+    reduction order, so it is part of a row's bits; the rest only change speed.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"{name}: expected a power of two >= 16, got {value!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"num_stages: expected an int >= 1, got {self.num_stages!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MLATile:
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"config: unknown fields {sorted(unknown)}")
+        return cls(**data)
+
+
+def _at_or_above(rows: tuple[tuple[int, MLATile], ...], value: int) -> MLATile:
+    """The entry tuned at the smallest key >= value (the largest key past the end)."""
+    return next((tile for key, tile in rows if value <= key), rows[-1][1])
+
+
+@dataclass(frozen=True)
+class MLATunedTable:
+    """H200 measurements for 16-bit inputs (kernels/tuned/mla_h200.json).
+
+    - ``decode_fixed[(heads, latent, rope, split_size)]``: (max_seq_len, tile) rows for corun and
+      batch_invariant; ONE tile per engine, chosen over every tuned batch size (it never reads B).
+    - ``decode_default[(heads, latent, rope)]``: (batch, max_seq_len, tile) rows for default.
+    - ``prefill[(qk_dim, v_dim)]``: one tile for every mode and length.
+    """
+
+    decode_fixed: dict[tuple[int, int, int, int], tuple[tuple[int, MLATile], ...]]
+    decode_default: dict[tuple[int, int, int], tuple[tuple[int, int, MLATile], ...]]
+    prefill: dict[tuple[int, int], MLATile]
+
+    def decode_tile(
+        self, batch: int, num_heads: int, latent_dim: int, rope_dim: int, max_seq_len: int,
+        dtype: torch.dtype, mode: Mode, split_size: int,
+    ) -> MLATile | None:  # fmt: skip
+        if dtype.itemsize != 2:  # tuned in bf16; fp16 shares its tile economics, fp32 does not
+            return None
+        if mode is not Mode.DEFAULT:
+            rows = self.decode_fixed.get((num_heads, latent_dim, rope_dim, split_size))
+            return _at_or_above(rows, max_seq_len) if rows else None
+        rows3 = self.decode_default.get((num_heads, latent_dim, rope_dim))
+        if not rows3:
+            return None
+        batches = sorted({b for b, _, _ in rows3})
+        tuned_b = next((b for b in batches if batch <= b), batches[-1])
+        return _at_or_above(tuple((c, t) for b, c, t in rows3 if b == tuned_b), max_seq_len)
+
+    def prefill_tile(self, qk_dim: int, v_dim: int, dtype: torch.dtype) -> MLATile | None:
+        return self.prefill.get((qk_dim, v_dim)) if dtype.itemsize == 2 else None
+
+
+def load_mla_tuned(path: Path | str) -> MLATunedTable:
+    """Parse a tuned file: ``{"header": {...}, "entries": [{"kind": "decode_fixed" |
+    "decode_default" | "prefill", <keys>, "config": {block_m, block_n, num_warps, num_stages}}]}``.
+
+    A missing file gives an empty table (the literal policies); a malformed one raises ValueError
+    naming the path, since silently falling back would change which tiles (and bits) run.
+    """
+    path = Path(path)
+    if not path.exists():
+        return MLATunedTable({}, {}, {})
+    fixed: dict = {}
+    default: dict = {}
+    prefill: dict = {}
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+            raise ValueError("expected an object with an 'entries' list")
+        for entry in data["entries"]:
+            tile = MLATile.from_dict(entry["config"])
+            kind = entry["kind"]
+            if kind == "prefill":
+                prefill[(int(entry["qk_dim"]), int(entry["v_dim"]))] = tile
+                continue
+            dims = (int(entry["heads"]), int(entry["latent"]), int(entry["rope"]))
+            if tile.block_m > 64:
+                raise ValueError(f"decode block_m (BLOCK_H) {tile.block_m} > 64")
+            if kind == "decode_fixed":
+                key = (*dims, int(entry["split_size"]))
+                fixed.setdefault(key, []).append((int(entry["ctx"]), tile))
+            elif kind == "decode_default":
+                default.setdefault(dims, []).append((int(entry["batch"]), int(entry["ctx"]), tile))
+            else:
+                raise ValueError(f"unknown entry kind {kind!r}")
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: malformed MLA tuned table ({err})") from err
+    return MLATunedTable(
+        decode_fixed={k: tuple(sorted(v, key=lambda r: r[0])) for k, v in fixed.items()},
+        decode_default={k: tuple(sorted(v, key=lambda r: r[:2])) for k, v in default.items()},
+        prefill=prefill,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _tuned_table() -> MLATunedTable:
+    return load_mla_tuned(TUNED_PATH)
+
+
+@dataclass(frozen=True)
 class MLADecodeConfig:
     """Tile and split choices of one ``mla_decode`` launch."""
 
@@ -130,6 +258,12 @@ class MLADecodeConfig:
     num_stages: int
 
 
+def _literal_decode_tile(dtype: torch.dtype) -> MLATile:
+    # A [block_n, 512] latent tile is 32 KB in 16-bit; halve the tokens for 4-byte elements.
+    block_n = 32 if dtype.itemsize <= 2 else 16
+    return MLATile(block_m=16, block_n=block_n, num_warps=4, num_stages=2)
+
+
 def mla_decode_config(
     batch: int,
     num_heads: int,
@@ -139,19 +273,30 @@ def mla_decode_config(
     dtype: torch.dtype,
     mode: Mode,
     split_size: int = 256,
+    *,
+    tile: MLATile | None = None,
+    table: MLATunedTable | None = None,
 ) -> MLADecodeConfig:
-    """The decode policy, a pure function of its arguments.
+    """The decode policy, a pure function of its arguments (and of the checked-in tuned table).
 
-    Tiles depend on (num_heads, latent_dim, rope_dim, dtype) only. ``corun`` / ``batch_invariant``:
-    splits of ``split_size`` tokens, ``num_splits`` = ceil(max_seq_len / split_size) (max_seq_len is
-    max_model_len there, so it is a constant of the engine) and batch is not read. ``default``:
-    ``num_splits`` from batch, num_heads and max_seq_len (the batch's longest) to give about two
-    programs per SM, each split at least MIN_DEFAULT_SPLIT_TOKENS long.
+    ``corun`` / ``batch_invariant``: splits of ``split_size`` tokens, ``num_splits`` =
+    ceil(max_seq_len / split_size) (max_seq_len is max_model_len there, so it is a constant of the
+    engine), and the tile from the table's entry for (num_heads, latent_dim, rope_dim, split_size,
+    max_seq_len bucket, 16-bit dtype), else the literal tile: batch is never read. ``default``:
+    the tile for (batch bucket, max_seq_len bucket), and ``num_splits`` from batch, num_heads and
+    max_seq_len (the batch's longest) to give about two programs per SM, each split at least
+    MIN_DEFAULT_SPLIT_TOKENS long. ``tile`` overrides the lookup (tests and tuning), ``table`` the
+    checked-in table (tests).
     """
     mode = Mode.parse(mode)
-    block_h = 16
-    # A [block_n, 512] latent tile is 32 KB in 16-bit; halve the tokens for 4-byte elements.
-    block_n = 32 if torch.empty((), dtype=dtype).element_size() <= 2 else 16
+    if tile is None:
+        tuned = (table or _tuned_table()).decode_tile(
+            batch, num_heads, latent_dim, rope_dim, max_seq_len, dtype, mode, split_size
+        )
+        tile = tuned or _literal_decode_tile(dtype)
+    if tile.block_m > 64:
+        raise ValueError(f"tile: BLOCK_H (block_m) must be <= 64, got {tile.block_m}")
+    block_h = tile.block_m
     block_dv = max(16, next_power_of_2(latent_dim))
     block_r = max(16, next_power_of_2(rope_dim))
     if mode == Mode.DEFAULT:
@@ -162,9 +307,9 @@ def mla_decode_config(
     else:
         num_splits, is_fixed = max(1, cdiv(max_seq_len, split_size)), True
     return MLADecodeConfig(
-        block_h=block_h, block_n=block_n, block_dv=block_dv, block_r=block_r,
+        block_h=block_h, block_n=tile.block_n, block_dv=block_dv, block_r=block_r,
         num_splits=num_splits, split_size=split_size, is_fixed_split=is_fixed,
-        num_warps=4, num_stages=2,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
 
 
@@ -179,13 +324,15 @@ def mla_decode(
     max_seq_len: int,
     mode: Mode = Mode.CORUN,
     split_size: int = 256,
+    tile: MLATile | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode, one query token per sequence -> [B, H, latent_dim] in q's dtype.
 
     ``seq_lens`` [B] int32 counts each sequence's cached tokens (0 = padded dummy slot -> zeros);
     ``max_seq_len`` (host int) bounds them: max_model_len under corun / batch_invariant, the batch's
     longest under default. Numerics: ``kernels.reference.mla_decode_reference``. Invariance: see
-    the module docstring.
+    the module docstring. ``tile`` overrides the policy's tile (tests and tuning only; the split
+    count stays the mode's).
     """
     mode = Mode.parse(mode)
     check_tensor("q_latent", q_latent, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
@@ -216,6 +363,8 @@ def mla_decode(
         raise ValueError(f"max_seq_len: expected a non-negative int, got {max_seq_len!r}")
     if not isinstance(split_size, int) or split_size < 16:
         raise ValueError(f"split_size: expected an int >= 16, got {split_size!r}")
+    if tile is not None and (not isinstance(tile, MLATile) or tile.block_m > 64):
+        raise ValueError(f"tile: expected an MLATile with block_m <= 64, got {tile!r}")
     capacity = block_tables.shape[1] * kv_cache.shape[1]
     if max_seq_len > capacity:
         raise ValueError(f"max_seq_len: {max_seq_len} exceeds the block table's {capacity} tokens")
@@ -231,15 +380,16 @@ def mla_decode(
     if batch == 0 or num_heads == 0:
         return out
     cfg = mla_decode_config(
-        batch, num_heads, latent_dim, rope_dim, max_seq_len, q_latent.dtype, mode, split_size
-    )
+        batch, num_heads, latent_dim, rope_dim, max_seq_len, q_latent.dtype, mode, split_size,
+        tile=tile,
+    )  # fmt: skip
     mid_out = torch.empty(
         (batch, num_heads, cfg.num_splits, latent_dim), dtype=torch.float32, device=q_latent.device
     )
     mid_lse = torch.empty(
         (batch, num_heads, cfg.num_splits), dtype=torch.float32, device=q_latent.device
     )
-    grid = (batch, cdiv(num_heads, cfg.block_h), cfg.num_splits)
+    grid = (cdiv(num_heads, cfg.block_h), batch, cfg.num_splits)
     _mla_decode_split_kernel[grid](
         q_latent, q_pe, kv_cache, block_tables, seq_lens, mid_out, mid_lse,
         num_heads, latent_dim, rope_dim, kv_cache.shape[1], cfg.split_size, cfg.num_splits,
@@ -283,22 +433,30 @@ class MLAPrefillConfig:
     num_stages: int
 
 
-def mla_prefill_config(qk_dim: int, v_dim: int, dtype: torch.dtype, mode: Mode) -> MLAPrefillConfig:
+def mla_prefill_config(
+    qk_dim: int, v_dim: int, dtype: torch.dtype, mode: Mode, *, table: MLATunedTable | None = None
+) -> MLAPrefillConfig:
     """The prefill policy: a pure function of the head dims and dtype, the same in every mode.
 
     It never reads the batch, the chunk lengths or the context lengths, which (with keys walked
-    from key 0) makes a row's bits independent of chunking and co-runners.
+    from key 0) makes a row's bits independent of chunking and co-runners. The tile comes from the
+    tuned table's entry for (qk_dim, v_dim) for 16-bit dtypes, else from the literal rule below;
+    ``table`` overrides the checked-in table (tests).
     """
     Mode.parse(mode)
     block_d1 = 1 << (max(qk_dim, 1).bit_length() - 1)  # largest power of 2 <= qk_dim
     rest = qk_dim - block_d1
     block_d2 = max(16, next_power_of_2(rest)) if rest > 0 else 0
     block_d1 = max(16, block_d1)
-    wide = torch.empty((), dtype=dtype).element_size() > 2
-    return MLAPrefillConfig(
-        block_m=64 if wide else 128, block_n=32 if wide else 64, block_d1=block_d1,
-        block_d2=block_d2, block_dv=max(16, next_power_of_2(v_dim)),
+    wide = dtype.itemsize > 2
+    tile = (table or _tuned_table()).prefill_tile(qk_dim, v_dim, dtype) or MLATile(
+        block_m=64 if wide else 128, block_n=32 if wide else 64,
         num_warps=4 if wide else 8, num_stages=2,
+    )  # fmt: skip
+    return MLAPrefillConfig(
+        block_m=tile.block_m, block_n=tile.block_n, block_d1=block_d1,
+        block_d2=block_d2, block_dv=max(16, next_power_of_2(v_dim)),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
 
 

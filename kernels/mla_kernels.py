@@ -3,10 +3,11 @@
 - ``_store_mla_kv_kernel``: one program per token writes ``[latent | k_pe]`` into the paged MLA
   cache ``[num_blocks, block_size, latent_dim + rope_dim]``; slot -1 is skipped.
 - ``_mla_decode_split_kernel`` + ``_mla_decode_combine_kernel``: absorbed decode as split-KV MQA.
-  Program (b, head block, split) runs an online softmax over its split's tokens for BLOCK_H query
-  heads at once (all heads share the one latent "kv head", so each cache tile is read once per head
-  block) and writes a normalised fp32 partial and its log2-sum-exp; the combine program (b, h)
-  merges the partials in split order.
+  Program (head block, b, split) runs an online softmax over its split's tokens for BLOCK_H
+  query heads at once (all heads share the one latent "kv head", so each cache tile is read once
+  per head block; BLOCK_H in {16, 32, 64} trades those re-reads against the [BLOCK_H, latent]
+  fp32 accumulator's registers) and writes a normalised fp32 partial and its log2-sum-exp; the
+  combine program (b, h) merges the partials in split order.
 - ``_mla_prefill_kernel``: dense variable-length causal flash attention with separate qk and v head
   dims, bottom-right aligned, keys always walked from key 0 in BLOCK_N steps.
 
@@ -119,8 +120,10 @@ def _mla_decode_split_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_b = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    # Head blocks on the fastest grid axis: the programs that read the same cache tiles (one
+    # sequence, one split, all head blocks) are scheduled together, so re-reads hit L2.
+    pid_h = tl.program_id(0)
+    pid_b = tl.program_id(1)
     pid_s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + pid_b)
     split_len = _split_len(seq_len, split_size, num_splits, IS_FIXED_SPLIT, BLOCK_N)

@@ -1,0 +1,324 @@
+"""Offline MLA tuning on the H200 -> kernels/tuned/mla_h200.json (data the policies read).
+
+At the shapes of experiments/bench_mla.py (DeepSeek-V3 dims, bf16, batch {1, 8, 32, 64, 128} x
+context {1024, 4096, 16384}) it times a bounded candidate set of decode tiles (BLOCK_H 16/32/64,
+BLOCK_N, warps, stages) and of prefill tiles, keeps only candidates whose output is close to the
+current literal tile's output (a compile error, out of shared memory or a wrong result rejects the
+candidate at that shape), and picks:
+
+- ``decode_fixed`` (corun / batch_invariant; split 256 and 1024): per context, ONE tile for every
+  batch size, the lowest geometric-mean time over the tuned batches (the policy never reads B);
+  the split count stays ceil(len / split_size), only tiles change.
+- ``decode_default``: the fastest tile per (batch, context); splits from the default heuristic.
+- ``prefill``: one tile for every length and mode, the lowest geometric mean over the lengths.
+
+A wall-clock budget bounds the sweep (checked before each shape): shapes past it are left to the
+literal policies and the header says ``complete: false``.
+
+    python -m experiments.tune_mla [--budget-s 60] [--out kernels/tuned/mla_h200.json]
+    TRITON_INTERPRET=1 python -m experiments.tune_mla --dry-run --out /tmp/mla_tuned.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments import bench_mla, harness  # noqa: E402
+from kernels.mla import (  # noqa: E402
+    TUNED_PATH,
+    MLATile,
+    MLATunedTable,
+    mla_decode,
+    mla_prefill_attention,
+    mla_prefill_config,
+)
+from kernels.mode import Mode  # noqa: E402
+
+DTYPE = torch.bfloat16
+FIXED_SPLITS = (256, 1024)  # the benchmark's corun and corun_split1024 policies
+# The current literal decode tile first: the reference output and the never-worse fallback.
+LITERAL_DECODE = MLATile(16, 32, num_warps=4, num_stages=2)
+DECODE_CANDIDATES = (
+    LITERAL_DECODE,
+    MLATile(16, 64, num_warps=4, num_stages=2),
+    MLATile(32, 32, num_warps=4, num_stages=2),
+    MLATile(32, 32, num_warps=8, num_stages=2),
+    MLATile(32, 64, num_warps=8, num_stages=2),
+    # 64 heads: a [64, 512] fp32 accumulator needs 8 warps (128 registers a thread).
+    MLATile(64, 16, num_warps=8, num_stages=3),
+    MLATile(64, 32, num_warps=8, num_stages=1),
+    MLATile(64, 32, num_warps=8, num_stages=2),
+    MLATile(64, 64, num_warps=8, num_stages=1),
+    MLATile(64, 64, num_warps=8, num_stages=2),
+)
+LITERAL_PREFILL = MLATile(128, 64, num_warps=8, num_stages=2)
+PREFILL_CANDIDATES = (
+    LITERAL_PREFILL,
+    MLATile(128, 64, num_warps=8, num_stages=3),
+    MLATile(128, 32, num_warps=8, num_stages=3),
+    MLATile(128, 128, num_warps=8, num_stages=2),
+    MLATile(64, 64, num_warps=4, num_stages=3),
+    MLATile(64, 128, num_warps=4, num_stages=2),
+)
+MAX_REL_ERR = 2e-2  # bf16 output rounding is ~4e-3; a wrong tile is off by O(1)
+
+
+@dataclasses.dataclass
+class Sweep:
+    """What one run measures: shapes, candidates, and how to time (CPU dry run vs H200)."""
+
+    dims: dict
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    prefill_lens: tuple[int, ...]
+    decode_candidates: tuple[MLATile, ...]
+    prefill_candidates: tuple[MLATile, ...]
+    fixed_splits: tuple[int, ...]
+    bench: Callable[[Callable[[], object]], float]
+
+
+def _wall_us(fn: Callable[[], object]) -> float:
+    """Dry-run timer (CPU interpreter): median of three calls; only the logic is exercised."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time_candidate(run, expected: torch.Tensor, label: str, bench) -> float | None:
+    """Median us of ``run``, or None if it fails to compile/run or disagrees with ``expected``."""
+    try:
+        out = run()
+        _sync()
+    except Exception as err:  # out of shared memory / registers: not a candidate here
+        print(f"    skip {label}: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
+        return None
+    scale = max(expected.float().abs().max().item(), 1e-6)
+    err = (out.float() - expected.float()).abs().max().item() / scale
+    if not math.isfinite(err) or err > MAX_REL_ERR:
+        print(f"    reject {label}: rel err {err:.3g} vs the literal tile", file=sys.stderr)
+        return None
+    return bench(run)
+
+
+def _geomean_best(times: dict[MLATile, list[float]], points: int) -> MLATile | None:
+    """The tile with the lowest geometric mean among those measured at every one of ``points``."""
+    full = {t: v for t, v in times.items() if len(v) == points and points > 0}
+    if not full:
+        return None
+    return min(full, key=lambda t: sum(math.log(x) for x in full[t]))
+
+
+def _decode_point(sweep: Sweep, batch: int, ctx: int) -> dict[tuple[str, int], dict]:
+    """Times of every candidate at one (batch, ctx) for each split policy: {(kind, split): {tile:
+    us}}."""
+    dims = sweep.dims
+    x = bench_mla.decode_inputs(dims, [ctx] * batch, ctx, seed=batch * 100003 + ctx)
+    policies = [("decode_fixed", Mode.CORUN, s) for s in sweep.fixed_splits]
+    policies.append(("decode_default", Mode.DEFAULT, sweep.fixed_splits[0]))
+    result = {}
+    for kind, mode, split in policies:
+
+        def run(tile: MLATile, mode=mode, split=split):
+            return mla_decode(**x, scale=dims["scale"], max_seq_len=ctx, mode=mode,
+                              split_size=split, tile=tile)  # fmt: skip
+
+        expected = run(LITERAL_DECODE)
+        timed = {}
+        for tile in sweep.decode_candidates:
+            us = _time_candidate(lambda t=tile: run(t), expected, f"{kind} {tile}", sweep.bench)
+            if us is not None:
+                timed[tile] = us
+        result[(kind, split)] = timed
+        best = min(timed, key=timed.get) if timed else None
+        base = timed.get(LITERAL_DECODE)
+        if best is not None:
+            print(f"  {kind:14s} split {split:5d} B={batch:4d} ctx={ctx:6d} best "
+                  f"{timed[best]:9.1f} us  literal {base or float('nan'):9.1f} us  {best}",
+                  flush=True)  # fmt: skip
+    return result
+
+
+def tune_decode(sweep: Sweep, deadline: float) -> tuple[list[dict], bool]:
+    """Entries for decode_fixed (per split, ctx) and decode_default (per batch, ctx)."""
+    dims = sweep.dims
+    base = {"heads": dims["heads"], "latent": dims["latent"], "rope": dims["rope"]}
+    entries: list[dict] = []
+    complete = True
+    for ctx in sweep.contexts:
+        fixed: dict[int, dict[MLATile, list[float]]] = {s: {} for s in sweep.fixed_splits}
+        done = 0
+        for batch in sweep.batches:
+            if time.monotonic() > deadline:
+                complete = False
+                break
+            point = _decode_point(sweep, batch, ctx)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the point's multi-GB cache is garbage now
+            done += 1
+            for (kind, split), timed in point.items():
+                if kind == "decode_fixed":
+                    for tile, us in timed.items():
+                        fixed[split].setdefault(tile, []).append(us)
+                elif timed:
+                    best = min(timed, key=timed.get)
+                    entries.append({**base, "kind": kind, "batch": batch, "ctx": ctx,
+                                    "config": best.to_dict(), "us": round(timed[best], 3),
+                                    "literal_us": _round(timed.get(LITERAL_DECODE))})  # fmt: skip
+        for split, times in fixed.items():
+            best = _geomean_best(times, done)
+            if best is None:
+                continue
+            entries.append({**base, "kind": "decode_fixed", "split_size": split, "ctx": ctx,
+                            "batches": list(sweep.batches[:done]), "config": best.to_dict(),
+                            "us": _rounds(times[best]),
+                            "literal_us": _rounds(times.get(LITERAL_DECODE, []))})  # fmt: skip
+            print(f"  decode_fixed split {split} ctx {ctx}: {best} over B={sweep.batches[:done]}")
+        if not complete:
+            break
+    return entries, complete
+
+
+def tune_prefill(sweep: Sweep, deadline: float) -> tuple[list[dict], bool]:
+    """One prefill tile (every length, every mode): the lowest geometric mean over the lengths."""
+    dims = sweep.dims
+    empty = MLATunedTable({}, {}, {})
+    literal = mla_prefill_config(dims["qk_dim"], dims["v_dim"], DTYPE, Mode.CORUN, table=empty)
+    times: dict[MLATile, list[float]] = {}
+    done, complete = 0, True
+    for length in sweep.prefill_lens:
+        if time.monotonic() > deadline:
+            complete = False
+            break
+        x = bench_mla.prefill_inputs(dims, length, seed=length)
+        cu = bench_mla._cu([length])
+
+        def run(tile: MLATile, x=x, cu=cu, length=length):
+            cfg = dataclasses.replace(
+                literal, block_m=tile.block_m, block_n=tile.block_n,
+                num_warps=tile.num_warps, num_stages=tile.num_stages,
+            )  # fmt: skip
+            return mla_prefill_attention(x["q"], x["k"], x["v"], cu, cu, dims["scale"],
+                                         max_q_len=length, config=cfg)  # fmt: skip
+
+        expected = run(LITERAL_PREFILL)
+        for tile in sweep.prefill_candidates:
+            us = _time_candidate(lambda t=tile: run(t), expected, f"prefill {tile}", sweep.bench)
+            if us is not None:
+                times.setdefault(tile, []).append(us)
+        done += 1
+        best = min((t for t in times if len(times[t]) == done), key=lambda t: times[t][-1],
+                   default=None)  # fmt: skip
+        if best is not None:
+            literal_us = _round(times.get(LITERAL_PREFILL, [None])[-1])
+            print(f"  prefill len {length:5d} best {times[best][-1]:9.1f} us  literal "
+                  f"{literal_us} us  {best}", flush=True)  # fmt: skip
+    best = _geomean_best(times, done)
+    if best is None:
+        return [], complete
+    entry = {"kind": "prefill", "qk_dim": dims["qk_dim"], "v_dim": dims["v_dim"],
+             "lengths": list(sweep.prefill_lens[:done]), "config": best.to_dict(),
+             "us": _rounds(times[best]),
+             "literal_us": _rounds(times.get(LITERAL_PREFILL, []))}  # fmt: skip
+    print(f"  prefill: {best} over lengths {sweep.prefill_lens[:done]}")
+    return [entry], complete
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _rounds(values: list[float]) -> list[float]:
+    return [round(v, 3) for v in values]
+
+
+def h200_sweep(rep_ms: int) -> Sweep:
+    return Sweep(
+        dims=bench_mla.v3_dims(), batches=bench_mla.BATCHES, contexts=bench_mla.CONTEXTS,
+        prefill_lens=bench_mla.PREFILL_LENS, decode_candidates=DECODE_CANDIDATES,
+        prefill_candidates=PREFILL_CANDIDATES, fixed_splits=FIXED_SPLITS,
+        bench=lambda fn: harness.bench_us(fn, warmup_ms=5, rep_ms=rep_ms),
+    )  # fmt: skip
+
+
+def dry_run_sweep() -> Sweep:
+    """Tiny shapes on the CPU interpreter: exercises every branch of the logic in seconds."""
+    bench_mla.DEVICE = "cpu"
+    dims = {"heads": 20, "latent": 32, "rope": 16, "qk_dim": 24, "v_dim": 16, "scale": 0.2}
+    return Sweep(
+        dims=dims, batches=(1, 2), contexts=(40, 64), prefill_lens=(20, 70),
+        decode_candidates=(LITERAL_DECODE, MLATile(32, 16, num_warps=4, num_stages=1)),
+        prefill_candidates=(LITERAL_PREFILL, MLATile(64, 32, num_warps=4, num_stages=1)),
+        fixed_splits=(32, 64), bench=_wall_us,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-s", type=float, default=60.0, help="sweep wall-clock budget")
+    parser.add_argument("--rep-ms", type=int, default=15, help="timing rep per candidate")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"output (default {TUNED_PATH}; required with --dry-run)")  # fmt: skip
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny shapes on the CPU interpreter (logic check only)")  # fmt: skip
+    parser.add_argument("--no-prefill", action="store_true", help="decode only")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        if args.out is None:
+            parser.error("--dry-run needs --out (never overwrite the checked-in table)")
+        sweep = dry_run_sweep()
+    else:
+        if not torch.cuda.is_available():
+            print("tune_mla: needs a CUDA device (the table is H200 timing data); nothing written.",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        if "H200" not in torch.cuda.get_device_name():
+            print(f"tune_mla: warning: tuning on {torch.cuda.get_device_name()}, not an H200",
+                  file=sys.stderr)  # fmt: skip
+        sweep = h200_sweep(args.rep_ms)
+    out = args.out or TUNED_PATH
+    t0 = time.monotonic()
+    # Decode gets most of the budget (it is the 0.07-of-bound kernel); prefill the rest.
+    decode_deadline = t0 + args.budget_s * (1.0 if args.no_prefill else 0.75)
+    entries, complete = tune_decode(sweep, decode_deadline)
+    if not args.no_prefill:
+        prefill, prefill_complete = tune_prefill(sweep, t0 + args.budget_s)
+        entries += prefill
+        complete = complete and prefill_complete
+    record = {
+        "header": harness.header(
+            complete=complete, tuned_dtype="bfloat16", dry_run=args.dry_run,
+            batches=list(sweep.batches), contexts=list(sweep.contexts),
+            wall_s=round(time.monotonic() - t0, 1),
+        ),  # fmt: skip
+        "entries": entries,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {len(entries)} entries to {out} (complete={complete}) in "
+          f"{time.monotonic() - t0:.0f} s")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
