@@ -307,8 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         complete = complete and prefill_complete
     record = {
         "header": harness.header(
-            complete=complete, tuned_dtype="bfloat16", dry_run=args.dry_run,
-            batches=list(sweep.batches), contexts=list(sweep.contexts),
+            complete=complete,
+            tuned_dtype="bfloat16",
+            dry_run=args.dry_run,
+            batches=list(sweep.batches),
+            contexts=list(sweep.contexts),
             wall_s=round(time.monotonic() - t0, 1),
         ),  # fmt: skip
         "entries": entries,

@@ -11,7 +11,13 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kernels.mla import MLAPrefillConfig, mla_decode, mla_prefill_attention, mla_prefill_config
+from kernels.mla import (
+    MLAPrefillConfig,
+    MLATile,
+    mla_decode,
+    mla_prefill_attention,
+    mla_prefill_config,
+)
 from kernels.mode import Mode
 from tests.utils import assert_bitwise_equal
 
@@ -20,6 +26,8 @@ MAX_MODEL_LEN = 128  # the corun / batch_invariant grid bound (max_model_len)
 BLOCKS_PER_SEQ = MAX_MODEL_LEN // BLOCK_SIZE
 SCALE = (LATENT_DIM + ROPE_DIM) ** -0.5
 DTYPES = st.sampled_from([torch.float32, torch.float16])
+# The policy's tile (None) and the BLOCK_H values experiments/tune_mla.py may put in the table.
+TUNABLE_TILES = (None, MLATile(32, 16, num_warps=4, num_stages=1), MLATile(64, 32, num_warps=8))
 
 
 def _decode_batch(
@@ -32,6 +40,7 @@ def _decode_batch(
     max_seq_len: int,
     mode: Mode,
     split_size: int = 32,
+    tile: MLATile | None = None,
 ) -> torch.Tensor:
     """Run mla_decode on a batch holding the target at ``slot`` among random co-runners, with
     every sequence's cache blocks scattered at random; returns the target's output [H, Lkv]."""
@@ -50,7 +59,7 @@ def _decode_batch(
     q_latent[slot], q_pe[slot] = target_q
     out = mla_decode(
         q_latent, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32), SCALE,
-        max_seq_len=max_seq_len, mode=mode, split_size=split_size,
+        max_seq_len=max_seq_len, mode=mode, split_size=split_size, tile=tile,
     )  # fmt: skip
     return out[slot]
 
@@ -73,19 +82,23 @@ def _target(seed: int, dtype: torch.dtype, max_len: int):
     split_size=st.sampled_from([16, 32, 48]),
     mode=st.sampled_from([Mode.CORUN, Mode.BATCH_INVARIANT]),
     dtype=DTYPES,
+    tile=st.sampled_from(TUNABLE_TILES),
 )
 @example(seed=7, target_len=97, other_lens=[128, 0, 1], slot_frac=0.5, split_size=32,
-         mode=Mode.CORUN, dtype=torch.float32)  # fmt: skip
+         mode=Mode.CORUN, dtype=torch.float32, tile=None)  # fmt: skip
+@example(seed=8, target_len=70, other_lens=[5, 128], slot_frac=1.0, split_size=48,
+         mode=Mode.BATCH_INVARIANT, dtype=torch.float16, tile=TUNABLE_TILES[2])  # fmt: skip
 def test_mla_decode_invariant_to_co_runners_and_slot(
-    seed, target_len, other_lens, slot_frac, split_size, mode, dtype
+    seed, target_len, other_lens, slot_frac, split_size, mode, dtype, tile
 ) -> None:
-    """Under corun and batch_invariant, a sequence's mla_decode bits do not depend on the other
-    sequences in the batch, on its batch slot, or on where its cache blocks sit."""
+    """Under corun and batch_invariant, with any tunable tile, a sequence's mla_decode bits do
+    not depend on the other sequences in the batch, on its batch slot, or on where its cache
+    blocks sit."""
     q, rows, gen = _target(seed, dtype, MAX_MODEL_LEN)
-    alone = _decode_batch(q, rows, target_len, [], 0, gen, MAX_MODEL_LEN, mode, split_size)
+    alone = _decode_batch(q, rows, target_len, [], 0, gen, MAX_MODEL_LEN, mode, split_size, tile)
     slot = round(slot_frac * len(other_lens))
     batched = _decode_batch(
-        q, rows, target_len, other_lens, slot, gen, MAX_MODEL_LEN, mode, split_size
+        q, rows, target_len, other_lens, slot, gen, MAX_MODEL_LEN, mode, split_size, tile
     )
     assert_bitwise_equal(batched, alone, f"{mode} target len {target_len} at slot {slot}")
 
@@ -101,6 +114,17 @@ def test_mla_decode_default_mode_is_batch_variant() -> None:
     alone = _decode_batch(q, rows, 200, [], 0, gen, 1024, Mode.CORUN)
     batched = _decode_batch(q, rows, 200, [1000], 0, gen, 1024, Mode.CORUN)
     assert_bitwise_equal(batched, alone, "corun with the same co-runner")
+
+
+def test_mla_decode_check_detects_a_block_n_change() -> None:
+    """Negative control: another BLOCK_N (a tunable of the table) changes a sequence's bits, so
+    the bitwise co-runner check above would catch a tile that followed the batch."""
+    q, rows, gen = _target(13, torch.float32, MAX_MODEL_LEN)
+    state = gen.get_state()
+    a = _decode_batch(q, rows, 100, [], 0, gen, MAX_MODEL_LEN, Mode.CORUN, 64, MLATile(16, 16))
+    gen.set_state(state)
+    b = _decode_batch(q, rows, 100, [], 0, gen, MAX_MODEL_LEN, Mode.CORUN, 64, MLATile(16, 32))
+    assert not torch.equal(a, b), "BLOCK_N change left every bit unchanged"
 
 
 # ----------------------------------------------------------------------------------------------

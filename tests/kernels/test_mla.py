@@ -3,10 +3,15 @@ expanded-attention reference for prefill), plus argument validation and the conf
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from kernels.mla import (
+    MLATile,
+    MLATunedTable,
+    load_mla_tuned,
     mla_decode,
     mla_decode_config,
     mla_prefill_attention,
@@ -129,6 +134,29 @@ def test_mla_decode_scale_of_deepseek_v3() -> None:
     assert_close(out, expected, torch.float32, reduce_dim=576)
 
 
+@pytest.mark.parametrize("mode", list(Mode), ids=[m.value for m in Mode])
+@pytest.mark.parametrize(
+    "tile",
+    [MLATile(32, 16, num_warps=4, num_stages=1), MLATile(64, 32, num_warps=8, num_stages=2)],
+    ids=["H32-N16", "H64-N32"],
+)
+def test_mla_decode_tiles_match_reference(tile: MLATile, mode: Mode) -> None:
+    """Every tunable BLOCK_H (more heads than a block, a partial head block) stays correct."""
+    seq_lens, heads = [50, 0, 23], 40
+    q_latent, q_pe, cache, tables, lens = make_decode_inputs(
+        seq_lens, heads, 32, 16, 16, 5, torch.float32, seed=4
+    )
+    max_seq_len = max(seq_lens) if mode == Mode.DEFAULT else 80
+    out = mla_decode(
+        q_latent, q_pe, cache, tables, lens, 0.2,
+        max_seq_len=max_seq_len, mode=mode, split_size=16, tile=tile,
+    )  # fmt: skip
+    expected = mla_decode_reference(
+        q_latent.double(), q_pe.double(), cache.double(), tables, lens, 0.2
+    )
+    assert_close(out, expected, torch.float32, reduce_dim=48)
+
+
 def test_mla_decode_config_policy() -> None:
     """corun / batch_invariant read neither the batch nor the contents; default fills the SMs."""
     args = (128, 512, 64, 16384, torch.bfloat16)
@@ -178,6 +206,122 @@ def test_mla_prefill_config_is_shape_only() -> None:
     (cfg,) = configs
     assert (cfg.block_d1, cfg.block_d2, cfg.block_dv) == (128, 64, 128)
     assert mla_prefill_config(128, 128, torch.bfloat16, Mode.CORUN).block_d2 == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# tuned table (kernels/tuned/mla_h200.json, written by experiments/tune_mla.py)
+# ----------------------------------------------------------------------------------------------
+
+V3 = {"heads": 128, "latent": 512, "rope": 64}
+
+
+def _tile(block_m: int, block_n: int, warps: int = 8, stages: int = 2) -> dict:
+    return {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+
+
+def _write_table(path, entries) -> None:
+    path.write_text(json.dumps({"header": {"header": True}, "entries": entries}))
+
+
+@pytest.fixture
+def tuned_table(tmp_path) -> MLATunedTable:
+    path = tmp_path / "mla_h200.json"
+    _write_table(path, [
+        {**V3, "kind": "decode_fixed", "split_size": 256, "ctx": 4096, "config": _tile(64, 32)},
+        {**V3, "kind": "decode_fixed", "split_size": 256, "ctx": 16384, "config": _tile(32, 64)},
+        {**V3, "kind": "decode_default", "batch": 8, "ctx": 4096, "config": _tile(16, 64, 4)},
+        {**V3, "kind": "decode_default", "batch": 128, "ctx": 4096, "config": _tile(64, 16)},
+        {"kind": "prefill", "qk_dim": 192, "v_dim": 128, "config": _tile(64, 128, 4, 3)},
+    ])  # fmt: skip
+    return load_mla_tuned(path)
+
+
+def test_tuned_decode_lookup_fixed_split_ignores_batch(tuned_table: MLATunedTable) -> None:
+    """corun / batch_invariant: the entry for (dims, split_size) at the smallest tuned context >=
+    max_seq_len, the same tile for every batch; the split count stays ceil(len / split_size)."""
+    for mode in (Mode.CORUN, Mode.BATCH_INVARIANT):
+        for batch in (1, 7, 128, 1000):
+            cfg = mla_decode_config(batch, 128, 512, 64, 3000, torch.bfloat16, mode, 256,
+                                    table=tuned_table)  # fmt: skip
+            assert (cfg.block_h, cfg.block_n, cfg.num_warps) == (64, 32, 8)
+            assert cfg.is_fixed_split and cfg.num_splits == -(-3000 // 256)
+        big = mla_decode_config(1, 128, 512, 64, 10000, torch.float16, mode, 256, table=tuned_table)
+        assert (big.block_h, big.block_n, big.num_splits) == (32, 64, -(-10000 // 256))
+        past = mla_decode_config(
+            1, 128, 512, 64, 99999, torch.float16, mode, 256, table=tuned_table
+        )
+        assert (past.block_h, past.block_n) == (32, 64)  # past the end: the largest tuned context
+    # An untuned split size, fp32, or other dims fall back to the literal tile.
+    literal = mla_decode_config(1, 128, 512, 64, 3000, torch.bfloat16, Mode.CORUN, 256,
+                                table=MLATunedTable({}, {}, {}))  # fmt: skip
+    for args in ((128, 512, 64, 3000, torch.bfloat16, Mode.CORUN, 1024),
+                 (128, 512, 64, 3000, torch.float32, Mode.CORUN, 256),
+                 (16, 512, 64, 3000, torch.bfloat16, Mode.CORUN, 256)):  # fmt: skip
+        cfg = mla_decode_config(1, *args, table=tuned_table)
+        dtype = args[4]  # the literal tile halves BLOCK_N for 4-byte elements
+        assert (cfg.block_h, cfg.block_n) == (16, 32 if dtype.itemsize == 2 else 16)
+    assert (literal.block_h, literal.block_n) == (16, 32)
+
+
+def test_tuned_decode_lookup_default_by_batch_bucket(tuned_table: MLATunedTable) -> None:
+    """default: the entry at the smallest tuned batch >= B (the largest past the end)."""
+    small = mla_decode_config(3, 128, 512, 64, 2000, torch.bfloat16, Mode.DEFAULT,
+                              table=tuned_table)  # fmt: skip
+    large = mla_decode_config(500, 128, 512, 64, 2000, torch.bfloat16, Mode.DEFAULT,
+                              table=tuned_table)  # fmt: skip
+    assert (small.block_h, small.block_n, small.num_warps) == (16, 64, 4)
+    assert (large.block_h, large.block_n, large.num_warps) == (64, 16, 8)
+    assert not small.is_fixed_split and small.num_splits >= large.num_splits
+
+
+def test_tuned_prefill_lookup_same_in_every_mode(tuned_table: MLATunedTable) -> None:
+    configs = {mla_prefill_config(192, 128, torch.bfloat16, m, table=tuned_table) for m in Mode}
+    assert len(configs) == 1
+    (cfg,) = configs
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 128, 4, 3)
+    assert (cfg.block_d1, cfg.block_d2, cfg.block_dv) == (128, 64, 128)
+    fp32 = mla_prefill_config(192, 128, torch.float32, Mode.CORUN, table=tuned_table)
+    assert (fp32.block_m, fp32.block_n) == (64, 32)  # fp32 is not tuned: the literal tile
+
+
+def test_tuned_table_missing_file_is_empty(tmp_path) -> None:
+    table = load_mla_tuned(tmp_path / "absent.json")
+    assert table == MLATunedTable({}, {}, {})
+    cfg = mla_decode_config(64, 128, 512, 64, 4096, torch.bfloat16, Mode.CORUN, table=table)
+    assert (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages) == (16, 32, 4, 2)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        json.dumps({"entries": "nope"}),
+        json.dumps({"entries": [{**V3, "kind": "decode_fixed", "ctx": 1,
+                                 "config": _tile(64, 32)}]}),
+        json.dumps({"entries": [{"kind": "prefill", "qk_dim": 192, "v_dim": 128,
+                                 "config": _tile(64, 24)}]}),
+        json.dumps({"entries": [{**V3, "kind": "decode_default", "batch": 1, "ctx": 1,
+                                 "config": _tile(128, 32)}]}),
+        json.dumps({"entries": [{"kind": "decode_other", "config": _tile(16, 32)}]}),
+        json.dumps({"entries": [{"kind": "prefill", "qk_dim": 192, "v_dim": 128,
+                                 "config": {**_tile(64, 32), "split_k": 2}}]}),
+    ],
+    ids=["bad-json", "entries-not-list", "missing-split", "block-n-24", "block-h-128",
+         "unknown-kind", "unknown-field"],
+)  # fmt: skip
+def test_tuned_table_malformed_raises(tmp_path, content: str) -> None:
+    path = tmp_path / "mla_h200.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="malformed MLA tuned table"):
+        load_mla_tuned(path)
+
+
+def test_mla_decode_rejects_bad_tile() -> None:
+    args = _decode_args()
+    with pytest.raises(ValueError, match="^tile:"):
+        mla_decode(scale=0.1, max_seq_len=32, tile=(16, 32), **args)
+    with pytest.raises(ValueError, match="^block_n:"):
+        MLATile(16, 24)
 
 
 # ----------------------------------------------------------------------------------------------
