@@ -213,13 +213,17 @@ def test_default_mode_negative_control():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_corun_graph_replay_matches_eager_on_gpu():
-    """On a GPU, a corun decode replayed from the CUDA graph gives the eager run's fingerprint."""
-    kw = dict(TINY, device="cuda", dtype="bfloat16")
-    fingerprints = []
-    for graphs in (False, True):
+    """On a GPU (triton kernels), a corun target's fingerprint is the same eager and replayed from
+    the CUDA graph, alone and beside co-runners in other decode slots."""
+    kw = dict(TINY, device="cuda", dtype="bfloat16", block_size=16)  # triton: blocks >= 8
+    corunners = [("co0", [5] * 21, SamplingParams(max_tokens=9, temperature=1.0, seed=3)),
+                 ("co1", [7] * 3, SamplingParams(max_tokens=4, seed=4))]
+    fingerprints = {}
+    for graphs, others in ((False, []), (True, []), (True, corunners)):
         engine = LLMEngine(EngineConfig(mode="corun", cuda_graphs=graphs, **kw))
-        engine.add_request(TARGET_PROMPT, TARGET_PARAMS, "target")
+        for request_id, prompt, params in [*others, ("target", TARGET_PROMPT, TARGET_PARAMS)]:
+            engine.add_request(prompt, params, request_id)
         finals: dict[str, RequestOutput] = {}
         _drain(engine, finals)
-        fingerprints.append(finals["target"].fingerprint)
-    assert fingerprints[0] == fingerprints[1]
+        fingerprints[(graphs, len(others))] = finals["target"].fingerprint
+    assert len(set(fingerprints.values())) == 1, fingerprints
