@@ -16,7 +16,6 @@ The ``default`` MoE policy equals ``corun`` (both pick tiles from the total toke
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import torch
@@ -142,7 +141,7 @@ def _time_token_count(model, shapes, w13, w2, bias, num_tokens, modes) -> list[d
             us, "torch_expert_loop", peer_us, model=model,
             num_experts=shapes["num_experts"], top_k=shapes["top_k"], experts_hit=hit,
             fused_moe_us=round(fused_us, 3), bound_us=round(bound_us, 3),
-            bw_fraction=round(bound_us / us, 4), config=dataclasses.asdict(cfg),
+            bw_fraction=round(bound_us / us, 4), config=cfg.to_dict(),
         ))
         print(f"[moe] {model} T={num_tokens} {mode}: {us:.1f} us (fused_moe {fused_us:.1f}), "
               f"peer {peer_us:.1f} us, bound {bound_us:.1f} us", flush=True)

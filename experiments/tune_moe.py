@@ -22,6 +22,7 @@ that was cut short is dropped, the header says ``complete: false`` and which T w
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -127,6 +128,16 @@ def _timed(fn: Callable[[], torch.Tensor], expected: torch.Tensor | None, label:
     return timer(fn)
 
 
+def _point_inputs(shapes: dict, num_tokens: int, bias: torch.Tensor, device: str) -> tuple:
+    """(x, router logits, routing weights, expert ids) of one point, seeded by T."""
+    gen = torch.Generator(device=device).manual_seed(num_tokens)
+    x = torch.randn(num_tokens, shapes["hidden"], generator=gen, device=device).to(DTYPE)
+    logits = torch.randn(num_tokens, shapes["num_experts"], generator=gen, device=device)
+    logits = logits if shapes["grouped"] else logits.to(DTYPE)  # Qwen3's gate is a bf16 Linear
+    weights, ids = _route(shapes, logits, bias, Mode.CORUN)
+    return x, logits, weights, ids
+
+
 class _Budget:
     def __init__(self, seconds: float) -> None:
         self.deadline = time.monotonic() + seconds
@@ -142,11 +153,7 @@ def tune_point(shapes: dict, tensors: tuple, num_tokens: int, device: str, budge
     w13, w2, bias = tensors
     num_experts, top_k, hidden, inter = (shapes["num_experts"], shapes["top_k"], shapes["hidden"],
                                          shapes["inter"])
-    gen = torch.Generator(device=device).manual_seed(num_tokens)
-    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(DTYPE)
-    logits = torch.randn(num_tokens, num_experts, generator=gen, device=device)
-    logits = logits if shapes["grouped"] else logits.to(DTYPE)
-    weights, ids = _route(shapes, logits, bias, Mode.CORUN)
+    x, logits, weights, ids = _point_inputs(shapes, num_tokens, bias, device)
 
     base = fallback_moe_config(num_tokens, num_experts, top_k, hidden, inter, Mode.CORUN)
     sorted_ids, block_ids = moe_align_block_size(ids, num_experts, base.block_m)
@@ -265,12 +272,8 @@ def tune(models: dict[str, dict], token_counts: tuple[int, ...], device: str, bu
         base = point["base_config"]
         config = combo_config(best[0], base.block_h)
         w13, w2, bias = tensors[name]
-        gen = torch.Generator(device=device).manual_seed(num_tokens)
-        x = torch.randn(num_tokens, shapes["hidden"], generator=gen, device=device).to(DTYPE)
-        logits = torch.randn(num_tokens, shapes["num_experts"], generator=gen, device=device)
-        logits = logits if shapes["grouped"] else logits.to(DTYPE)
-        weights, ids = _route(shapes, logits, bias, Mode.CORUN)
-        layer_us = timer(lambda: fused_moe(x, w13, w2, weights, ids, config=config,
+        x, _, weights, ids = _point_inputs(shapes, num_tokens, bias, device)
+        layer_us = timer(functools.partial(fused_moe, x, w13, w2, weights, ids, config=config,
                                            check_ids=False)) + point["router_us"]
         base_us = point["base_layer_us"] + point["router_us"]
         hit = int(torch.unique(ids).numel())

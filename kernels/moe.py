@@ -77,36 +77,30 @@ class MoEConfig:
     down_num_stages: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k", "block_h", "down_block_n", "down_block_k"):
-            value = getattr(self, name)
-            if value is None and name.startswith("down_"):
-                continue
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"{name}: expected a power of two >= 16, got {value!r}")
-        for name in ("num_warps", "down_num_warps"):
-            value = getattr(self, name)
-            if not (value is None and name.startswith("down_")) and value not in (1, 2, 4, 8, 16):
-                raise ValueError(f"{name}: expected 1, 2, 4, 8 or 16, got {value!r}")
-        for name in ("num_stages", "down_num_stages"):
-            value = getattr(self, name)
-            if value is None and name.startswith("down_"):
-                continue
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None and field.name.startswith("down_"):
+                continue  # the down GEMM shares the gate_up value
+            if field.name.endswith("num_warps"):
+                ok, want = value in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"
+            elif field.name.endswith("num_stages"):
+                ok, want = isinstance(value, int) and value >= 1, "an int >= 1"
+            else:
+                ok = isinstance(value, int) and value >= 16 and not value & (value - 1)
+                want = "a power of two >= 16"
+            if not ok:
+                raise ValueError(f"{field.name}: expected {want}, got {value!r}")
 
     def gate_up_meta(self) -> dict:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
                 "num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def down_meta(self) -> dict:
-        def pick(own, shared):
-            return shared if own is None else own
-
-        return {"BLOCK_M": self.block_m,
-                "BLOCK_N": pick(self.down_block_n, self.block_n),
-                "BLOCK_K": pick(self.down_block_k, self.block_k),
-                "num_warps": pick(self.down_num_warps, self.num_warps),
-                "num_stages": pick(self.down_num_stages, self.num_stages)}
+        own = (self.down_block_n, self.down_block_k, self.down_num_warps, self.down_num_stages)
+        meta = self.gate_up_meta()
+        for key, value in zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), own, strict=True):
+            meta[key] = meta[key] if value is None else value
+        return meta
 
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -138,7 +132,9 @@ class MoETunedTable:
     entries: dict[ExpertShape, tuple[tuple[int, MoEConfig], ...]]
     batch_invariant: dict[ExpertShape, MoEConfig]
 
-    def lookup(self, num_tokens: int, shape: ExpertShape, batch_invariant: bool) -> MoEConfig | None:
+    def lookup(
+        self, num_tokens: int, shape: ExpertShape, batch_invariant: bool
+    ) -> MoEConfig | None:
         if batch_invariant:
             return self.batch_invariant.get(shape)
         rows = self.entries.get(shape)
@@ -157,7 +153,7 @@ def _shape_key(entry: dict) -> ExpertShape:
 
 def load_moe_tuned_table(path: Path | str) -> MoETunedTable:
     """Parse a tuned file: ``{"header", "entries": [{num_experts, top_k, hidden, intermediate,
-    num_tokens, config}], "batch_invariant": [{num_experts, top_k, hidden, intermediate, config}]}``.
+    num_tokens, config}], "batch_invariant": [{<the four shape fields>, config}]}``.
 
     A missing file gives an empty table (the literal policy); a malformed one raises ValueError
     naming the path, since a silent fallback would change which configs (and bits) the engine runs.

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+import kernels.moe as moe_module
 from kernels.mode import Mode
 from kernels.moe import (
     MoEConfig,
+    fallback_moe_config,
     fused_moe,
     grouped_topk,
+    load_moe_tuned_table,
     moe_align_block_size,
     moe_config,
     softmax_topk,
@@ -129,8 +134,10 @@ def test_fused_moe_matches_reference(num_tokens, num_experts, top_k, hidden, int
 
 @pytest.mark.parametrize(
     "config",
-    [MoEConfig(16, 16, 16), MoEConfig(32, 32, 16), MoEConfig(64, 16, 32)],
-    ids=["m16n16k16", "m32n32k16", "m64n16k32"],
+    [MoEConfig(16, 16, 16), MoEConfig(32, 32, 16), MoEConfig(64, 16, 32),
+     MoEConfig(16, 32, 16, down_block_n=16, down_block_k=32, down_num_warps=2,
+               down_num_stages=2)],
+    ids=["m16n16k16", "m32n32k16", "m64n16k32", "separate-down-tile"],
 )
 def test_fused_moe_configs_match_reference(config):
     gen = torch.Generator().manual_seed(11)
@@ -169,7 +176,9 @@ def test_fused_moe_empty_batch():
 # ----------------------------------------------------------------------------------------------
 
 
-def test_moe_config_policy():
+def test_moe_config_policy(tmp_path, monkeypatch):
+    """The literal policy (no tuned file)."""
+    monkeypatch.setattr(moe_module, "TUNED_PATH", tmp_path / "absent.json")
     shapes = dict(num_experts=128, top_k=8, hidden=2048, intermediate=768, dtype=torch.bfloat16)
     fixed = {moe_config(t, mode=Mode.BATCH_INVARIANT, **shapes) for t in (1, 64, 2048, 16384)}
     assert len(fixed) == 1  # batch_invariant: one config for every token count
@@ -247,3 +256,128 @@ def test_fused_moe_unchecked_out_of_range_ids_are_dropped():
     kept_weights[:, 1] = 0.0
     ref = fused_moe_reference(x.double(), w13.double(), w2.double(), kept_weights.double(), ids)
     assert_close(out, ref, torch.float32, reduce_dim=32)
+
+
+# ----------------------------------------------------------------------------------------------
+# tuned table (kernels/tuned/moe_h200.json)
+# ----------------------------------------------------------------------------------------------
+
+TINY_SHAPE = dict(num_experts=8, top_k=2, hidden=32, intermediate=16)
+_DECODE = MoEConfig(16, 16, 32, 4, 3, 32, down_block_n=32, down_block_k=16)
+_PREFILL = MoEConfig(32, 16, 16, 8, 2, 32)
+_FIXED = MoEConfig(16, 32, 16, 4, 4, 32, down_block_k=16)
+
+
+def _write_table(path, entries=None, batch_invariant=None):
+    shape = TINY_SHAPE
+    entries = entries if entries is not None else [
+        {**shape, "num_tokens": 4, "config": _DECODE.to_dict()},
+        {**shape, "num_tokens": 64, "config": _PREFILL.to_dict(), "layer_us": 1.0},
+    ]
+    fixed = batch_invariant if batch_invariant is not None else [
+        {**shape, "config": _FIXED.to_dict()}]
+    path.write_text(json.dumps({"header": {"header": True}, "entries": entries,
+                                "batch_invariant": fixed}))
+    return path
+
+
+def _policy(num_tokens, mode, dtype=torch.bfloat16, **shape):
+    return moe_config(num_tokens, **{**TINY_SHAPE, **shape}, dtype=dtype, mode=mode)
+
+
+def test_moe_config_reads_tuned_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(moe_module, "TUNED_PATH", _write_table(tmp_path / "moe.json"))
+    # corun/default: the smallest tuned T >= num_tokens, the largest past the end
+    assert _policy(1, Mode.CORUN) == _policy(4, Mode.CORUN) == _DECODE
+    assert _policy(5, Mode.DEFAULT) == _policy(64, Mode.CORUN) == _PREFILL
+    assert _policy(10_000, Mode.CORUN) == _PREFILL
+    # batch_invariant: one config for every T, never the per-T entries
+    assert {_policy(t, Mode.BATCH_INVARIANT) for t in (1, 4, 64, 10_000)} == {_FIXED}
+    assert _policy(4, Mode.CORUN, dtype=torch.float16) == _DECODE  # 16-bit: same table
+    # fp32 and shapes the table does not cover take the literal policy
+    assert _policy(4, Mode.CORUN, dtype=torch.float32) == fallback_moe_config(
+        4, **TINY_SHAPE, mode=Mode.CORUN)
+    assert _policy(4, Mode.CORUN, top_k=3) == fallback_moe_config(
+        4, 8, 3, 32, 16, Mode.CORUN)
+
+
+def test_tuned_config_runs_and_matches_reference(tmp_path, monkeypatch):
+    """A tuned entry with its own down tile drives fused_moe (bf16, interpreter upcast)."""
+    monkeypatch.setattr(moe_module, "TUNED_PATH", _write_table(tmp_path / "moe.json"))
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 32, generator=gen).to(torch.bfloat16)
+    w13, w2 = _moe_weights(8, 32, 16, gen, torch.bfloat16)
+    weights, ids = softmax_topk(torch.randn(4, 8, generator=gen), 2, True)
+    out = fused_moe(x, w13, w2, weights, ids)  # T=4 -> _DECODE
+    ref = fused_moe_reference(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    assert_close(out, ref, torch.bfloat16, reduce_dim=32)
+
+
+def test_missing_tuned_table_falls_back(tmp_path, monkeypatch):
+    missing = tmp_path / "absent.json"
+    table = load_moe_tuned_table(missing)
+    assert table.entries == {} and table.batch_invariant == {}
+    monkeypatch.setattr(moe_module, "TUNED_PATH", missing)
+    for mode in Mode:
+        assert _policy(64, mode) == fallback_moe_config(64, **TINY_SHAPE, mode=mode)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        json.dumps({"header": {}}),  # no entries
+        json.dumps({"entries": [{"num_tokens": 4, "config": _DECODE.to_dict()}]}),  # no shape
+        json.dumps({"entries": [{**TINY_SHAPE, "num_tokens": 4,
+                                 "config": {**_DECODE.to_dict(), "block_k": 48}}]}),
+        json.dumps({"entries": [{**TINY_SHAPE, "num_tokens": 4,
+                                 "config": {**_DECODE.to_dict(), "split_k": 2}}]}),
+        json.dumps({"entries": [{**TINY_SHAPE, "num_tokens": 4, "config": _DECODE.to_dict()},
+                                {**TINY_SHAPE, "num_tokens": 4, "config": _PREFILL.to_dict()}]}),
+        json.dumps({"entries": [], "batch_invariant": [{**TINY_SHAPE, "config": None}]}),
+        json.dumps([1, 2]),
+    ],
+    ids=["not-json", "no-entries", "no-shape", "block-k-48", "unknown-field", "repeated-T",
+         "null-config", "list"],
+)
+def test_malformed_tuned_table_raises(tmp_path, monkeypatch, content):
+    path = tmp_path / "moe.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="moe.json"):
+        load_moe_tuned_table(path)
+    monkeypatch.setattr(moe_module, "TUNED_PATH", path)
+    with pytest.raises(ValueError, match="malformed MoE tuned table"):
+        _policy(4, Mode.CORUN)
+
+
+def test_moe_config_fields():
+    config = MoEConfig(16, 32, 64, 4, 3, down_block_k=128, down_num_stages=5)
+    assert config.down_meta() == {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128,
+                                  "num_warps": 4, "num_stages": 5}
+    assert MoEConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="down_block_n"):
+        MoEConfig(16, 32, 64, down_block_n=24)
+    with pytest.raises(ValueError, match="num_warps"):
+        MoEConfig(16, 32, 64, num_warps=3)
+    with pytest.raises(ValueError, match="down_num_stages"):
+        MoEConfig(16, 32, 64, down_num_stages=0)
+
+
+def test_tune_moe_choices():
+    """tune_moe picks per T the fastest align + gate_up + down, and for batch_invariant the
+    combination with the best geometric mean over T, which need not be any T's best."""
+    from experiments.tune_moe import Tiles, batch_invariant_combo, best_combo
+
+    g1, g2, d1 = (64, 64, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4)
+    tiles = Tiles(gate_up=(g1, g2), down=(d1,))
+
+    def point(g1_us, g2_us):
+        return {"align": {16: 1.0}, "gate_up": {(16, g1): g1_us, (16, g2): g2_us},
+                "down": {(16, d1): 1.0}}
+
+    points = [point(10.0, 11.0), point(100.0, 20.0)]
+    assert best_combo(points[0])[0] == (16, g1, d1)
+    assert best_combo(points[1])[0] == (16, g2, d1)
+    assert batch_invariant_combo(points, tiles) == (16, g2, d1)
+    points[1]["gate_up"][16, g2] = None  # failed at one T: never the single config
+    assert batch_invariant_combo(points, tiles) == (16, g1, d1)
