@@ -4,8 +4,8 @@ The README shows only figures that a results file holds: this script rewrites th
 ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` from the file of that name, so a table
 can not drift from its measurement.
 
-    python -m experiments.report            # rewrite README.md in place
-    python -m experiments.report --check    # exit 1 if README.md is out of date
+    python -m experiments.report            # rewrite README.md and experiments/README.md
+    python -m experiments.report --check    # exit 1 if either is out of date
 """
 
 from __future__ import annotations
@@ -136,13 +136,46 @@ def generic_block(name: str) -> Callable[[dict, list[dict]], str]:
     return render
 
 
-VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {"kernels-h200": kernels_block}
+def _median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def kernels_summary_block(head: dict, records: list[dict]) -> str:
+    """Per (op, policy): shape count, ratio vs the peer (min / median / max) and the fraction of
+    the memory-bandwidth bound (median / max). The full table is in experiments/README.md."""
+    timings = [r for r in records if "us" in r and not r.get("error") and r.get("ratio")]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in timings:
+        groups.setdefault((r["op"], r["policy"]), []).append(r)
+    rows = []
+    for (op, policy), rs in groups.items():
+        ratios = [r["ratio"] for r in rs]
+        bw = [r.get("bw_fraction") for r in rs if r.get("bw_fraction") is not None]
+        rows.append([op, policy, len(rs), rs[0]["peer"], _fmt(min(ratios)), _fmt(_median(ratios)),
+                     _fmt(max(ratios)), _fmt(_median(bw)), _fmt(max(bw) if bw else None)])
+    checks = [r for r in records if "passed" in r]
+    passed = sum(1 for c in checks if c["passed"])
+    return "\n".join([
+        _source(head, "kernels-h200"), "",
+        _table(["op", "policy", "shapes", "peer", "peer/ours min", "median", "max",
+                "of bw bound (median)", "(max)"], rows), "",
+        f"GPU invariance checks at real shapes: {passed} of {len(checks)} as expected "
+        "(the failing ones are listed in `experiments/README.md`).",
+    ])
+
+
+VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
+    "kernels-h200": kernels_block,
+    "kernels-h200-summary": kernels_summary_block,
+}
+ALIASES = {"kernels-h200-summary": "kernels-h200"}
 
 
 def render_readme(text: str) -> str:
     def replace(match: re.Match) -> str:
         name = match.group(1)
-        loaded = _load(name)
+        loaded = _load(ALIASES.get(name, name))
         body = (
             "_not measured yet_"
             if loaded is None
@@ -157,12 +190,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if README.md is out of date")
     args = parser.parse_args(argv)
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    new = render_readme(text)
-    if args.check:
-        return 0 if new == text else 1
-    readme.write_text(new)
+    stale = []
+    for readme in (ROOT / "README.md", ROOT / "experiments" / "README.md"):
+        if not readme.exists():
+            continue
+        text = readme.read_text()
+        new = render_readme(text)
+        if new != text:
+            stale.append(readme)
+            if not args.check:
+                readme.write_text(new)
+    if args.check and stale:
+        print("out of date:", ", ".join(str(p) for p in stale))
+        return 1
     return 0
 
 
