@@ -2,6 +2,7 @@
 # One device call on the H200: `bash experiments/run_h200.sh STAGE...` with STAGE in
 #   tests    native GPU run of the kernel and invariance tests (bf16 paths the interpreter can't run)
 #   tune     experiments/tune_gemm.py -> kernels/tuned/gemm_h200.json
+#   tune_moe / tune_mla  experiments/tune_moe.py / tune_mla.py -> kernels/tuned/{moe,mla}_h200.json
 #   kernels  experiments/bench_kernels.py -> kernels-h200.json (+ png)
 #   models   experiments/bench_models.py -> models-h200.json
 #   offline  experiments/bench_offline.py -> offline-h200.json (+ png)
@@ -34,6 +35,10 @@ for stage in "$@"; do
     tests)   run tests ${TESTS_LIMIT:-110} python3 -m pytest -v --tb=short -n 8 -p no:cacheprovider tests/kernels invariance_tests \
                --ignore=invariance_tests/test_engine_determinism.py --timeout=60 ;;
     tune)    run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-120} && cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
+    tune_moe) run tune_moe ${TUNE_MOE_LIMIT:-150} python3 -m experiments.tune_moe --budget-s ${TUNE_MOE_BUDGET:-120} \
+               && cp kernels/tuned/moe_h200.json "$OUT/results/" ;;
+    tune_mla) run tune_mla ${TUNE_MLA_LIMIT:-150} python3 -m experiments.tune_mla --budget-s ${TUNE_MLA_BUDGET:-110} \
+               && cp kernels/tuned/mla_h200.json "$OUT/results/" ;;
     kernels) run kernels ${KERNELS_LIMIT:-330} python3 -m experiments.bench_kernels ${KERNELS_ARGS:-} ;;
     models)  run models ${MODELS_LIMIT:-150} python3 -m experiments.bench_models ;;
     offline) run offline ${OFFLINE_LIMIT:-300} python3 -m experiments.bench_offline --time-budget-s ${OFFLINE_BUDGET:-250} ;;

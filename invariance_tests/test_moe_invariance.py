@@ -109,6 +109,9 @@ def test_token_output_independent_of_token_count_batch_invariant(
     assert_bitwise_equal(out_b[-1], out_a[0], f"T={num_tokens_a} vs T={num_tokens_b}")
 
 
+@pytest.mark.interpreter_only(
+    reason="Hopper MMA accumulates a K tile in the same order whatever BLOCK_K (the GEMM's GPU "
+    "check measured 0 differing elements)")
 @pytest.mark.parametrize("seed", [0, 1])
 def test_negative_control_block_k_changes_bits(seed):
     """Negative control: the same batch under two BLOCK_K values differs in some bits, so the
