@@ -42,6 +42,15 @@ class EngineConfig:
       decode tokens together).
     - ``max_prefill_steps_between_decodes``: corun's stall bound: while requests are decoding, at
       most this many isolated prefill steps run between two decode steps.
+    - ``overlap_prefill_decode``: corun only (ablation, issue 5). A decode step may also carry one
+      isolated prefill chunk of a sequence that is not decoding; on CUDA the decode (graph
+      replay) runs on the current stream and the prefill on a second stream, overlapping the
+      weight-bound decode with the compute-bound prefill; on the CPU they run one after the
+      other. No bits change: each part has exactly the shapes and configs it has when run alone.
+      With it, ``max_prefill_steps_between_decodes`` counts the overlapped chunk: each decode step
+      carries one, and at most ``max_prefill_steps_between_decodes - 1`` prefill-only steps run
+      between two decode steps. Not supported with ``tensor_parallel_size > 1`` (the two parts'
+      collectives on two streams of one communicator could interleave differently per rank).
     - ``cuda_graphs``: capture decode steps as CUDA graphs (ignored off CUDA).
     - ``seed``: the seed of the random model weights (named configs); request seeds are separate.
     - ``max_queue_len``: waiting requests beyond this are refused (None = unbounded).
@@ -67,6 +76,7 @@ class EngineConfig:
     prefill_chunk_size: int = 512
     max_num_batched_tokens: int = 2048
     max_prefill_steps_between_decodes: int = 1
+    overlap_prefill_decode: bool = False
     decode_split_size: int = 256
     cuda_graphs: bool = True
     seed: int = 0
@@ -117,6 +127,15 @@ class EngineConfig:
         if self.max_queue_len is not None:
             _positive("max_queue_len", self.max_queue_len)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not isinstance(self.overlap_prefill_decode, bool):
+            raise ValueError(f"overlap_prefill_decode: expected a bool, "
+                             f"got {self.overlap_prefill_decode!r}")
+        if self.overlap_prefill_decode and not self.is_corun:
+            raise ValueError(f"overlap_prefill_decode: only corun mode has separate prefill and "
+                             f"decode steps to overlap, got mode {self.kernel_mode.value!r}")
+        if self.overlap_prefill_decode and self.tensor_parallel_size > 1:
+            raise ValueError("overlap_prefill_decode: not supported with tensor_parallel_size "
+                             f"{self.tensor_parallel_size} > 1 (collectives on two streams)")
         if isinstance(self.distributed_timeout_s, bool) or not isinstance(
                 self.distributed_timeout_s, (int, float)) or not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s: expected a positive number of seconds, "

@@ -23,7 +23,7 @@ from corun.config import EngineConfig
 from corun.model_runner import ModelRunner
 from corun.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from corun.sampling_params import SamplingParams
-from corun.scheduler import Scheduler, SchedulerOutput
+from corun.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from corun.sequence import Sequence, SequenceStatus
 
 
@@ -193,14 +193,30 @@ class LLMEngine:
 
     def _execute(self, out: SchedulerOutput) -> list[Sequence]:
         runner = self.runner
+        if out.is_combined:
+            # corun with overlap_prefill_decode: the decode part and the isolated prefill part run
+            # as two forwards (two CUDA streams), each with the shapes it has alone; then each
+            # part is committed and sampled exactly as if it had been its own step. The parts hold
+            # disjoint sequences, so the order of the two commits changes nobody's bits.
+            decode = runner.prepare_decode(out.chunks, out.num_decode_slots)
+            prefill = runner.prepare_prefill(out.overlap_chunks)
+            decode_logits, prefill_logits = runner.run_overlapped(decode, prefill)
+            return [*self._commit_part(out.chunks, decode_logits[: len(out.chunks)]),
+                    *self._commit_part(out.overlap_chunks, prefill_logits)]
         if out.is_decode:
             input_ids, batch = runner.prepare_decode(out.chunks, out.num_decode_slots)
             logits = runner.run(input_ids, batch)[: len(out.chunks)]
         else:
             input_ids, batch, rows = runner.prepare_prefill(out.chunks)
             logits = runner.run(input_ids, batch, rows)
-        seqs = [c.seq for c in out.chunks if c.samples]
-        self.scheduler.commit(out)
+        return self._commit_part(out.chunks, logits)
+
+    def _commit_part(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[Sequence]:
+        """Commit one step's (or one part's) chunks, sample its sampling rows (``logits``, in
+        chunk order) and fold the tokens into their sequences; returns the sampled sequences."""
+        runner = self.runner
+        seqs = [c.seq for c in chunks if c.samples]
+        self.scheduler.commit_chunks(chunks)
         if not seqs:
             return []
         tensors = runner.sampler.prepare(seqs)

@@ -159,30 +159,50 @@ class ModelRunner:
     def prepare_prefill(
         self, chunks: list[ScheduledChunk]
     ) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
-        """Chunks back to back -> (input_ids [T], batch, rows of the tokens that sample)."""
-        ids, positions, slots, cu, sample_rows = [], [], [], [0], []
-        for chunk in chunks:
+        """Chunks -> (input_ids [T], batch, rows of the tokens that sample, in ``chunks`` order).
+
+        Decode tokens the dynamic schedule mixed into the step (chunks of sequences past their
+        prompt) go first, as ``num_decode_tokens`` with the seq_lens and grid bound of a decode
+        step, then the prefill chunks back to back: attention runs the decode tokens through the
+        decode path, so their bits do not depend on which requests prefill beside them.
+        """
+        decodes = [c for c in chunks if not c.seq.is_prefilling]
+        prefills = [c for c in chunks if c.seq.is_prefilling]
+        ids, positions, slots, cu = [], [], [], [0]
+        last_row: dict[int, int] = {}  # id(chunk) -> its last token's row
+        for row, chunk in enumerate(decodes):
+            seq = chunk.seq
+            ids.append(seq.token_ids[chunk.start])
+            positions.append(chunk.start)
+            slots.append(self._slot(seq.block_table, chunk.start))
+            last_row[id(chunk)] = row
+        for chunk in prefills:
             seq = chunk.seq
             ids.extend(seq.token_ids[chunk.start:chunk.end])
             positions.extend(range(chunk.start, chunk.end))
             slots.extend(self._slot(seq.block_table, p) for p in range(chunk.start, chunk.end))
             cu.append(cu[-1] + chunk.num_tokens)
-            if chunk.samples:
-                sample_rows.append(cu[-1] - 1)
-        dev = self.device
-        num_tokens = cu[-1]
+            last_row[id(chunk)] = len(decodes) + cu[-1] - 1
+        dev, i32 = self.device, torch.int32
+        num_tokens = len(ids)
+        # The decode grid bound as prepare_decode sets it (max_model_len unless default).
+        longest = max(c.end for c in (decodes or prefills))
         batch = ForwardBatch(
             is_prefill=True,
             positions=torch.tensor(positions, dtype=torch.int64).to(dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
-            block_tables=self._block_tables([c.seq.block_table for c in chunks], len(chunks)),
+            block_tables=self._block_tables([c.seq.block_table for c in decodes + prefills],
+                                            len(chunks)),
             kv_cache=self.kv_cache, ops=self.ops,
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev),
-            context_lens=torch.tensor([c.end for c in chunks], dtype=torch.int32).to(dev),
-            max_q_len=max(c.num_tokens for c in chunks),
-            max_seq_len=self._max_seq_len(max(c.end for c in chunks)),
+            cu_seqlens_q=torch.tensor(cu, dtype=i32).to(dev),
+            context_lens=torch.tensor([c.end for c in prefills], dtype=i32).to(dev),
+            max_q_len=max((c.num_tokens for c in prefills), default=0),
+            seq_lens=torch.tensor([c.end for c in decodes], dtype=i32).to(dev) if decodes else None,
+            max_seq_len=self._max_seq_len(longest),
             token_mask=torch.ones(num_tokens, dtype=torch.bool, device=dev),
+            num_decode_tokens=len(decodes),
         )
+        sample_rows = [last_row[id(c)] for c in chunks if c.samples]
         return torch.tensor(ids, dtype=torch.int64).to(dev), batch, sample_rows
 
     def prepare_decode(
@@ -229,6 +249,47 @@ class ModelRunner:
                 return hidden.new_empty(0, self.vocab_size, dtype=torch.float32)
             hidden = hidden[torch.tensor(sample_rows, device=hidden.device)]
         return self.model.compute_logits(hidden, self.ops)
+
+    @torch.inference_mode()
+    def run_overlapped(
+        self, decode: tuple[torch.Tensor, ForwardBatch],
+        prefill: tuple[torch.Tensor, ForwardBatch, list[int]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One combined corun step: (decode logits [B, V], prefill logits [rows, V]).
+
+        Each part is exactly the forward ``run`` gives it alone (same shapes, same kernels and
+        configs), so its bits do not change; the parts read and write disjoint KV blocks (their
+        sequences differ; dummy decode slots write nothing and read nothing) and no kernel of one
+        part reduces across the other, so running them concurrently changes nothing either.
+
+        On CUDA the decode (graph replay, a single launch) goes first on the current stream, then
+        the prefill's eager kernels on a second stream, so the compute-bound prefill fills the
+        SMs the weight-bound decode leaves idle; the current stream then waits for the second
+        one, so everything after (sampling, the next step's KV writes) is ordered after both. On
+        the CPU the two forwards run one after the other.
+        """
+        if self.device.type != "cuda":
+            return self.run(*decode), self.run(*prefill)
+        main = torch.cuda.current_stream(self.device)
+        side = self._prefill_stream()
+        # The prefill's inputs were copied to the device on the current stream.
+        side.wait_stream(main)
+        decode_logits = self.run(*decode)
+        with torch.cuda.stream(side):
+            prefill_logits = self.run(*prefill)
+        main.wait_stream(side)
+        # Made on ``side`` and read on ``main``: without this the allocator could hand its memory
+        # to the next allocation on ``side`` once it is freed while ``main`` still reads it. The
+        # prefill's inputs (made on ``main``, read on ``side``) are still referenced by the caller
+        # here, so any reuse of their memory on ``main`` is ordered after the wait above.
+        prefill_logits.record_stream(main)
+        return decode_logits, prefill_logits
+
+    def _prefill_stream(self) -> torch.cuda.Stream:
+        stream = getattr(self, "_side_stream", None)
+        if stream is None:
+            stream = self._side_stream = torch.cuda.Stream(self.device)
+        return stream
 
     # -- swap -------------------------------------------------------------------------------------
 

@@ -12,7 +12,10 @@ One ``Scheduler`` serves all three modes; what differs is the ``BatchingPolicy``
   own length); *fixed-shape decode*: every decode step has exactly ``B`` slots, dummies in the empty
   ones. Alternation (the stall bound): while sequences are decoding, at most
   ``max_prefill_steps_between_decodes`` prefill steps run between two decode steps; a decode step
-  runs whenever that quota is used up or no prefill work can start.
+  runs whenever that quota is used up or no prefill work can start. With
+  ``overlap_prefill_decode`` a decode step also carries one isolated prefill chunk (a *combined*
+  step, run on two CUDA streams): that chunk counts against the quota, so at most
+  ``max_prefill_steps_between_decodes - 1`` prefill-only steps run between two decode steps.
 
 Preemption keeps the bits: when a sequence cannot get the block it needs, the most recently
 arrived running sequence is *swapped out*: the engine copies its KV blocks to host memory and the
@@ -56,6 +59,10 @@ class SchedulerOutput:
 
     ``is_decode``: every chunk is one decode token; the step runs the decode path padded to
     ``num_decode_slots`` rows (a bucket, or B under corun). Otherwise it is a (varlen) prefill step.
+    ``overlap_chunks`` (corun with ``overlap_prefill_decode`` only, on a decode step): one isolated
+    prefill chunk of a sequence that is not in the decode batch, run beside the decode as its own
+    forward (its own shapes, as in a prefill-only step); empty otherwise. Both parts are committed
+    as if they had been two steps: they touch disjoint sequences and disjoint KV blocks.
     ``swap_out``: (sequence, device blocks) to copy to host *first*; ``swap_in``: sequences whose
     host copy goes into their new ``block_table`` *second*.
     """
@@ -63,16 +70,30 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     is_decode: bool = False
     num_decode_slots: int = 0
+    overlap_chunks: list[ScheduledChunk] = field(default_factory=list)
     swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     swap_in: list[Sequence] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not self.chunks and not self.overlap_chunks
+
+    @property
+    def is_combined(self) -> bool:
+        """A decode part and a prefill part in one step (``overlap_prefill_decode``)."""
+        return self.is_decode and bool(self.overlap_chunks)
+
+    @property
+    def decode_chunks(self) -> list[ScheduledChunk]:
+        return self.chunks if self.is_decode else []
+
+    @property
+    def prefill_chunks(self) -> list[ScheduledChunk]:
+        return self.overlap_chunks if self.is_decode else self.chunks
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(c.num_tokens for c in (*self.chunks, *self.overlap_chunks))
 
 
 class BatchingPolicy(Protocol):
@@ -134,8 +155,14 @@ class Scheduler:
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
-        """After the step ran: the chunks' K/V are in the cache."""
-        for chunk in out.chunks:
+        """After the step ran: the chunks' K/V are in the cache (both parts of a combined step)."""
+        self.commit_chunks(out.chunks)
+        self.commit_chunks(out.overlap_chunks)
+
+    def commit_chunks(self, chunks: list[ScheduledChunk]) -> None:
+        """Commit one part of a step; the parts of a combined step hold disjoint sequences, so
+        the order they are committed in changes nothing."""
+        for chunk in chunks:
             chunk.seq.num_computed_tokens = chunk.end
 
     # -- primitives the policies use ------------------------------------------------------------
@@ -261,10 +288,14 @@ class CoRunPolicy:
         return min((start // size + 1) * size, seq.num_tokens) - start
 
     def schedule(self, sched: Scheduler, out: SchedulerOutput) -> None:
+        overlap = self.config.overlap_prefill_decode
         decoding = [s for s in sched.running if not s.is_prefilling]
-        quota_left = self.num_prefills_since_decode < self.config.max_prefill_steps_between_decodes
+        # Under overlap, each decode step carries one prefill chunk, which uses up one unit of the
+        # quota: only the rest may be spent on prefill-only steps.
+        quota = self.config.max_prefill_steps_between_decodes - int(overlap)
+        quota_left = self.num_prefills_since_decode < quota
         if not decoding or quota_left:
-            if self._schedule_prefill(sched, out):
+            if self._schedule_prefill(sched, out.chunks, out):
                 self.num_prefills_since_decode += 1
                 return
         decoding = [s for s in sched.running if not s.is_prefilling]
@@ -277,8 +308,18 @@ class CoRunPolicy:
             out.is_decode = True
             out.num_decode_slots = self.config.num_decode_slots
             self.num_prefills_since_decode = 0
+            # The decode slots are reserved (protected) first, so the prefill part can never
+            # preempt a sequence of this decode batch; a prefilling sequence is never decoding,
+            # so the two parts hold disjoint sequences.
+            if overlap:
+                self._schedule_prefill(sched, out.overlap_chunks, out)
+        elif overlap and decoding:
+            # Every decoding sequence was swapped out or must wait: a prefill-only step instead.
+            if self._schedule_prefill(sched, out.chunks, out):
+                self.num_prefills_since_decode += 1
 
-    def _schedule_prefill(self, sched: Scheduler, out: SchedulerOutput) -> bool:
+    def _schedule_prefill(self, sched: Scheduler, chunks: list[ScheduledChunk],
+                          out: SchedulerOutput) -> bool:
         # Finish the earliest arrival's prompt before starting another (a sequence swapped back in
         # in the middle of its prompt continues here too).
         prefilling = [s for s in sched.running if s.is_prefilling]
@@ -294,5 +335,5 @@ class CoRunPolicy:
                 return False
         else:
             return False
-        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+        chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
         return True
