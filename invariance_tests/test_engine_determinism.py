@@ -37,6 +37,9 @@ TARGET_PARAMS = SamplingParams(max_tokens=6, temperature=0.8, top_k=40, top_p=0.
 VOCAB = 256
 
 DETERMINISTIC_MODES = ["corun", "batch_invariant"]
+# corun with overlap_prefill_decode: decode steps carry one isolated prefill chunk (two streams on
+# a GPU, one forward after the other here); the target's bits must equal plain corun's.
+OVERLAP = "corun+overlap"
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,9 @@ _ENGINES: dict[tuple, LLMEngine] = {}
 
 def _engine(mode: str, tight_kv: bool = False, fresh: bool = False) -> LLMEngine:
     key = (mode, tight_kv)
-    config = EngineConfig(mode=mode, num_kv_blocks=TIGHT_KV_BLOCKS if tight_kv else None, **TINY)
+    overlap = mode == OVERLAP
+    config = EngineConfig(mode="corun" if overlap else mode, overlap_prefill_decode=overlap,
+                          num_kv_blocks=TIGHT_KV_BLOCKS if tight_kv else None, **TINY)
     if fresh:
         return LLMEngine(config)
     if key not in _ENGINES:
@@ -142,6 +147,17 @@ def _alone_cached(mode: str) -> RequestOutput:
     if mode not in _ALONE:
         _ALONE[mode] = run_alone(mode, fresh=True)
     return _ALONE[mode]
+
+
+@given(sc=scenarios())
+@example(sc=PINNED[2])
+@example(sc=PINNED[3])
+def test_overlap_target_fingerprint_equals_corun_alone(sc):
+    """With overlap_prefill_decode, the target's fingerprint beside random co-runners equals its
+    plain corun fingerprint alone."""
+    alone = _alone_cached("corun")
+    got = run_scenario(OVERLAP, sc)
+    assert got.token_ids == alone.token_ids and got.fingerprint == alone.fingerprint
 
 
 @pytest.mark.parametrize("mode", DETERMINISTIC_MODES)
