@@ -70,15 +70,24 @@ class StepHeader:
 
     is_prefill: bool
     num_tokens: int
-    num_rows: int  # sequences (prefill) or slots (decode)
+    num_rows: int  # block-table rows: sequences (prefill, decode tokens included) or slots
     max_q_len: int
     max_seq_len: int
     sample_rows: tuple[int, ...] | None
+    num_decode_tokens: int = 0  # a mixed prefill step's leading decode tokens
+
+    def len_sizes(self) -> list[int]:
+        """Sizes of the length tensors: cu_seqlens_q, context_lens (+ seq_lens of a mixed
+        step's decode tokens) for prefill, seq_lens for decode."""
+        n, nd = self.num_rows, self.num_decode_tokens
+        if not self.is_prefill:
+            return [n]
+        return [n - nd + 1, n - nd] + ([nd] if nd else [])
 
     def packed_len(self, block_width: int) -> int:
         t, n = self.num_tokens, self.num_rows
-        lens = (n + 1) + n if self.is_prefill else n  # cu_seqlens_q + context_lens | seq_lens
-        return 4 * t + n * block_width + lens  # ids, positions, slots, token mask + tables
+        # ids, positions, slots, token mask + tables + lengths
+        return 4 * t + n * block_width + sum(self.len_sizes())
 
 
 def pack_step(input_ids: torch.Tensor, batch: ForwardBatch,
@@ -86,15 +95,16 @@ def pack_step(input_ids: torch.Tensor, batch: ForwardBatch,
     """(header, packed int64 tensor on the batch's device) of one prepared step."""
     if batch.is_prefill:
         lens = [batch.cu_seqlens_q, batch.context_lens]
-        num_rows = batch.context_lens.shape[0]
+        if batch.num_decode_tokens:
+            lens.append(batch.seq_lens)
     else:
         lens = [batch.seq_lens]
-        num_rows = batch.seq_lens.shape[0]
     parts = [input_ids, batch.positions, batch.slot_mapping, batch.token_mask,
              batch.block_tables.reshape(-1), *lens]
-    header = StepHeader(batch.is_prefill, int(input_ids.shape[0]), int(num_rows),
-                        int(batch.max_q_len), int(batch.max_seq_len),
-                        None if sample_rows is None else tuple(sample_rows))
+    header = StepHeader(batch.is_prefill, int(input_ids.shape[0]),
+                        int(batch.block_tables.shape[0]), int(batch.max_q_len),
+                        int(batch.max_seq_len), None if sample_rows is None else tuple(sample_rows),
+                        int(batch.num_decode_tokens))
     return header, torch.cat([p.to(torch.int64) for p in parts])
 
 
@@ -102,18 +112,19 @@ def unpack_step(header: StepHeader, packed: torch.Tensor,
                 runner: ModelRunner) -> tuple[torch.Tensor, ForwardBatch]:
     """The (input_ids, ForwardBatch) ``pack_step`` packed, over ``runner``'s cache shard."""
     t, n, width = header.num_tokens, header.num_rows, runner.block_width
-    sizes = [t, t, t, t, n * width]
-    sizes += [n + 1, n] if header.is_prefill else [n]
-    ids, positions, slots, mask, tables, *lens = packed.split(sizes)
+    ids, positions, slots, mask, tables, *lens = packed.split(
+        [t, t, t, t, n * width, *header.len_sizes()])
     i32 = torch.int32
+    mixed = header.num_decode_tokens > 0
     batch = ForwardBatch(
         is_prefill=header.is_prefill, positions=positions, slot_mapping=slots,
         block_tables=tables.view(n, width).to(i32), kv_cache=runner.kv_cache, ops=runner.ops,
         cu_seqlens_q=lens[0].to(i32) if header.is_prefill else None,
         context_lens=lens[1].to(i32) if header.is_prefill else None,
         max_q_len=header.max_q_len,
-        seq_lens=None if header.is_prefill else lens[0].to(i32),
-        max_seq_len=header.max_seq_len, token_mask=mask.to(torch.bool))
+        seq_lens=lens[-1].to(i32) if mixed or not header.is_prefill else None,
+        max_seq_len=header.max_seq_len, token_mask=mask.to(torch.bool),
+        num_decode_tokens=header.num_decode_tokens)
     return ids, batch
 
 

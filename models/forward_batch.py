@@ -54,6 +54,15 @@ class ForwardBatch:
     the grid bound for decode attention: ``max_model_len`` under corun / batch_invariant (the
     launch shape must not change with the batch), the batch's longest under default.
 
+    Mixed prefill + decode (``is_prefill`` with ``num_decode_tokens`` = nd > 0, the dynamic
+    schedules): the first nd tokens are the decode tokens of the first nd sequences, then the
+    prefill chunks. ``block_tables`` rows [0, nd) are the decode sequences', rows [nd, ...) the
+    chunks'; ``seq_lens`` [nd] and ``max_seq_len`` describe the decode part as in a decode step;
+    ``cu_seqlens_q`` (from 0), ``context_lens`` and ``max_q_len`` describe the prefill part only.
+    Attention runs ``decode_part()`` through the decode path and ``prefill_part()`` through the
+    prefill path, so a decode token gets the bits of a pure decode step under corun and
+    batch_invariant whatever prefill chunks share its step (as vLLM / SGLang backends split).
+
     ``token_mask`` [T] bool marks real tokens (False for dummies) so MoE routing can skip them.
     """
 
@@ -69,10 +78,48 @@ class ForwardBatch:
     seq_lens: torch.Tensor | None = None  # decode: [B] int32
     max_seq_len: int = 0
     token_mask: torch.Tensor | None = None  # [T] bool
+    num_decode_tokens: int = 0  # mixed prefill: decode tokens first (see the class docstring)
+
+    def __post_init__(self) -> None:
+        # Shapes only (no tensor values): a check must not sync the device.
+        nd = self.num_decode_tokens
+        if nd == 0:
+            return
+        if not self.is_prefill or nd < 0 or nd > self.num_tokens:
+            raise ValueError(f"num_decode_tokens: expected 0, or 1..{self.num_tokens} in a "
+                             f"prefill batch, got {nd} (is_prefill={self.is_prefill})")
+        if self.seq_lens is None or self.seq_lens.shape != (nd,):
+            got = None if self.seq_lens is None else tuple(self.seq_lens.shape)
+            raise ValueError(f"seq_lens: expected shape ({nd},) for {nd} decode tokens, got {got}")
+        if self.context_lens is None or self.cu_seqlens_q is None:
+            raise ValueError("context_lens: a mixed batch needs cu_seqlens_q and context_lens")
+        num_chunks = self.context_lens.shape[0]
+        if self.block_tables.shape[0] != nd + num_chunks:
+            raise ValueError(f"block_tables: expected {nd} decode + {num_chunks} prefill rows, "
+                             f"got {self.block_tables.shape[0]}")
 
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
+
+    def decode_part(self) -> ForwardBatch:
+        """The decode tokens of a mixed batch as a decode batch (views, no copies)."""
+        nd = self.num_decode_tokens
+        return ForwardBatch(
+            is_prefill=False, positions=self.positions[:nd], slot_mapping=self.slot_mapping[:nd],
+            block_tables=self.block_tables[:nd], kv_cache=self.kv_cache, ops=self.ops,
+            seq_lens=self.seq_lens, max_seq_len=self.max_seq_len,
+            token_mask=None if self.token_mask is None else self.token_mask[:nd])
+
+    def prefill_part(self) -> ForwardBatch:
+        """The prefill chunks of a mixed batch as a prefill batch (views, no copies)."""
+        nd = self.num_decode_tokens
+        return ForwardBatch(
+            is_prefill=True, positions=self.positions[nd:], slot_mapping=self.slot_mapping[nd:],
+            block_tables=self.block_tables[nd:], kv_cache=self.kv_cache, ops=self.ops,
+            cu_seqlens_q=self.cu_seqlens_q, context_lens=self.context_lens,
+            max_q_len=self.max_q_len, max_seq_len=self.max_seq_len,
+            token_mask=None if self.token_mask is None else self.token_mask[nd:])
 
 
 @dataclass(frozen=True)

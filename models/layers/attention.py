@@ -4,7 +4,9 @@
 ``batch.slot_mapping``, then prefill attends causally over each sequence's cached context and
 decode runs one query per slot with ``batch.max_seq_len`` and ``batch.ops.decode_split_size``
 (DESIGN.md section 3: the split count depends on a sequence's own length, so under corun and
-batch_invariant a sequence's output does not depend on its co-runners).
+batch_invariant a sequence's output does not depend on its co-runners). In a mixed step the
+decode tokens (first ``batch.num_decode_tokens``) take the decode path and the chunks the prefill
+path: a decode token must not change kernels with the requests that happen to share its step.
 
 Tensor parallel (vLLM's layout): the q heads are split evenly across ranks; the kv heads too when
 there are at least as many as ranks, otherwise each kv head is replicated on W / num_kv_heads
@@ -52,9 +54,18 @@ class PagedAttention(nn.Module):
                 batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = batch.kv_cache.kv(self.layer_idx)
         ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.ops)
-        if batch.is_prefill:
+        if not batch.is_prefill:
+            return ops.decode_attention(q, k_cache, v_cache, batch, self.scale)
+        nd = batch.num_decode_tokens
+        if nd == 0:
             return ops.prefill_attention(q, k_cache, v_cache, batch, self.scale)
-        return ops.decode_attention(q, k_cache, v_cache, batch, self.scale)
+        # Every K/V of the step is stored above, so the two parts read a complete cache.
+        out = ops.decode_attention(q[:nd], k_cache, v_cache, batch.decode_part(), self.scale)
+        if nd == batch.num_tokens:
+            return out
+        prefill = ops.prefill_attention(q[nd:], k_cache, v_cache, batch.prefill_part(),
+                                        self.scale)
+        return torch.cat([out, prefill])
 
 
 class GQAAttention(nn.Module):

@@ -9,6 +9,9 @@ kv_a_layernorm-ed latent and the roped, head-shared k_pe (576 values for V3).
 - Decode (absorbed): ``q_latent = q_nope @ W_UK`` per head, MQA over the latent cache
   (``mla_decode``, split at the fixed decode split size under corun / batch_invariant), then
   ``@ W_UV`` and o_proj. W_UK / W_UV are split out of kv_b_proj after loading.
+- Mixed step (``batch.num_decode_tokens`` > 0): the decode tokens, first in the batch, take the
+  absorbed decode path and the chunks the expanded prefill path, so a decode token gets the bits
+  of a pure decode step whatever prefill chunks share its step.
 
 Softmax scale ``qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2`` in both forms (0.13523 for
 V3). RoPE is interleaved (GPT-J pairs), as DeepSeek's ``rope_interleave``.
@@ -92,10 +95,17 @@ class MLAAttention(nn.Module):
                                      batch.positions, o)
         kv_cache = batch.kv_cache.latent(self.layer_idx)
         ops.store_mla_kv(latent, k_pe[:, 0], kv_cache, batch.slot_mapping, o)
-        if batch.is_prefill:
+        if not batch.is_prefill:
+            out = self._decode(q_nope, q_pe, kv_cache, batch)
+        elif batch.num_decode_tokens == 0:
             out = self._prefill(torch.cat([q_nope, q_pe], dim=-1), kv_cache, batch)
         else:
-            out = self._decode(q_nope, q_pe, kv_cache, batch)
+            nd = batch.num_decode_tokens
+            out = self._decode(q_nope[:nd], q_pe[:nd], kv_cache, batch.decode_part())
+            if nd < num_tokens:
+                prefill = self._prefill(torch.cat([q_nope[nd:], q_pe[nd:]], dim=-1), kv_cache,
+                                        batch.prefill_part())
+                out = torch.cat([out, prefill])
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim), o)
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor,
