@@ -11,8 +11,14 @@ engine. Per mode:
   ``--audit-max-num-seqs``; corun keeps its decode batch ``B``), plus a sample of requests each run
   alone; ``mismatches`` counts requests whose fingerprint differs from their main-run fingerprint.
 
-Also recorded for corun: the memory bound of one decode step at ``B`` (weights plus the KV of B
-sequences at the mean context, read once at the measured H200 bandwidth) and TPOT p50 over it.
+``corun_overlap`` (or ``--overlap``, which adds it) is corun with ``overlap_prefill_decode``: each
+decode step carries one isolated prefill chunk on a second CUDA stream (issue 5 ablation); its
+record's mode is ``corun+overlap``. ``--max-prefill-steps-between-decodes`` sets corun's stall
+bound.
+
+Also recorded for corun and corun+overlap: the memory bound of one decode step at ``B`` (weights
+plus the KV of B sequences at the mean context, read once at the measured H200 bandwidth) and
+TPOT p50 over it.
 
 ``--time-budget-s``: a calibration (one isolated prefill, a few decode steps) estimates each run's
 time, and the request count (and the alone sample) shrink so that all modes fit. Writes
@@ -44,9 +50,13 @@ from experiments.harness import memory_bound_us, write_results
 
 # corun first: if the device time runs out, the headline record is already written.
 MODES = ("corun", "batch_invariant", "default")
+CHOICES = (*MODES, "corun_overlap")  # corun_overlap: the issue-5 ablation, only when asked for
 # Calibration gives corun-mode costs; batch-invariant kernels are slower (no split-K, fixed tiles),
 # and the schedules differ, so the estimate carries a margin per mode.
-MODE_COST_FACTOR = {"default": 1.0, "batch_invariant": 2.5, "corun": 1.2}
+MODE_COST_FACTOR = {"default": 1.0, "batch_invariant": 2.5, "corun": 1.2, "corun_overlap": 1.2}
+# The record's "mode" and the engine's (mode, overlap_prefill_decode) of each --modes choice.
+RECORD_NAME = {"corun_overlap": "corun+overlap"}
+ENGINE_MODE = {"corun_overlap": ("corun", True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +163,12 @@ def plan(args: argparse.Namespace, cal: dict) -> tuple[int, int]:
     return n, min(alone, n)
 
 
-def bench_mode(mode: str, model, args: argparse.Namespace, work: Workload,
+def bench_mode(choice: str, model, args: argparse.Namespace, work: Workload,
                alone_sample: int) -> dict:
+    mode, overlap = ENGINE_MODE.get(choice, (choice, False))
     base = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, mode=mode,
+        overlap_prefill_decode=overlap,
         max_num_seqs=args.max_num_seqs, decode_batch_size=args.max_num_seqs,
         max_model_len=args.input_len[1] + args.output_len,
         prefill_chunk_size=args.prefill_chunk_size,
@@ -174,7 +186,7 @@ def bench_mode(mode: str, model, args: argparse.Namespace, work: Workload,
     first, seconds = run_workload(main_engine, work, order)
     outputs = [first[i] for i in order]
     record = {
-        "mode": mode, "requests": len(order),
+        "mode": RECORD_NAME.get(choice, choice), "requests": len(order),
         "output_tok_s": round(sum(len(o.token_ids) for o in outputs) / seconds, 2),
         "wall_s": round(seconds, 3), **latency_stats(outputs),
         "num_preemptions": main_engine.stats()["num_preemptions"],
@@ -216,7 +228,8 @@ def plot(records: list[dict], path) -> None:
 
     modes = [r["mode"] for r in records]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    colors = {"default": "#999999", "batch_invariant": "#cc6666", "corun": "#3366cc"}
+    colors = {"default": "#999999", "batch_invariant": "#cc6666", "corun": "#3366cc",
+              "corun+overlap": "#33aa77"}
     for ax, key, label in zip(axes, ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50"),
                               ("output tokens/s", "TTFT p50 (ms)", "TPOT p50 (ms)"), strict=True):
         ax.bar(modes, [r.get(key) or 0 for r in records], color=[colors[m] for m in modes])
@@ -234,7 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="qwen3-8b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=CHOICES)
+    parser.add_argument("--overlap", action="store_true",
+                        help="also run corun_overlap: corun with overlap_prefill_decode")
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--input-len", type=int, nargs=2, default=(256, 2048))
     parser.add_argument("--output-len", type=int, default=256)
@@ -244,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-chunk-size", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--max-prefill-steps-between-decodes", type=int, default=1,
-                        help="corun's decode-stall bound")
+                        help="corun's decode-stall bound (under overlap it counts the "
+                             "prefill chunk each decode step carries)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
@@ -253,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="offline-h200")
     args = parser.parse_args(argv)
     args.t0 = time.perf_counter()
+    if args.overlap and "corun_overlap" not in args.modes:
+        args.modes.append("corun_overlap")
     args.audit_max_num_seqs = args.audit_max_num_seqs or max(1, args.max_num_seqs // 2)
     from models import build_model
 
@@ -282,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
              "workload": {"num_requests": num_requests, "requested": args.num_requests,
                           "input_len": list(args.input_len), "output_len": args.output_len,
                           "max_num_seqs": args.max_num_seqs, "B": args.max_num_seqs,
+                          "max_prefill_steps_between_decodes":
+                              args.max_prefill_steps_between_decodes,
                           "audit_max_num_seqs": args.audit_max_num_seqs}}
     for mode in args.modes:
         records.append(bench_mode(mode, model, args, work, alone))
@@ -291,12 +311,14 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
         path = write_results(args.name, records, **extra)  # after every mode: keep partial results
     by_mode = {r["mode"]: r for r in records}
-    if "corun" in by_mode:
-        corun = by_mode["corun"]
-        for peer in ("batch_invariant", "default"):
+    for name, peers in (("corun", ("batch_invariant", "default")),
+                        ("corun+overlap", ("batch_invariant", "default", "corun"))):
+        if name not in by_mode:
+            continue
+        for peer in peers:
             if peer in by_mode and by_mode[peer]["output_tok_s"]:
-                corun[f"throughput_vs_{peer}"] = round(
-                    corun["output_tok_s"] / by_mode[peer]["output_tok_s"], 3)
+                by_mode[name][f"throughput_vs_{peer}"] = round(
+                    by_mode[name]["output_tok_s"] / by_mode[peer]["output_tok_s"], 3)
     path = write_results(args.name, records, **extra)
     plot(records, path.with_suffix(".png"))
     print(f"wrote {path} in {time.perf_counter() - args.t0:.0f} s")
