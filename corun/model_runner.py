@@ -282,7 +282,8 @@ class ModelRunner:
         # to the next allocation on ``side`` once it is freed while ``main`` still reads it. The
         # prefill's inputs (made on ``main``, read on ``side``) are still referenced by the caller
         # here, so any reuse of their memory on ``main`` is ordered after the wait above.
-        prefill_logits.record_stream(main)
+        if prefill_logits.numel():  # a chunk that does not sample has no allocation to guard
+            prefill_logits.record_stream(main)
         return decode_logits, prefill_logits
 
     def _prefill_stream(self) -> torch.cuda.Stream:
