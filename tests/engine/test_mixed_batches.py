@@ -154,3 +154,25 @@ def test_mla_decode_token_through_prefill_path_differs_negative_control():
     alone = {r[0]: _run("batch_invariant", "tiny-deepseek-v3", requests=[r])[r[0]]
              for r in REQUESTS}
     assert any(legacy[r].fingerprint != alone[r].fingerprint for r in alone)
+
+
+def test_tp_step_packing_carries_mixed_batch():
+    """pack_step / unpack_step (the tensor-parallel broadcast) rebuild a mixed batch exactly."""
+    from types import SimpleNamespace
+
+    from corun.tp_executor import pack_step, unpack_step
+
+    record: list = []
+    _run("batch_invariant", record=record)
+    ids, batch, rows = _mixed_steps(record)[0][1]
+    runner = SimpleNamespace(block_width=batch.block_tables.shape[1], kv_cache=batch.kv_cache,
+                             ops=batch.ops)
+    header, packed = pack_step(ids, batch, rows)
+    assert packed.numel() == header.packed_len(runner.block_width)
+    got_ids, got = unpack_step(header, packed, runner)
+    assert torch.equal(got_ids, ids) and list(header.sample_rows) == rows
+    assert got.num_decode_tokens == batch.num_decode_tokens and got.is_prefill
+    for name in ("positions", "slot_mapping", "block_tables", "cu_seqlens_q", "context_lens",
+                 "seq_lens", "token_mask"):
+        assert torch.equal(getattr(got, name), getattr(batch, name)), name
+    assert (got.max_q_len, got.max_seq_len) == (batch.max_q_len, batch.max_seq_len)
