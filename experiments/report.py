@@ -165,7 +165,40 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
     ])
 
 
+def columns_block(name: str, columns: list[tuple[str, str]]) -> Callable[[dict, list[dict]], str]:
+    """A table of the named fields (key, heading) of every record."""
+
+    def render(head: dict, records: list[dict]) -> str:
+        rows = [[_fmt(r.get(key)) for key, _ in columns] for r in records]
+        return _source(head, name) + "\n\n" + _table([h for _, h in columns], rows)
+
+    return render
+
+
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
+    "offline-h200": columns_block("offline-h200", [
+        ("mode", "mode"), ("requests", "requests"), ("output_tok_s", "output tok/s"),
+        ("ttft_ms_p50", "TTFT p50 ms"), ("ttft_ms_p99", "TTFT p99 ms"),
+        ("tpot_ms_p50", "TPOT p50 ms"), ("tpot_ms_p99", "TPOT p99 ms"),
+        ("mismatches", "mismatches"), ("mismatches_reschedule", "of which rescheduled"),
+        ("mismatches_alone", "of which alone"), ("alone_sample", "alone sample"),
+        ("decode_bound_ms_at_B", "decode bound ms at B"), ("tpot_p50_over_bound", "TPOT/bound"),
+    ]),
+    "models-h200": columns_block("models-h200", [
+        ("model", "model"), ("num_hidden_layers", "layers"), ("parameters", "parameters"),
+        ("logits_finite", "finite"), ("prefill_tokens_per_s", "prefill tok/s (2048)"),
+        ("decode_step_us", "decode step us (B=64)"), ("decode_tokens_per_s", "decode tok/s"),
+        ("decode_memory_bound_us", "bound us"), ("decode_fraction_of_bound", "of bound"),
+        ("peak_memory_gb", "peak GB"),
+    ]),
+    "serving-h200": columns_block("serving-h200", [
+        ("mode", "mode"), ("request_rate", "rate req/s"), ("max_concurrency", "concurrency"),
+        ("completed", "completed"), ("failed", "failed"), ("request_throughput", "req/s"),
+        ("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50 ms"),
+        ("p99_ttft_ms", "TTFT p99 ms"), ("median_tpot_ms", "TPOT p50 ms"),
+        ("p99_tpot_ms", "TPOT p99 ms"), ("median_itl_ms", "ITL p50 ms"),
+        ("median_e2el_ms", "E2E p50 ms"),
+    ]),
     "kernels-h200": kernels_block,
     "kernels-h200-summary": kernels_summary_block,
 }

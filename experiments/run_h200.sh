@@ -41,7 +41,7 @@ for stage in "$@"; do
                && cp kernels/tuned/mla_h200.json "$OUT/results/" ;;
     kernels) run kernels ${KERNELS_LIMIT:-330} python3 -m experiments.bench_kernels ${KERNELS_ARGS:-} ;;
     models)  run models ${MODELS_LIMIT:-150} python3 -m experiments.bench_models ;;
-    offline) run offline ${OFFLINE_LIMIT:-300} python3 -m experiments.bench_offline --time-budget-s ${OFFLINE_BUDGET:-250} ;;
+    offline) run offline ${OFFLINE_LIMIT:-300} python3 -m experiments.bench_offline --time-budget-s ${OFFLINE_BUDGET:-250} ${OFFLINE_ARGS:-} ;;
     serving) run serving ${SERVING_LIMIT:-170} python3 -m experiments.bench_serving --launch \
                --model qwen3-8b --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
                --request-rate 4,16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
