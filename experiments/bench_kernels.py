@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             quick=args.quick,
             families=args.families,
+            timing="harness.bench_us: CUDA-graph replay medians, do_bench where not capturable",
         )
     plot_ratios(timings, path.with_suffix(".png"))
     failed = [c for c in checks if not c.get("passed") and not c.get("negative_control")]

@@ -71,7 +71,6 @@ def header(command: str | None = None, **extra: object) -> dict:
         "python": platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command or " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "timing": "CUDA-graph replay medians (do_bench_cudagraph), do_bench where not capturable",
         **extra,
     }
 
