@@ -25,8 +25,8 @@ _EXPORTS = {
     "store_mla_kv": "kernels.mla",
     "mla_decode": "kernels.mla",
     "mla_prefill_attention": "kernels.mla",
-    "softmax_topk": "kernels.moe",
-    "grouped_topk": "kernels.moe",
+    "softmax_topk": "kernels.moe_routing",
+    "grouped_topk": "kernels.moe_routing",
     "fused_moe": "kernels.moe",
 }
 

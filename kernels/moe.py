@@ -1,9 +1,10 @@
-"""Routed mixture of experts: routers, token-to-expert alignment, grouped GEMMs, ordered combine.
+"""Routed mixture of experts: token-to-expert alignment, grouped GEMMs, ordered combine.
 
 Layouts: x [T, H]; w13 [E, 2I, H] (gate rows first, then up, as transformers v5 fuses them);
 w2 [E, H, I]; routing weights fp32 [T, k] and expert ids int32 [T, k], rank 0 the best expert.
-Numerics are those of ``softmax_topk_reference``, ``grouped_topk_reference`` and
-``fused_moe_reference`` in ``kernels/reference.py``.
+Numerics are those of ``fused_moe_reference`` in ``kernels/reference.py``. The routers that
+produce the weights and ids (``softmax_topk``, ``grouped_topk``) live in ``kernels/moe_routing.py``
+and are re-exported here; the jit kernels are in ``kernels/moe_kernels.py``.
 
 Pipeline of ``fused_moe``:
 1. ``moe_align_block_size``: the T*k (token, rank) pairs, in token-major order, stably sorted by
@@ -34,12 +35,11 @@ import torch
 
 from kernels.mode import Mode
 from kernels.moe_kernels import (
-    _grouped_topk_kernel,
     _moe_combine_kernel,
     _moe_down_kernel,
     _moe_gate_up_kernel,
-    _softmax_topk_kernel,
 )
+from kernels.moe_routing import MAX_EXPERTS, grouped_topk, softmax_topk
 from kernels.utils import (
     FLOAT_DTYPES,
     cdiv,
@@ -50,8 +50,24 @@ from kernels.utils import (
     upcast_dot_operands,
 )
 
+__all__ = [
+    "MAX_EXPERTS",
+    "TUNED_PATH",
+    "MoEConfig",
+    "MoETunedTable",
+    "fallback_moe_config",
+    "fused_moe",
+    "grouped_topk",
+    "load_moe_tuned_table",
+    "moe_align_block_size",
+    "moe_combine",
+    "moe_config",
+    "moe_down",
+    "moe_gate_up",
+    "softmax_topk",
+]
+
 TUNED_PATH = Path(__file__).resolve().parent / "tuned" / "moe_h200.json"
-MAX_EXPERTS = 256  # routers hold a token's whole expert row in one block
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
@@ -242,95 +258,6 @@ def moe_config(
         if tuned is not None:
             return tuned
     return fallback_moe_config(num_tokens, num_experts, top_k, hidden, intermediate, mode)
-
-
-# ----------------------------------------------------------------------------------------------
-# routers
-# ----------------------------------------------------------------------------------------------
-
-
-def _check_router_logits(router_logits: torch.Tensor, top_k: int) -> tuple[int, int]:
-    check_tensor("router_logits", router_logits, ndim=2, dtypes=FLOAT_DTYPES,
-                 last_dim_contiguous=True)
-    num_tokens, num_experts = router_logits.shape
-    if not 1 <= num_experts <= MAX_EXPERTS:
-        raise ValueError(f"router_logits: expected 1..{MAX_EXPERTS} experts, got {num_experts}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k: expected an int in 1..{num_experts} (experts), got {top_k!r}")
-    return num_tokens, num_experts
-
-
-def softmax_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, *, mode: Mode = Mode.CORUN
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE routing: fp32 softmax over E, top-k (lowest id on ties), optional renorm.
-
-    Returns (weights fp32 [T, k], ids int32 [T, k]). One token per program: invariant to the
-    batch in every mode (``mode`` is accepted for the uniform launcher API).
-    """
-    Mode.parse(mode)
-    num_tokens, num_experts = _check_router_logits(router_logits, top_k)
-    device = router_logits.device
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
-    if num_tokens == 0:
-        return weights, ids
-    _softmax_topk_kernel[(num_tokens,)](
-        router_logits, weights, ids,
-        num_experts,
-        router_logits.stride(0), weights.stride(0), ids.stride(0),
-        TOP_K=top_k, RENORMALIZE=bool(renormalize),
-        BLOCK_E=next_power_of_2(num_experts), BLOCK_K=next_power_of_2(top_k),
-    )
-    return weights, ids
-
-
-def grouped_topk(
-    router_logits: torch.Tensor,
-    correction_bias: torch.Tensor,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    renormalize: bool,
-    routed_scaling_factor: float,
-    *,
-    mode: Mode = Mode.CORUN,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 routing (noaux_tc): sigmoid, biased choice, best ``topk_group`` of ``n_group``
-    groups by top-2 sum, top-k experts there, weights from unbiased scores, renorm (+1e-20),
-    times ``routed_scaling_factor``. Returns (weights fp32 [T, k], ids int32 [T, k]).
-
-    One token per program: invariant to the batch in every mode.
-    """
-    Mode.parse(mode)
-    num_tokens, num_experts = _check_router_logits(router_logits, top_k)
-    check_tensor("correction_bias", correction_bias, ndim=1, dtypes=FLOAT_DTYPES, contiguous=True)
-    check_shape("correction_bias", correction_bias, (num_experts,))
-    check_same_device(router_logits=router_logits, correction_bias=correction_bias)
-    if not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
-        raise ValueError(f"n_group: expected a positive divisor of {num_experts}, got {n_group!r}")
-    group_size = num_experts // n_group
-    if group_size < 2:
-        raise ValueError(f"n_group: groups need >= 2 experts (top-2 score), got {group_size}")
-    if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
-        raise ValueError(f"topk_group: expected an int in 1..{n_group}, got {topk_group!r}")
-    if topk_group * group_size < top_k:
-        raise ValueError(f"top_k: {top_k} exceeds the {topk_group * group_size} experts "
-                         f"of the kept groups")
-    device = router_logits.device
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
-    if num_tokens == 0:
-        return weights, ids
-    _grouped_topk_kernel[(num_tokens,)](
-        router_logits, correction_bias, weights, ids,
-        n_group, group_size, float(routed_scaling_factor),
-        router_logits.stride(0), weights.stride(0), ids.stride(0),
-        TOP_K=top_k, TOPK_GROUP=topk_group, RENORMALIZE=bool(renormalize),
-        BLOCK_G=next_power_of_2(n_group), BLOCK_GS=next_power_of_2(group_size),
-        BLOCK_K=next_power_of_2(top_k),
-    )
-    return weights, ids
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Triton kernels of the routed-expert layer; the launchers and the tile policy are in ``moe.py``.
+"""Triton kernels of the routed-expert layer. The router launchers are in ``moe_routing.py``; the
+expert GEMM and combine launchers and their tile policy are in ``moe.py``.
 
 - ``_softmax_topk_kernel`` / ``_grouped_topk_kernel``: one token per program; top-k by iterative
   argmax (lowest expert id on ties), so a token's routing is a function of its own logits only.
