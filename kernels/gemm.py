@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +28,16 @@ from kernels.reference import gemm_reference
 from kernels.utils import (
     FLOAT_DTYPES,
     cdiv,
+    check_block_size,
+    check_num_warps,
+    check_positive_int,
     check_same_device,
     check_shape,
     check_tensor,
+    config_from_dict,
+    dot_precision,
     is_interpreter,
+    load_tuned_json,
     next_power_of_2,
     upcast_dot_operands,
 )
@@ -70,15 +75,10 @@ class GemmConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"{name}: expected a power of two >= 16, got {value!r}")
+            check_block_size(name, getattr(self, name))
         for name in ("split_k", "group_m", "num_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+            check_positive_int(name, getattr(self, name))
+        check_num_warps("num_warps", self.num_warps)
         if not isinstance(self.persistent, bool):
             raise ValueError(f"persistent: expected a bool, got {self.persistent!r}")
 
@@ -91,11 +91,7 @@ class GemmConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> GemmConfig:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - fields
-        if unknown:
-            raise ValueError(f"config: unknown fields {sorted(unknown)}")
-        return cls(**data)
+        return config_from_dict(cls, data)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,26 +123,23 @@ class TunedTable:
 def load_tuned_table(path: Path | str) -> TunedTable:
     """Parse a tuned file (``{"header", "batch_invariant", "entries": [{m, n, k, config}]}``).
 
-    A missing file gives an empty table; a malformed one raises ValueError naming the path, since
-    silently falling back would change which configs (and so which bits) the engine runs.
+    A missing file gives an empty table; a malformed one raises ValueError naming the path
+    (``kernels.utils.load_tuned_json``).
     """
-    path = Path(path)
-    if not path.exists():
-        return TunedTable(entries={})
-    try:
-        data = json.loads(path.read_text())
-        grouped: dict[tuple[int, int], list[tuple[int, GemmConfig]]] = {}
-        for entry in data.get("entries", []):
-            key = (int(entry["n"]), int(entry["k"]))
-            config = GemmConfig.from_dict(entry["config"])
-            grouped.setdefault(key, []).append((int(entry["m"]), config))
-        bi = data.get("batch_invariant")
-        return TunedTable(
-            entries={key: tuple(sorted(rows, key=lambda r: r[0])) for key, rows in grouped.items()},
-            batch_invariant=GemmConfig.from_dict(bi) if bi else None,
-        )
-    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: malformed GEMM tuned table ({err})") from err
+    return load_tuned_json(path, "GEMM tuned table", _parse_tuned_table) or TunedTable(entries={})
+
+
+def _parse_tuned_table(data: dict) -> TunedTable:
+    grouped: dict[tuple[int, int], list[tuple[int, GemmConfig]]] = {}
+    for entry in data["entries"]:
+        key = (int(entry["n"]), int(entry["k"]))
+        config = GemmConfig.from_dict(entry["config"])
+        grouped.setdefault(key, []).append((int(entry["m"]), config))
+    bi = data.get("batch_invariant")
+    return TunedTable(
+        entries={key: tuple(sorted(rows, key=lambda r: r[0])) for key, rows in grouped.items()},
+        batch_invariant=GemmConfig.from_dict(bi) if bi else None,
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -306,7 +299,7 @@ def gemm(
         EVEN_K=k % cfg.block_k == 0,
         UPCAST=upcast_dot_operands(x.dtype),
         SERIAL_DOT=is_interpreter(),
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

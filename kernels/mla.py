@@ -26,16 +26,13 @@ Invariance (DESIGN.md, "Three modes, one engine"):
   invariant to the other sequences, its row index and how its prompt was chunked.
 - ``store_mla_kv`` is a copy: exact in every mode.
 
-The Triton kernels are in kernels/mla_kernels.py.
+The Triton kernels are in kernels/mla_kernels.py; the tiles and their tuned table in
+kernels/mla_tuned.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -46,35 +43,39 @@ from kernels.mla_kernels import (
     _mla_prefill_kernel,
     _store_mla_kv_kernel,
 )
+from kernels.mla_tuned import TUNED_PATH, MLATile, MLATunedTable, checked_in_table, load_mla_tuned
 from kernels.mode import Mode
 from kernels.utils import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     cdiv,
     check_same_device,
     check_shape,
     check_tensor,
+    dot_precision,
+    is_host_checkable,
     next_power_of_2,
     upcast_dot_operands,
 )
 
-INDEX_DTYPES = (torch.int32, torch.int64)
+__all__ = [
+    "TUNED_PATH",
+    "MLADecodeConfig",
+    "MLAPrefillConfig",
+    "MLATile",
+    "MLATunedTable",
+    "load_mla_tuned",
+    "mla_decode",
+    "mla_decode_config",
+    "mla_prefill_attention",
+    "mla_prefill_config",
+    "store_mla_kv",
+]
+
 # H200 streaming multiprocessors: the default-mode split heuristic fills them.
 NUM_SMS = 132
 # Default mode never splits below this many tokens per split (below it the combine dominates).
 MIN_DEFAULT_SPLIT_TOKENS = 64
-# Measured tiles, written by experiments/tune_mla.py; absent -> the literal policies below.
-TUNED_PATH = Path(__file__).resolve().parent / "tuned" / "mla_h200.json"
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 operands would otherwise run as tf32 on the GPU; 16-bit operands ignore the setting.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _host_checkable(tensor: torch.Tensor) -> bool:
-    """Data-dependent checks (lengths) read values on the host; only where that costs no device
-    sync, so a launch under CUDA-graph capture never syncs."""
-    return tensor.device.type == "cpu"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,7 +102,7 @@ def store_mla_kv(
     check_shape("kv_cache", kv_cache, (-1, -1, latent_dim + rope_dim))
     check_shape("slot_mapping", slot_mapping, (num_tokens,))
     num_blocks, block_size, _ = kv_cache.shape
-    if _host_checkable(slot_mapping) and num_tokens > 0:
+    if is_host_checkable(slot_mapping) and num_tokens > 0:
         if int(slot_mapping.max()) >= num_blocks * block_size:
             raise ValueError(
                 f"slot_mapping: slot beyond the cache's {num_blocks * block_size} slots"
@@ -119,128 +120,6 @@ def store_mla_kv(
 # ----------------------------------------------------------------------------------------------
 # decode
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MLATile:
-    """The tunable part of a launch: tile sizes and pipelining.
-
-    For decode, ``block_m`` is BLOCK_H (query heads per program, 16/32/64: more heads per program
-    means fewer re-reads of each cache tile but a larger [BLOCK_H, latent] fp32 accumulator). For
-    prefill it is the query tile. ``block_n`` (tokens per inner step) fixes the online-softmax
-    reduction order, so it is part of a row's bits; the rest only change speed.
-    """
-
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"{name}: expected a power of two >= 16, got {value!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"num_stages: expected an int >= 1, got {self.num_stages!r}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> MLATile:
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"config: unknown fields {sorted(unknown)}")
-        return cls(**data)
-
-
-def _at_or_above(rows: tuple[tuple[int, MLATile], ...], value: int) -> MLATile:
-    """The entry tuned at the smallest key >= value (the largest key past the end)."""
-    return next((tile for key, tile in rows if value <= key), rows[-1][1])
-
-
-@dataclass(frozen=True)
-class MLATunedTable:
-    """H200 measurements for 16-bit inputs (kernels/tuned/mla_h200.json).
-
-    - ``decode_fixed[(heads, latent, rope, split_size)]``: (max_seq_len, tile) rows for corun and
-      batch_invariant; ONE tile per engine, chosen over every tuned batch size (it never reads B).
-    - ``decode_default[(heads, latent, rope)]``: (batch, max_seq_len, tile) rows for default.
-    - ``prefill[(qk_dim, v_dim)]``: one tile for every mode and length.
-    """
-
-    decode_fixed: dict[tuple[int, int, int, int], tuple[tuple[int, MLATile], ...]]
-    decode_default: dict[tuple[int, int, int], tuple[tuple[int, int, MLATile], ...]]
-    prefill: dict[tuple[int, int], MLATile]
-
-    def decode_tile(
-        self, batch: int, num_heads: int, latent_dim: int, rope_dim: int, max_seq_len: int,
-        dtype: torch.dtype, mode: Mode, split_size: int,
-    ) -> MLATile | None:  # fmt: skip
-        if dtype.itemsize != 2:  # tuned in bf16; fp16 shares its tile economics, fp32 does not
-            return None
-        if mode is not Mode.DEFAULT:
-            rows = self.decode_fixed.get((num_heads, latent_dim, rope_dim, split_size))
-            return _at_or_above(rows, max_seq_len) if rows else None
-        rows3 = self.decode_default.get((num_heads, latent_dim, rope_dim))
-        if not rows3:
-            return None
-        batches = sorted({b for b, _, _ in rows3})
-        tuned_b = next((b for b in batches if batch <= b), batches[-1])
-        return _at_or_above(tuple((c, t) for b, c, t in rows3 if b == tuned_b), max_seq_len)
-
-    def prefill_tile(self, qk_dim: int, v_dim: int, dtype: torch.dtype) -> MLATile | None:
-        return self.prefill.get((qk_dim, v_dim)) if dtype.itemsize == 2 else None
-
-
-def load_mla_tuned(path: Path | str) -> MLATunedTable:
-    """Parse a tuned file: ``{"header": {...}, "entries": [{"kind": "decode_fixed" |
-    "decode_default" | "prefill", <keys>, "config": {block_m, block_n, num_warps, num_stages}}]}``.
-
-    A missing file gives an empty table (the literal policies); a malformed one raises ValueError
-    naming the path, since silently falling back would change which tiles (and bits) run.
-    """
-    path = Path(path)
-    if not path.exists():
-        return MLATunedTable({}, {}, {})
-    fixed: dict = {}
-    default: dict = {}
-    prefill: dict = {}
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
-            raise ValueError("expected an object with an 'entries' list")
-        for entry in data["entries"]:
-            tile = MLATile.from_dict(entry["config"])
-            kind = entry["kind"]
-            if kind == "prefill":
-                prefill[(int(entry["qk_dim"]), int(entry["v_dim"]))] = tile
-                continue
-            dims = (int(entry["heads"]), int(entry["latent"]), int(entry["rope"]))
-            if tile.block_m > 64:
-                raise ValueError(f"decode block_m (BLOCK_H) {tile.block_m} > 64")
-            if kind == "decode_fixed":
-                key = (*dims, int(entry["split_size"]))
-                fixed.setdefault(key, []).append((int(entry["ctx"]), tile))
-            elif kind == "decode_default":
-                default.setdefault(dims, []).append((int(entry["batch"]), int(entry["ctx"]), tile))
-            else:
-                raise ValueError(f"unknown entry kind {kind!r}")
-    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: malformed MLA tuned table ({err})") from err
-    return MLATunedTable(
-        decode_fixed={k: tuple(sorted(v, key=lambda r: r[0])) for k, v in fixed.items()},
-        decode_default={k: tuple(sorted(v, key=lambda r: r[:2])) for k, v in default.items()},
-        prefill=prefill,
-    )
-
-
-@functools.lru_cache(maxsize=1)
-def _tuned_table() -> MLATunedTable:
-    return load_mla_tuned(TUNED_PATH)
 
 
 @dataclass(frozen=True)
@@ -290,7 +169,7 @@ def mla_decode_config(
     """
     mode = Mode.parse(mode)
     if tile is None:
-        tuned = (table or _tuned_table()).decode_tile(
+        tuned = (table or checked_in_table()).decode_tile(
             batch, num_heads, latent_dim, rope_dim, max_seq_len, dtype, mode, split_size
         )
         tile = tuned or _literal_decode_tile(dtype)
@@ -368,7 +247,7 @@ def mla_decode(
     capacity = block_tables.shape[1] * kv_cache.shape[1]
     if max_seq_len > capacity:
         raise ValueError(f"max_seq_len: {max_seq_len} exceeds the block table's {capacity} tokens")
-    if _host_checkable(seq_lens) and batch > 0:
+    if is_host_checkable(seq_lens) and batch > 0:
         longest, shortest = int(seq_lens.max()), int(seq_lens.min())
         if longest > max_seq_len or shortest < 0:
             raise ValueError(
@@ -400,7 +279,7 @@ def mla_decode(
         mid_lse.stride(0), mid_lse.stride(1),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv, BLOCK_R=cfg.block_r,
         IS_FIXED_SPLIT=cfg.is_fixed_split, UPCAST=upcast_dot_operands(q_latent.dtype),
-        DOT_PRECISION=_dot_precision(q_latent.dtype),
+        DOT_PRECISION=dot_precision(q_latent.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     _mla_decode_combine_kernel[(batch, num_heads)](
@@ -449,7 +328,7 @@ def mla_prefill_config(
     block_d2 = max(16, next_power_of_2(rest)) if rest > 0 else 0
     block_d1 = max(16, block_d1)
     wide = dtype.itemsize > 2
-    tile = (table or _tuned_table()).prefill_tile(qk_dim, v_dim, dtype) or MLATile(
+    tile = (table or checked_in_table()).prefill_tile(qk_dim, v_dim, dtype) or MLATile(
         block_m=64 if wide else 128, block_n=32 if wide else 64,
         num_warps=4 if wide else 8, num_stages=2,
     )  # fmt: skip
@@ -496,7 +375,7 @@ def mla_prefill_attention(
     if not isinstance(max_q_len, int) or max_q_len < 0:
         raise ValueError(f"max_q_len: expected a non-negative int, got {max_q_len!r}")
     batch = cu_seqlens_q.shape[0] - 1
-    if _host_checkable(cu_seqlens_q):
+    if is_host_checkable(cu_seqlens_q):
         cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         q_lens = [cu_q[i + 1] - cu_q[i] for i in range(batch)]
         k_lens = [cu_k[i + 1] - cu_k[i] for i in range(batch)]
@@ -523,7 +402,7 @@ def mla_prefill_attention(
         out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D1=cfg.block_d1, BLOCK_D2=cfg.block_d2,
         BLOCK_DV=cfg.block_dv, UPCAST=upcast_dot_operands(q.dtype),
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

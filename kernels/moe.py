@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +41,17 @@ from kernels.moe_kernels import (
 from kernels.moe_routing import MAX_EXPERTS, grouped_topk, softmax_topk
 from kernels.utils import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     cdiv,
+    check_block_size,
+    check_num_warps,
+    check_positive_int,
     check_same_device,
     check_shape,
     check_tensor,
+    config_from_dict,
+    dot_precision,
+    load_tuned_json,
     next_power_of_2,
     upcast_dot_operands,
 )
@@ -68,7 +74,6 @@ __all__ = [
 ]
 
 TUNED_PATH = Path(__file__).resolve().parent / "tuned" / "moe_h200.json"
-_ID_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -98,14 +103,11 @@ class MoEConfig:
             if value is None and field.name.startswith("down_"):
                 continue  # the down GEMM shares the gate_up value
             if field.name.endswith("num_warps"):
-                ok, want = value in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"
+                check_num_warps(field.name, value)
             elif field.name.endswith("num_stages"):
-                ok, want = isinstance(value, int) and value >= 1, "an int >= 1"
+                check_positive_int(field.name, value)
             else:
-                ok = isinstance(value, int) and value >= 16 and not value & (value - 1)
-                want = "a power of two >= 16"
-            if not ok:
-                raise ValueError(f"{field.name}: expected {want}, got {value!r}")
+                check_block_size(field.name, value)
 
     def gate_up_meta(self) -> dict:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
@@ -123,10 +125,7 @@ class MoEConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> MoEConfig:
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"config: unknown fields {sorted(unknown)}")
-        return cls(**data)
+        return config_from_dict(cls, data)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,28 +171,26 @@ def load_moe_tuned_table(path: Path | str) -> MoETunedTable:
     num_tokens, config}], "batch_invariant": [{<the four shape fields>, config}]}``.
 
     A missing file gives an empty table (the literal policy); a malformed one raises ValueError
-    naming the path, since a silent fallback would change which configs (and bits) the engine runs.
+    naming the path (``kernels.utils.load_tuned_json``).
     """
-    path = Path(path)
-    if not path.exists():
-        return MoETunedTable(entries={}, batch_invariant={})
-    try:
-        data = json.loads(path.read_text())
-        grouped: dict[ExpertShape, dict[int, MoEConfig]] = {}
-        for entry in data["entries"]:
-            rows = grouped.setdefault(_shape_key(entry), {})
-            tokens = int(entry["num_tokens"])
-            if tokens < 1 or tokens in rows:
-                raise ValueError(f"num_tokens {tokens} invalid or repeated")
-            rows[tokens] = MoEConfig.from_dict(entry["config"])
-        fixed: dict[ExpertShape, MoEConfig] = {}
-        for entry in data.get("batch_invariant") or []:
-            key = _shape_key(entry)
-            if key in fixed:
-                raise ValueError(f"batch_invariant: shape {key} repeated")
-            fixed[key] = MoEConfig.from_dict(entry["config"])
-    except (KeyError, TypeError, ValueError, AttributeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: malformed MoE tuned table ({err})") from err
+    table = load_tuned_json(path, "MoE tuned table", _parse_tuned_table)
+    return table or MoETunedTable(entries={}, batch_invariant={})
+
+
+def _parse_tuned_table(data: dict) -> MoETunedTable:
+    grouped: dict[ExpertShape, dict[int, MoEConfig]] = {}
+    for entry in data["entries"]:
+        rows = grouped.setdefault(_shape_key(entry), {})
+        tokens = int(entry["num_tokens"])
+        if tokens < 1 or tokens in rows:
+            raise ValueError(f"num_tokens {tokens} invalid or repeated")
+        rows[tokens] = MoEConfig.from_dict(entry["config"])
+    fixed: dict[ExpertShape, MoEConfig] = {}
+    for entry in data.get("batch_invariant") or []:
+        key = _shape_key(entry)
+        if key in fixed:
+            raise ValueError(f"batch_invariant: shape {key} repeated")
+        fixed[key] = MoEConfig.from_dict(entry["config"])
     return MoETunedTable(
         entries={key: tuple(sorted(rows.items())) for key, rows in grouped.items()},
         batch_invariant=fixed,
@@ -324,7 +321,7 @@ def _check_moe_args(
     check_shape("w13", w13, (-1, -1, hidden))
     check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), last_dim_contiguous=True)
     check_shape("w2", w2, (num_experts, hidden, inter))
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES, last_dim_contiguous=True)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, last_dim_contiguous=True)
     top_k = topk_ids.shape[1]
     check_shape("topk_ids", topk_ids, (num_tokens, -1))
     if not 1 <= top_k <= num_experts:
@@ -405,7 +402,7 @@ def _check_alignment(sorted_pair_ids: torch.Tensor, block_expert_ids: torch.Tens
 
 def _dot_flags(dtype: torch.dtype) -> dict:
     return {"UPCAST": upcast_dot_operands(dtype),
-            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+            "DOT_PRECISION": dot_precision(dtype)}
 
 
 def moe_gate_up(

@@ -1,13 +1,21 @@
-"""Small helpers shared by the kernel launchers: argument checks and interpreter detection."""
+"""Small helpers shared by the kernel launchers: argument checks, interpreter detection, config
+field checks and the tuned-table file reader."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+T = TypeVar("T")
 
 
 def is_interpreter() -> bool:
@@ -23,6 +31,18 @@ def upcast_dot_operands(dtype: torch.dtype) -> bool:
     it never changes the reduction order there.
     """
     return is_interpreter() and dtype == torch.bfloat16
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: fp32 operands would otherwise run as tf32 on the GPU; 16-bit
+    operands ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def is_host_checkable(tensor: torch.Tensor) -> bool:
+    """Whether data-dependent checks (lengths, slots) may read ``tensor`` on the host: only on the
+    CPU, where that costs no device sync, so a launch under CUDA-graph capture never syncs."""
+    return tensor.device.type == "cpu"
 
 
 def check_tensor(
@@ -83,3 +103,53 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------------------------
+# launch configs and their tuned tables (kernels/tuned/<op>_<device>.json)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_block_size(name: str, value: object) -> None:
+    """A tile size: a power of two >= 16 (the smallest tl.dot operand)."""
+    if not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(f"{name}: expected a power of two >= 16, got {value!r}")
+
+
+def check_num_warps(name: str, value: object) -> None:
+    if value not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{name}: expected 1, 2, 4, 8 or 16, got {value!r}")
+
+
+def check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+
+
+def config_from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """Build the frozen config dataclass ``cls`` from a tuned file's ``config`` object; unknown
+    fields raise ValueError (a typo must not silently fall back to a default)."""
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"config: unknown fields {sorted(unknown)}")
+    return cls(**data)
+
+
+def load_tuned_json(path: Path | str, what: str, parse: Callable[[dict], T]) -> T | None:
+    """Read a tuned table ``{"header": {...}, "entries": [...], ...}`` and ``parse`` it.
+
+    A missing file gives None (the caller's literal policy applies). A file that is not JSON, not
+    an object with an ``entries`` list, or that ``parse`` rejects (KeyError, TypeError,
+    ValueError, AttributeError) raises ValueError naming the path and ``what``: a silent fallback
+    would change which configs, and so which bits, the engine runs. Callers cache the result.
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+            raise ValueError("expected an object with an 'entries' list")
+        return parse(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:  # JSONDecodeError included
+        raise ValueError(f"{path}: malformed {what} ({err})") from err
