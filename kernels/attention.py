@@ -51,6 +51,8 @@ from kernels.utils import (
     check_same_device,
     check_shape,
     check_tensor,
+    dot_precision,
+    is_host_checkable,
     next_power_of_2,
     upcast_dot_operands,
 )
@@ -68,8 +70,8 @@ def _is_pow2(n: int) -> bool:
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs must not silently drop to tf32 on the GPU; 16-bit inputs ignore the setting.
-    return "ieee" if dtype == torch.float32 or upcast_dot_operands(dtype) else "tf32"
+    # Upcast bf16 tiles (interpreter only) are fp32 operands and take the fp32 setting too.
+    return "ieee" if upcast_dot_operands(dtype) else dot_precision(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,7 +99,7 @@ def store_kv(
     check_shape("k", k, (-1, k_cache.shape[2], k_cache.shape[3]))
     check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
+    if is_host_checkable(slot_mapping) and slot_mapping.numel():
         if int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < -1:
             raise ValueError(f"slot_mapping: slots must lie in [-1, {num_slots}), got "
                              f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
@@ -222,7 +224,7 @@ def prefill_attention(
         raise ValueError(f"max_q_len: expected a host int >= 0, got {max_q_len!r}")
     if max_q_len > capacity:
         raise ValueError(f"max_q_len: {max_q_len} exceeds the block-table capacity {capacity}")
-    if cu_seqlens_q.device.type == "cpu":
+    if is_host_checkable(cu_seqlens_q):
         cu = cu_seqlens_q.tolist()
         q_lens = [cu[i + 1] - cu[i] for i in range(num_seqs)]
         if cu[0] != 0 or cu[-1] != q.shape[0] or min(q_lens) < 0:
@@ -353,7 +355,7 @@ def decode_attention(
         raise ValueError(f"max_seq_len: expected a host int >= 1, got {max_seq_len!r}")
     # max_seq_len may exceed the table width (under corun it is max_model_len, whatever width the
     # engine gives the tables): the kernels never read table entries past a sequence's length.
-    if seq_lens.device.type == "cpu" and num_seqs:
+    if is_host_checkable(seq_lens) and num_seqs:
         lens = seq_lens.tolist()
         if min(lens) < 0 or max(lens) > min(max_seq_len, capacity):
             raise ValueError(f"seq_lens: each must lie in [0, min(max_seq_len={max_seq_len}, "

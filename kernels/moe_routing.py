@@ -40,6 +40,15 @@ def _check_router_logits(router_logits: torch.Tensor, top_k: int) -> tuple[int, 
     return num_tokens, num_experts
 
 
+def _empty_routing(
+    num_tokens: int, top_k: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routers' outputs: weights fp32 [T, k] and expert ids int32 [T, k]."""
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+    return weights, ids
+
+
 def softmax_topk(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, *, mode: Mode = Mode.CORUN
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,9 +59,7 @@ def softmax_topk(
     """
     Mode.parse(mode)
     num_tokens, num_experts = _check_router_logits(router_logits, top_k)
-    device = router_logits.device
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+    weights, ids = _empty_routing(num_tokens, top_k, router_logits.device)
     if num_tokens == 0:
         return weights, ids
     _softmax_topk_kernel[(num_tokens,)](
@@ -97,9 +104,7 @@ def grouped_topk(
     if topk_group * group_size < top_k:
         raise ValueError(f"top_k: {top_k} exceeds the {topk_group * group_size} experts "
                          f"of the kept groups")
-    device = router_logits.device
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+    weights, ids = _empty_routing(num_tokens, top_k, router_logits.device)
     if num_tokens == 0:
         return weights, ids
     _grouped_topk_kernel[(num_tokens,)](

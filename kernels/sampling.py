@@ -32,13 +32,12 @@ import triton.language as tl
 from kernels.mode import Mode
 from kernels.utils import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     check_same_device,
     check_shape,
     check_tensor,
     next_power_of_2,
 )
-
-_INT_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
@@ -270,6 +269,15 @@ def sampling_config(vocab_size: int, dtype: torch.dtype, mode: Mode = Mode.CORUN
     return SamplingConfig(BLOCK_V=block, num_warps=4 if block <= 1024 else 8)
 
 
+def _check_logits(logits: object) -> tuple[int, int]:
+    """[B, V] float logits with a non-empty vocab; returns (B, V)."""
+    check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    batch, vocab = logits.shape
+    if vocab == 0:
+        raise ValueError("logits: expected a non-empty vocab dim")
+    return batch, vocab
+
+
 def _check_per_row(name: str, t: object, batch: int, dtypes: tuple[torch.dtype, ...]) -> None:
     check_tensor(name, t, ndim=1, dtypes=dtypes)
     check_shape(name, t, (batch,))
@@ -293,14 +301,13 @@ def sample(
     every mode. Values are not range-checked (that would synchronise the device).
     """
     mode = Mode.parse(mode)
-    check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    batch, vocab = logits.shape
+    batch, vocab = _check_logits(logits)
     _check_per_row("temperature", temperature, batch, (torch.float32,))
-    _check_per_row("top_k", top_k, batch, _INT_DTYPES)
+    _check_per_row("top_k", top_k, batch, INDEX_DTYPES)
     _check_per_row("top_p", top_p, batch, (torch.float32,))
     _check_per_row("seeds", seeds, batch, (torch.int64,))
-    _check_per_row("sample_indices", sample_indices, batch, _INT_DTYPES)
-    _check_per_row("positions", positions, batch, _INT_DTYPES)
+    _check_per_row("sample_indices", sample_indices, batch, INDEX_DTYPES)
+    _check_per_row("positions", positions, batch, INDEX_DTYPES)
     check_same_device(
         logits=logits,
         temperature=temperature,
@@ -310,8 +317,6 @@ def sample(
         sample_indices=sample_indices,
         positions=positions,
     )
-    if vocab == 0:
-        raise ValueError("logits: expected a non-empty vocab dim")
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
         return out
@@ -339,8 +344,8 @@ def sampling_uniform(
     """The noise ``sample`` draws with, [B, V] fp32: ``sampling_uniform_reference`` bit for bit."""
     check_tensor("seeds", seeds, ndim=1, dtypes=(torch.int64,))
     batch = seeds.shape[0]
-    _check_per_row("sample_indices", sample_indices, batch, _INT_DTYPES)
-    _check_per_row("positions", positions, batch, _INT_DTYPES)
+    _check_per_row("sample_indices", sample_indices, batch, INDEX_DTYPES)
+    _check_per_row("positions", positions, batch, INDEX_DTYPES)
     check_same_device(seeds=seeds, sample_indices=sample_indices, positions=positions)
     if not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ValueError(f"vocab_size: expected a positive int, got {vocab_size!r}")
@@ -368,12 +373,9 @@ def token_logprobs(
     Batch- and position-invariant under every mode (one program per row, fixed block order).
     """
     mode = Mode.parse(mode)
-    check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    batch, vocab = logits.shape
-    _check_per_row("token_ids", token_ids, batch, _INT_DTYPES)
+    batch, vocab = _check_logits(logits)
+    _check_per_row("token_ids", token_ids, batch, INDEX_DTYPES)
     check_same_device(logits=logits, token_ids=token_ids)
-    if vocab == 0:
-        raise ValueError("logits: expected a non-empty vocab dim")
     out = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch == 0:
         return out
