@@ -6,12 +6,11 @@ Run: ``python -m experiments.bench_attention [--quick]`` -> experiments/results/
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
-from experiments.harness import bench_us, kernel_record, memory_bound_us, write_results
+from experiments.harness import bench_us, family_main, kernel_record, memory_bound_us
 from kernels.attention import decode_attention, decode_attention_config, prefill_attention, store_kv
 from kernels.mode import Mode
 
@@ -276,23 +275,8 @@ def _prefill_chunked(device, length: int, chunk: int):
     return torch.cat(outs), k_cache[rows], v_cache[rows]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a handful of shapes (smoke run)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_attention: no CUDA device; run this on the H200", file=sys.stderr)
-        return 2
-    records = collect(quick=args.quick)
-    for r in records:
-        print({k: r[k] for k in ("op", "policy", "M", "us", "peer", "peer_us", "ratio")}
-              | {k: r[k] for k in ("context", "bw_fraction") if k in r})
-    checks = check_invariance_gpu()
-    for c in checks:
-        print(c)
-    path = write_results("attention-h200", records + checks)
-    print(f"wrote {path}")
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    return family_main("attention", collect, check_invariance_gpu, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

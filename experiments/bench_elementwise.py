@@ -11,9 +11,7 @@ dominate, i.e. at M >= 2048; below that a few-microsecond launch is most of the 
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.harness import bench_us, kernel_record, memory_bound_us, write_results  # noqa: E402
+from experiments.harness import bench_us, family_main, kernel_record, memory_bound_us  # noqa: E402
 from kernels.activation import silu_mul  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
 from kernels.norm import RmsNormConfig, rmsnorm  # noqa: E402
@@ -219,25 +217,7 @@ def check_invariance_gpu() -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a handful of shapes (smoke run)")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_elementwise: needs a CUDA device (H200); nothing measured.", file=sys.stderr)
-        return 1
-    t0 = time.monotonic()
-    records = collect(quick=args.quick)
-    t_collect = time.monotonic() - t0
-    checks = check_invariance_gpu()
-    failed = [c for c in checks if not c["passed"]]
-    path = write_results(
-        "elementwise-h200", records + checks, collect_s=round(t_collect, 1), quick=args.quick
-    )
-    print(
-        f"wrote {path}: {len(records)} timings in {t_collect:.1f}s, {len(checks)} checks, "
-        f"{len(failed)} failed"
-    )
-    return 1 if failed else 0
+    return family_main("elementwise", collect, check_invariance_gpu, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -11,11 +11,9 @@ position invariance (every mode), batch invariance (batch_invariant) and runs th
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +22,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.harness import bench_us, kernel_record, memory_bound_us, write_results  # noqa: E402
+from experiments.harness import bench_us, family_main, kernel_record, memory_bound_us  # noqa: E402
 from experiments.tune_gemm import gemm_shapes  # noqa: E402
 from kernels.gemm import GemmConfig, gemm, gemm_config  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
@@ -169,21 +167,8 @@ def _order(m: int, n: int, k: int) -> tuple[int, int]:
     return config.block_k, config.split_k
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a handful of shapes (smoke run)")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_gemm: needs a CUDA device (H200); nothing measured.", file=sys.stderr)
-        return 1
-    t0 = time.monotonic()
-    records = collect(quick=args.quick)
-    t_collect = time.monotonic() - t0
-    checks = check_invariance_gpu()
-    for c in checks:
-        print(f"{'PASS' if c['passed'] else 'FAIL'} {c['check']:36s} {c['mode']:16s} {c['detail']}")
-    path = write_results("gemm-h200", records + checks, quick=args.quick,
-                         collect_s=round(t_collect, 1))
+def summarize(records: list[dict]) -> None:
+    """The issue's targets: corun vs cuBLAS at decode M <= 64 and at prefill M."""
     for phase, limit in (("decode", 64), ("prefill", None)):
         ratios = [r["ratio"] for r in records if r["policy"] == "corun" and r["phase"] == phase
                   and (limit is None or r["M"] <= limit)]
@@ -191,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"corun vs cuBLAS, {phase}{f' M<={limit}' if limit else ''}: "
                   f"min {min(ratios):.3f}, geomean "
                   f"{math.exp(sum(math.log(r) for r in ratios) / len(ratios)):.3f}")
-    print(f"wrote {path} ({len(records)} timings in {t_collect:.0f} s, {len(checks)} checks)")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return family_main("gemm", collect, check_invariance_gpu, argv, __doc__.splitlines()[0],
+                       summarize)
 
 
 if __name__ == "__main__":

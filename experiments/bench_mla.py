@@ -19,7 +19,6 @@ qk 192 = 128 + 64, v 128, softmax scale 192^-0.5 * mscale^2 = 0.1352.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
@@ -310,17 +309,8 @@ def check_invariance_gpu() -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a handful of shapes (smoke run)")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_mla: no CUDA device visible; run this on the H200", file=sys.stderr)
-        return 1
-    records = collect(quick=args.quick) + check_invariance_gpu()
-    path = harness.write_results("mla-h200", records, quick=args.quick)
-    failed = [r for r in records if r.get("error") or r.get("passed") is False]
-    print(f"wrote {path} ({len(records)} records, {len(failed)} errors or failed checks)")
-    return 0
+    return harness.family_main("mla", collect, check_invariance_gpu, argv,
+                               __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ The ``default`` MoE policy equals ``corun`` (both pick tiles from the total toke
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -217,17 +216,8 @@ def check_invariance_gpu() -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="64 tokens, corun only")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_moe: no CUDA device visible; run it on the H200", file=sys.stderr)
-        return 2
-    records = collect(quick=args.quick) + check_invariance_gpu()
-    path = harness.write_results("moe-h200", records)
-    failed = [r for r in records if r.get("passed") is False]
-    print(f"wrote {path}; {len(failed)} invariance check(s) failed")
-    return 1 if failed else 0
+    return harness.family_main("moe", collect, check_invariance_gpu, argv,
+                               __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

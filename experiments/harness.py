@@ -112,3 +112,40 @@ def kernel_record(
         "ratio": round(peer_us / us, 4) if us > 0 else None,
         **extra,
     }
+
+
+def family_main(
+    family: str,
+    collect: Callable[..., list[dict]],
+    check_invariance_gpu: Callable[[], list[dict]],
+    argv: list[str] | None = None,
+    description: str | None = None,
+    summarize: Callable[[list[dict]], None] | None = None,
+) -> int:
+    """The command line of one ``bench_<family>.py``: timings and GPU invariance checks written to
+    ``<family>-h200.json`` (``bench_kernels.py`` runs every family into one file instead)."""
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="a handful of shapes (smoke run)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"bench_{family}: needs a CUDA device (H200); nothing measured.", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    records = collect(quick=args.quick)
+    collect_s = time.monotonic() - start
+    checks = check_invariance_gpu()
+    for check in checks:
+        if not check.get("passed"):
+            print(f"FAIL {check.get('op')} {check.get('check')} {check.get('mode')}: "
+                  f"{check.get('detail', '')}")
+    path = write_results(f"{family}-h200", records + checks, quick=args.quick,
+                         collect_s=round(collect_s, 1))
+    if summarize is not None:
+        summarize(records)
+    failed = sum(1 for c in checks if not c.get("passed"))
+    print(f"wrote {path}: {len(records)} timings in {collect_s:.1f} s, {len(checks)} checks, "
+          f"{failed} not as expected")
+    return 0
