@@ -108,8 +108,25 @@ class _Builder:
             return None
         return self._chunk([], usage=self.usage())
 
+    # The stream-chunk and whole-response classes of the endpoint.
+    chunk_cls: type = CompletionChunk
+    response_cls: type = CompletionResponse
+
+    def _envelope(self, cls: type, choices: list, usage: UsageInfo | None) -> Any:
+        return cls(
+            id=self.id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=choices,
+            usage=usage,
+            system_fingerprint=self.state.system_fingerprint,
+        )
+
     def _chunk(self, choices: list, usage: UsageInfo | None = None) -> Any:
-        raise NotImplementedError
+        return self._envelope(self.chunk_cls, choices, usage)
+
+    def _response(self, choices: list) -> Any:
+        return self._envelope(self.response_cls, choices, self.usage())
 
 
 class CompletionBuilder(_Builder):
@@ -158,33 +175,18 @@ class CompletionBuilder(_Builder):
             out.append(self._chunk([self._choice(choice, text, ids, lps, self._is_first(choice))]))
         return out
 
-    def _chunk(self, choices: list, usage: UsageInfo | None = None) -> CompletionChunk:
-        return CompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.state.model_name,
-            choices=choices,
-            usage=usage,
-            system_fingerprint=self.state.system_fingerprint,
-        )
-
     def final(self) -> CompletionResponse:
         choices = []
         for choice in self._ordered():
             text, ids, lps = choice.take_delta()
             choices.append(self._choice(choice, text, ids, lps, first=True))
-        return CompletionResponse(
-            id=self.id,
-            created=self.created,
-            model=self.state.model_name,
-            choices=choices,
-            usage=self.usage(),
-            system_fingerprint=self.state.system_fingerprint,
-        )
+        return self._response(choices)
 
 
 class ChatBuilder(_Builder):
     id_prefix = "chatcmpl"
+    chunk_cls = ChatCompletionChunk
+    response_cls = ChatCompletionResponse
 
     def _logprobs(self, ids: list[int], lps: list[float]) -> ChatLogprobs | None:
         if not self.body.logprobs:
@@ -225,16 +227,6 @@ class ChatBuilder(_Builder):
             )
         return out
 
-    def _chunk(self, choices: list, usage: UsageInfo | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.state.model_name,
-            choices=choices,
-            usage=usage,
-            system_fingerprint=self.state.system_fingerprint,
-        )
-
     def final(self) -> ChatCompletionResponse:
         choices = []
         for choice in self._ordered():
@@ -251,11 +243,4 @@ class ChatBuilder(_Builder):
                     token_ids=ids if self.body.return_token_ids else None,
                 )
             )
-        return ChatCompletionResponse(
-            id=self.id,
-            created=self.created,
-            model=self.state.model_name,
-            choices=choices,
-            usage=self.usage(),
-            system_fingerprint=self.state.system_fingerprint,
-        )
+        return self._response(choices)
