@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from kernels.mode import Mode
 
 _DTYPES = ("float32", "float16", "bfloat16")
+PREFILL_POLICIES = ("packed", "isolated")
+# The smallest isolated-prefill bucket: shorter chunks are padded up to it.
+MIN_PREFILL_BUCKET = 16
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
                   "bf16": "bfloat16"}
 
@@ -36,22 +39,33 @@ class EngineConfig:
       memory times ``gpu_memory_utilization`` (on the CPU: enough for ``max_num_seqs`` full-length
       sequences).
     - ``decode_batch_size``: ``B``, the fixed decode batch of corun mode (None = max_num_seqs).
-    - ``prefill_chunk_size``: corun prefills one request per step in chunks of this many tokens,
-      aligned at its multiples; the dynamic modes cap a single chunk by it as well.
+      With ``max_num_seqs > B`` corun may prefill ahead: sequences past their prompt wait, in
+      arrival order, for one of the B decode slots.
+    - ``prefill_chunk_size``: ``C``. corun cuts a prompt into chunks that end at multiples of C
+      (or at the prompt's end): a function of the prompt's own length only. The dynamic modes cap
+      a single chunk by it as well (batch_invariant also aligns its cuts, see the scheduler).
+    - ``prefill_policy`` (corun): ``"packed"``: aligned chunks of several requests share one
+      prefill step of exactly ``prefill_step_tokens`` tokens and ``max_prefill_seqs_per_step``
+      chunk rows, padded with dummies, so every shape inside the step is fixed (and the step
+      replays one CUDA graph); ``"isolated"`` (the paper's): one chunk per step, padded to the
+      next of ``prefill_buckets`` (a function of the chunk's own length).
+    - ``prefill_step_tokens``: ``T`` of a packed prefill step (>= C).
+    - ``max_prefill_seqs_per_step``: ``R``, chunk rows (and LM-head rows) of a packed step.
+    - ``prefill_token_budget``: corun's stall bound: while requests are decoding, prefill steps
+      whose padded token counts add up to at most this run between two decode steps (at least one
+      runs when prefill work is waiting).
     - ``max_num_batched_tokens``: the token budget of one dynamic-mode step (prefill chunks and
       decode tokens together).
-    - ``max_prefill_steps_between_decodes``: corun's stall bound: while requests are decoding, at
-      most this many isolated prefill steps run between two decode steps.
-    - ``overlap_prefill_decode``: corun only (ablation, issue 5). A decode step may also carry one
-      isolated prefill chunk of a sequence that is not decoding; on CUDA the decode (graph
-      replay) runs on the current stream and the prefill on a second stream, overlapping the
-      weight-bound decode with the compute-bound prefill; on the CPU they run one after the
-      other. No bits change: each part has exactly the shapes and configs it has when run alone.
-      With it, ``max_prefill_steps_between_decodes`` counts the overlapped chunk: each decode step
-      carries one, and at most ``max_prefill_steps_between_decodes - 1`` prefill-only steps run
-      between two decode steps. Not supported with ``tensor_parallel_size > 1`` (the two parts'
-      collectives on two streams of one communicator could interleave differently per rank).
-    - ``cuda_graphs``: capture decode steps as CUDA graphs (ignored off CUDA).
+    - ``overlap_prefill_decode``: corun only. A decode step also carries one prefill step of
+      sequences that are not decoding; on CUDA the decode (graph replay) runs on the current
+      stream and the prefill on a second stream, overlapping the weight- and KV-bound decode with
+      the compute-bound prefill; on the CPU they run one after the other. No bits change: each
+      part has exactly the shapes and configs it has when run alone. The carried prefill step
+      counts against ``prefill_token_budget``. Not supported with ``tensor_parallel_size > 1``
+      (the two parts' collectives on two streams of one communicator could interleave
+      differently per rank).
+    - ``cuda_graphs``: capture every fixed-shape step as a CUDA graph (decode at its buckets;
+      corun's prefill shapes too, where the model allows it) and replay it (ignored off CUDA).
     - ``seed``: the seed of the random model weights (named configs); request seeds are separate.
     - ``max_queue_len``: waiting requests beyond this are refused (None = unbounded).
     - ``tensor_parallel_size``: N ranks, each holding a shard of the model and of the KV cache
@@ -74,8 +88,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     decode_batch_size: int | None = None
     prefill_chunk_size: int = 512
+    prefill_policy: str = "packed"
+    prefill_step_tokens: int = 2048
+    max_prefill_seqs_per_step: int = 32
+    prefill_token_budget: int = 2048
     max_num_batched_tokens: int = 2048
-    max_prefill_steps_between_decodes: int = 1
     overlap_prefill_decode: bool = False
     decode_split_size: int = 256
     cuda_graphs: bool = True
@@ -97,8 +114,20 @@ class EngineConfig:
         if self.backend not in (None, "triton", "torch"):
             raise ValueError(f"backend: expected 'triton', 'torch' or None, got {self.backend!r}")
         for name in ("max_num_seqs", "max_model_len", "block_size", "prefill_chunk_size",
-                     "max_num_batched_tokens", "max_prefill_steps_between_decodes"):
+                     "max_num_batched_tokens", "prefill_step_tokens", "max_prefill_seqs_per_step",
+                     "prefill_token_budget"):
             _positive(name, getattr(self, name))
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(f"prefill_policy: expected one of {', '.join(PREFILL_POLICIES)}, "
+                             f"got {self.prefill_policy!r}")
+        if (self.kernel_mode.is_batch_invariant and self.backend == "triton"
+                and self.prefill_chunk_size % self.prefill_alignment):
+            raise ValueError(f"prefill_chunk_size: {self.prefill_chunk_size} is not a multiple "
+                             f"of {self.prefill_alignment}, the prefill kernel's query tile: "
+                             f"batch_invariant chunks must end on it")
+        if self.prefill_step_tokens < self.prefill_chunk_size:
+            raise ValueError(f"prefill_step_tokens: {self.prefill_step_tokens} cannot hold one "
+                             f"chunk of prefill_chunk_size {self.prefill_chunk_size}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: expected a power of two, got {self.block_size}")
         if self.decode_batch_size is not None:
@@ -152,14 +181,44 @@ class EngineConfig:
         return self.kernel_mode is Mode.CORUN
 
     @property
+    def is_batch_invariant(self) -> bool:
+        return self.kernel_mode.is_batch_invariant
+
+    @property
     def num_decode_slots(self) -> int:
         """B: the fixed decode batch under corun."""
         return self.decode_batch_size or self.max_num_seqs
 
     @property
     def max_running_seqs(self) -> int:
-        """Admission cap: corun never runs more decodes than its B slots hold."""
-        return min(self.max_num_seqs, self.num_decode_slots) if self.is_corun else self.max_num_seqs
+        """Admission cap: sequences holding KV (prefilling, decoding or waiting for a slot)."""
+        return self.max_num_seqs
+
+    @property
+    def prefill_alignment(self) -> int:
+        """Token multiple at which a batch-invariant chunk may be cut: the Triton prefill
+        attention kernel's query tile BLOCK_M (``kernels.attention.prefill_attention_config``:
+        128 for 16-bit dtypes, 64 for fp32), within which a row's bits do not depend on the
+        chunking. The torch backend attends one query at a time under batch_invariant, so any
+        cut keeps its bits (1)."""
+        if self.resolved_backend == "torch":
+            return 1
+        return 64 if self._dtype_name() == "float32" else 128
+
+    @property
+    def is_packed_prefill(self) -> bool:
+        return self.is_corun and self.prefill_policy == "packed"
+
+    @property
+    def prefill_buckets(self) -> list[int]:
+        """Token counts an isolated corun prefill step is padded to, ascending: powers of two
+        from MIN_PREFILL_BUCKET up to the first that holds a chunk, and C itself."""
+        size = self.prefill_chunk_size
+        buckets, bucket = [], MIN_PREFILL_BUCKET
+        while bucket < size:
+            buckets.append(bucket)
+            bucket *= 2
+        return [*buckets, size]
 
     @property
     def max_blocks_per_seq(self) -> int:

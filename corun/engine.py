@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 import torch
 
 from corun.config import EngineConfig
-from corun.model_runner import ModelRunner
+from corun.model_runner import ModelRunner, StepResult
 from corun.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from corun.sampling_params import SamplingParams
-from corun.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from corun.scheduler import Scheduler, SchedulerOutput
 from corun.sequence import Sequence, SequenceStatus
+from corun.step import StepPart
 
 
 class QueueFullError(RuntimeError):
@@ -194,42 +195,32 @@ class LLMEngine:
     def _execute(self, out: SchedulerOutput) -> list[Sequence]:
         runner = self.runner
         if out.is_combined:
-            # corun with overlap_prefill_decode: the decode part and the isolated prefill part run
-            # as two forwards (two CUDA streams), each with the shapes it has alone; then each
-            # part is committed and sampled exactly as if it had been its own step. The parts hold
+            # corun with overlap_prefill_decode: the decode part and the prefill part run as two
+            # forwards (two CUDA streams), each with the shape it has alone; then each part is
+            # committed and sampled exactly as if it had been its own step. The parts hold
             # disjoint sequences, so the order of the two commits changes nobody's bits.
-            decode = runner.prepare_decode(out.chunks, out.num_decode_slots)
-            prefill = runner.prepare_prefill(out.overlap_chunks)
-            decode_logits, prefill_logits = runner.run_overlapped(decode, prefill)
-            return [*self._commit_part(out.chunks, decode_logits[: len(out.chunks)]),
-                    *self._commit_part(out.overlap_chunks, prefill_logits)]
-        if out.is_decode:
-            input_ids, batch = runner.prepare_decode(out.chunks, out.num_decode_slots)
-            logits = runner.run(input_ids, batch)[: len(out.chunks)]
-        else:
-            input_ids, batch, rows = runner.prepare_prefill(out.chunks)
-            logits = runner.run(input_ids, batch, rows)
-        return self._commit_part(out.chunks, logits)
+            decode, prefill = out.parts
+            decode_result, prefill_result = runner.execute_overlapped(decode, prefill)
+            return [*self._commit_part(decode, decode_result),
+                    *self._commit_part(prefill, prefill_result)]
+        (part,) = out.parts
+        return self._commit_part(part, runner.execute(part))
 
-    def _commit_part(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[Sequence]:
-        """Commit one step's (or one part's) chunks, sample its sampling rows (``logits``, in
-        chunk order) and fold the tokens into their sequences; returns the sampled sequences."""
-        runner = self.runner
-        seqs = [c.seq for c in chunks if c.samples]
-        self.scheduler.commit_chunks(chunks)
+    def _commit_part(self, part: StepPart, result: StepResult) -> list[Sequence]:
+        """Commit one step's (or one part's) chunks and fold its sampled tokens into their
+        sequences (sample rows in chunk order); returns the sampled sequences."""
+        seqs = [c.seq for c in part.sampling_chunks]
+        self.scheduler.commit_chunks(part.chunks)
         if not seqs:
             return []
-        tensors = runner.sampler.prepare(seqs)
-        token_ids = runner.sampler.sample(logits, tensors)
-        digests = runner.digest(logits)
-        logprobs = runner.sampler.logprobs(logits, token_ids) if tensors.want_logprobs else None
-        token_list = token_ids.tolist()
-        digest_list = digests.tolist()
-        logprob_list = logprobs.tolist() if logprobs is not None else None
+        num = len(seqs)
+        samples = result.samples[:num].tolist()  # the step's one device-to-host read
+        logprob_list = result.logprobs[:num].tolist() if result.logprobs is not None else None
         now = time.perf_counter()
         for i, seq in enumerate(seqs):
-            seq.append_token(token_list[i])
-            seq.fingerprint.update(token_list[i], digest_list[i])
+            token, d1, d2 = samples[i]
+            seq.append_token(token)
+            seq.fingerprint.update(token, (d1, d2))
             if seq.params.logprobs is not None:
                 seq.logprobs.append(logprob_list[i])
             if seq.first_token_time is None:
@@ -283,12 +274,14 @@ class LLMEngine:
             delta = tokens[seq.num_reported_tokens:]
             seq.num_reported_tokens = len(tokens)
             finished = seq.status is SequenceStatus.FINISHED
+            # The live lists, not copies: an unfinished output's token_ids / logprobs keep growing
+            # with later steps (a consumer that keeps them copies; a finished one is final).
             completions.append(CompletionOutput(
-                index=seq.sample_index, token_ids=list(tokens), delta_token_ids=delta, text=text,
+                index=seq.sample_index, token_ids=tokens, delta_token_ids=delta, text=text,
                 delta_text=delta_text, finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 fingerprint=seq.fingerprint.hexdigest() if finished else None,
-                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                logprobs=seq.logprobs if seq.params.logprobs is not None else None,
                 num_preemptions=seq.num_preemptions,
             ))
         firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]

@@ -1,18 +1,26 @@
-"""ModelRunner: the model, its paged KV cache, and the flat inputs of each step.
+"""ModelRunner: the model, its paged KV cache, the static step buffers and the step graphs.
 
-``prepare_prefill`` / ``prepare_decode`` turn a scheduler step into ``(input_ids, ForwardBatch)``;
-``run`` returns the fp32 logits rows of the tokens that sample. Decode steps replay a CUDA graph
-when one was captured for the padded batch size (``GraphRunner``), else run eagerly (always on the
-CPU). The shapes the model sees are exactly the scheduler's: under corun a decode step is ``B`` rows
-whatever the number of live sequences, a prefill step is one sequence's aligned chunk.
+``execute(part)`` runs one ``StepPart`` (a shape from the scheduler and its chunks): it fills the
+shape's views of the static step buffers (one host-to-device copy), replays the shape's CUDA graph
+or runs the same forward eagerly, and returns a ``StepResult``: per sample row the sampled token
+and the logits digest (one [R, 3] int64 tensor, read by the engine with one device-to-host copy),
+plus the fp32 logits. The forward, the LM head on the sample rows, the sampler and the digest are
+one function of the buffers, so a graph replays all of it and eager runs exactly the same ops.
 
-``max_seq_len`` (the decode attention grid bound) is ``max_model_len`` under corun and
-batch_invariant, so the launch shape never depends on the other sequences; under default it is the
-batch's longest sequence when eager (a captured graph is fixed at ``max_model_len``).
+The shapes the model sees are exactly the scheduler's: under corun a decode step is ``B`` rows
+whatever the number of live sequences, a prefill step ``T`` tokens in ``R`` chunk rows (packed) or
+its chunk's bucket (isolated). ``max_seq_len`` (the decode attention grid bound) is
+``max_model_len`` for every fixed shape, so the launch never depends on the other sequences; a
+dynamic default-mode step uses the batch's longest sequence.
 
-Tensor parallelism: a runner is one rank's (``parallel``): it builds that rank's shard, holds that
-rank's KV-cache shard and runs the same steps as its peers; ``corun.tp_executor`` keeps the ranks
-in step. Every rank gets the full-vocabulary logits (the model gathers them); rank 0 samples.
+Two buffer sets: decode and prefill, so that under ``overlap_prefill_decode`` a decode step and a
+prefill step can be in flight together (``execute_overlapped``: the decode on the current stream,
+the prefill on a second one).
+
+Tensor parallelism: a runner is one rank's (``parallel``): it builds that rank's shard, holds
+that rank's KV-cache shard and runs the same steps as its peers; ``corun.tp_executor`` sends each
+step's filled buffer to the peers (``_publish``). Every rank gets the full-vocabulary logits (the
+model gathers them); rank 0 reads the samples.
 
 Swap (preemption): ``swap_out`` copies a sequence's blocks to host memory, ``swap_in`` copies
 them back into the blocks the scheduler gave it; the bytes are unchanged, so attention, which
@@ -21,25 +29,40 @@ reads through the block table, computes the same bits afterwards.
 
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
 from corun.config import EngineConfig
 from corun.fingerprint import LogitsDigest
 from corun.graph_runner import GraphRunner
-from corun.sampler import Sampler
-from corun.scheduler import ScheduledChunk
+from corun.sampler import Sampler, SamplingTensors
+from corun.step import StepPart, StepShape
+from corun.step_inputs import BoundStep, StepBuffers, StepHost
 from kernels.mode import Mode
 from models.forward_batch import ForwardBatch, KVCache, OpsConfig
 from models.parallel import SINGLE, ParallelContext
 
 # Memory kept free beyond the profiled peak when sizing the cache from free GPU memory: the
-# decode graphs' pool and allocator fragmentation.
+# step graphs' pools and allocator fragmentation.
 _GPU_RESERVE_BYTES = 2 << 30
 
 
+@dataclass
+class StepResult:
+    """Device outputs of one executed part: ``samples`` [R, 3] int64 (token id, digest d1, d2)
+    per sample row, the first ``num_sampled`` real; ``logits`` [R, V] fp32; ``logprobs`` [R] of
+    the sampled tokens when a row asked for them."""
+
+    samples: torch.Tensor
+    logits: torch.Tensor
+    logprobs: torch.Tensor | None
+    num_sampled: int
+
+
 class ModelRunner:
-    """Owns the model, the KV cache, the sampler and the decode graphs of one engine."""
+    """Owns the model, the KV cache, the sampler, the step buffers and the step graphs."""
 
     def __init__(self, config: EngineConfig, model: tuple | None = None,
                  parallel: ParallelContext = SINGLE) -> None:
@@ -62,6 +85,11 @@ class ModelRunner:
                              decode_split_size=config.decode_split_size)
         self.vocab_size = self.model_config.vocab_size
         self.block_width = config.max_blocks_per_seq
+        self.sampler = Sampler(config.resolved_backend, self.device)
+        self.digest = LogitsDigest(self.vocab_size, self.device)
+        self.decode_buffers = self._buffers(max(config.decode_buckets),
+                                            max(config.decode_buckets))
+        self.prefill_buffers = self._buffers(*self._prefill_capacity())
         spec = self.model.kv_cache_spec()
         self.num_kv_blocks = self._agree_num_blocks(
             config.num_kv_blocks or self._auto_num_blocks(spec))
@@ -70,12 +98,66 @@ class ModelRunner:
         # Blocks are dim 2 of the MHA storage [L, 2, NB, ...] and dim 1 of the MLA one [L, NB, ...].
         self._block_dim = 2 if spec.kind == "mha" else 1
         self._host_kv: dict[int, torch.Tensor] = {}
-        self.sampler = Sampler(config.resolved_backend, self.device)
-        self.digest = LogitsDigest(self.vocab_size, self.device)
         self.graph_runner: GraphRunner | None = None
         if config.use_cuda_graphs:
-            self.graph_runner = GraphRunner(self, config.decode_buckets)
-            self.graph_runner.capture()
+            self.graph_runner = GraphRunner(self.device)
+            self.capture_graphs()
+
+    def _buffers(self, max_tokens: int, max_seqs: int) -> StepBuffers:
+        return StepBuffers(max_tokens, max_seqs, max_seqs, self.block_width,
+                           self.config.block_size, self.device)
+
+    def _prefill_capacity(self) -> tuple[int, int]:
+        """(tokens, rows) of the largest prefill step the scheduler can make."""
+        config = self.config
+        if config.is_packed_prefill:
+            return config.prefill_step_tokens, config.max_prefill_seqs_per_step
+        if config.is_corun:
+            return max(config.prefill_buckets), 1
+        return config.max_num_batched_tokens, config.max_num_seqs
+
+    # -- fixed shapes and their graphs ------------------------------------------------------------
+
+    def fixed_shapes(self) -> list[StepShape]:
+        """Every fixed step shape of this config, largest first within decode and prefill."""
+        config = self.config
+        shapes = [StepShape.decode(b) for b in sorted(config.decode_buckets, reverse=True)]
+        if config.is_packed_prefill:
+            shapes.append(StepShape.packed_prefill(config.prefill_step_tokens,
+                                                   config.max_prefill_seqs_per_step,
+                                                   config.prefill_chunk_size))
+        elif config.is_corun:
+            shapes += [StepShape.isolated_prefill(b)
+                       for b in sorted(config.prefill_buckets, reverse=True)]
+        return shapes
+
+    def graphable(self, shape: StepShape) -> bool:
+        return shape.is_fixed and (not shape.is_prefill or self.model.supports_prefill_graphs)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture every graphable fixed shape (decode and prefill pools apart, largest first)."""
+        for shape in self.fixed_shapes():
+            if not self.graphable(shape):
+                continue
+            bufs = self._buffers_of(shape)
+            bufs.fill(shape, [])  # all padding: the capture's own runs write and read nothing
+            bound = self._bind(shape, bufs)
+            self.graph_runner.capture(shape, "prefill" if shape.is_prefill else "decode",
+                                      lambda bound=bound: self._forward(bound))
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run every fixed shape once on padding (JIT compilation before anything is timed).
+        Captured shapes were warmed up by their capture."""
+        for shape in self.fixed_shapes():
+            if self.graph_runner is not None and self.graph_runner.can_replay(shape):
+                continue
+            bufs = self._buffers_of(shape)
+            host = bufs.fill(shape, [])
+            self._launch(shape, bufs, host)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- KV cache sizing --------------------------------------------------------------------------
 
@@ -109,182 +191,147 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_peak_bytes(self, spec) -> int:
-        """Activation peak of the largest prefill step, run once on a one-block scratch cache."""
+        """Activation peak of the largest prefill step and of the largest decode step (their sum
+        under ``overlap_prefill_decode``, where both are in flight), each run once on padding
+        over a one-block scratch cache."""
         scratch = KVCache(spec, 1, self.config.block_size, self.dtype, self.device)
-        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        if self.config.is_corun:
-            num_tokens = min(self.config.prefill_chunk_size, self.config.max_model_len)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        i32 = dict(dtype=torch.int32, device=self.device)
-        batch = ForwardBatch(
-            is_prefill=True, positions=torch.arange(num_tokens, device=self.device),
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            block_tables=torch.zeros(1, self.block_width, **i32), kv_cache=scratch, ops=self.ops,
-            cu_seqlens_q=torch.tensor([0, num_tokens], **i32),
-            context_lens=torch.tensor([num_tokens], **i32), max_q_len=num_tokens,
-            max_seq_len=num_tokens, token_mask=torch.ones(num_tokens, dtype=torch.bool,
-                                                          device=self.device))
-        hidden = self.model(ids, batch)
-        rows = min(self.config.max_num_seqs, num_tokens)
-        self.model.compute_logits(hidden[:rows], self.ops)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del scratch, hidden, batch
+        peaks = []
+        largest = {}
+        for shape in self.fixed_shapes() + [self._largest_dynamic_shape()]:
+            if shape is not None:
+                key = shape.is_prefill
+                if key not in largest or shape.num_tokens > largest[key].num_tokens:
+                    largest[key] = shape
+        for shape in largest.values():
+            bufs = self._buffers_of(shape)
+            host = bufs.fill(shape, [])
+            bound = bufs.bind(shape, scratch, self.ops, self.config.max_model_len, host,
+                              cache=False)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            batch = bound.batch
+            if shape.is_prefill:
+                # One sequence over the whole step: the largest context a step can expand.
+                batch = dataclasses.replace(batch, context_lens_host=(shape.num_tokens,))
+            self._forward(bound, batch)
+            torch.cuda.synchronize(self.device)
+            peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
+        del scratch
         torch.cuda.empty_cache()
-        return peak
+        return sum(peaks) if self.config.overlap_prefill_decode else max(peaks)
 
-    # -- step inputs ------------------------------------------------------------------------------
+    def _largest_dynamic_shape(self) -> StepShape | None:
+        """The dynamic modes' largest prefill step: the whole token budget, the most rows."""
+        if self.config.is_corun:
+            return None
+        tokens, rows = self._prefill_capacity()
+        return StepShape(True, tokens, rows, rows, max_q_len=min(tokens, self.config.max_model_len),
+                         is_fixed=False)
 
-    def _slot(self, block_table: list[int], position: int) -> int:
-        size = self.config.block_size
-        return block_table[position // size] * size + position % size
+    # -- running steps ----------------------------------------------------------------------------
 
-    def _block_tables(self, tables: list[list[int]], num_rows: int) -> torch.Tensor:
-        """[num_rows, block_width] int32, zero-padded (rows past ``tables`` are dummies).
+    def _buffers_of(self, shape: StepShape) -> StepBuffers:
+        return self.prefill_buffers if shape.is_prefill else self.decode_buffers
 
-        Filled through numpy: a Python list of B x max_blocks ints would cost milliseconds per
-        decode step at B = 128 and long contexts.
-        """
-        rows = np.zeros((num_rows, self.block_width), dtype=np.int32)
-        for i, table in enumerate(tables):
-            rows[i, : len(table)] = table
-        return torch.from_numpy(rows).to(self.device)
+    def _bind(self, shape: StepShape, bufs: StepBuffers,
+              host: StepHost | None = None) -> BoundStep:
+        # max_model_len for every fixed shape: a graph bakes the host int in, and corun /
+        # batch_invariant must not size the decode grid by the other sequences. A dynamic
+        # default-mode step sizes it by its own longest sequence.
+        max_seq_len = self.config.max_model_len
+        if not shape.is_fixed and self.ops.mode is Mode.DEFAULT:
+            max_seq_len = host.max_seq_len
+        return bufs.bind(shape, self.kv_cache, self.ops, max_seq_len, host)
 
-    def _max_seq_len(self, longest: int) -> int:
-        return longest if self.ops.mode is Mode.DEFAULT else self.config.max_model_len
+    def _forward(self, bound: BoundStep, batch: ForwardBatch | None = None,
+                 all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole step on the bound views: forward, LM head on the sample rows, sampler and
+        logits digest -> (logits [R, V] fp32, samples [R, 3] int64). Captured as one graph."""
+        hidden = self.model(bound.input_ids, batch or bound.batch)
+        if bound.sample_rows is not None:
+            hidden = hidden.index_select(0, bound.sample_rows)
+        logits = self.model.compute_logits(hidden, self.ops)
+        tensors = SamplingTensors(bound.temperature, bound.top_k, bound.top_p, bound.seeds,
+                                  bound.sample_indices, bound.sample_positions,
+                                  all_greedy=all_greedy, want_logprobs=False)
+        token_ids = self.sampler.sample(logits, tensors)
+        return logits, torch.cat([token_ids.view(-1, 1), self.digest(logits)], dim=1)
 
-    def prepare_prefill(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
-        """Chunks -> (input_ids [T], batch, rows of the tokens that sample, in ``chunks`` order).
+    def _launch(self, shape: StepShape, bufs: StepBuffers,
+                host: StepHost) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the shape's graph, or run the same forward eagerly."""
+        if self.graph_runner is not None and self.graph_runner.can_replay(shape):
+            return self.graph_runner.replay(shape)
+        bound = self._bind(shape, bufs, host)
+        batch = bound.batch
+        if shape.is_prefill and shape.is_fixed:  # per-step host ints of a reused binding
+            batch = dataclasses.replace(batch, context_lens_host=host.context_lens)
+        # The greedy shortcut is the torch backend's (a host flag); a graph never takes it.
+        return self._forward(bound, batch, all_greedy=host.all_greedy)
 
-        Decode tokens the dynamic schedule mixed into the step (chunks of sequences past their
-        prompt) go first, as ``num_decode_tokens`` with the seq_lens and grid bound of a decode
-        step, then the prefill chunks back to back: attention runs the decode tokens through the
-        decode path, so their bits do not depend on which requests prefill beside them.
-        """
-        decodes = [c for c in chunks if not c.seq.is_prefilling]
-        prefills = [c for c in chunks if c.seq.is_prefilling]
-        ids, positions, slots, cu = [], [], [], [0]
-        last_row: dict[int, int] = {}  # id(chunk) -> its last token's row
-        for row, chunk in enumerate(decodes):
-            seq = chunk.seq
-            ids.append(seq.token_ids[chunk.start])
-            positions.append(chunk.start)
-            slots.append(self._slot(seq.block_table, chunk.start))
-            last_row[id(chunk)] = row
-        for chunk in prefills:
-            seq = chunk.seq
-            ids.extend(seq.token_ids[chunk.start:chunk.end])
-            positions.extend(range(chunk.start, chunk.end))
-            slots.extend(self._slot(seq.block_table, p) for p in range(chunk.start, chunk.end))
-            cu.append(cu[-1] + chunk.num_tokens)
-            last_row[id(chunk)] = len(decodes) + cu[-1] - 1
-        dev, i32 = self.device, torch.int32
-        num_tokens = len(ids)
-        # The decode grid bound as prepare_decode sets it (max_model_len unless default).
-        longest = max(c.end for c in (decodes or prefills))
-        batch = ForwardBatch(
-            is_prefill=True,
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
-            block_tables=self._block_tables([c.seq.block_table for c in decodes + prefills],
-                                            len(chunks)),
-            kv_cache=self.kv_cache, ops=self.ops,
-            cu_seqlens_q=torch.tensor(cu, dtype=i32).to(dev),
-            context_lens=torch.tensor([c.end for c in prefills], dtype=i32).to(dev),
-            max_q_len=max((c.num_tokens for c in prefills), default=0),
-            seq_lens=torch.tensor([c.end for c in decodes], dtype=i32).to(dev) if decodes else None,
-            max_seq_len=self._max_seq_len(longest),
-            token_mask=torch.ones(num_tokens, dtype=torch.bool, device=dev),
-            num_decode_tokens=len(decodes),
-        )
-        sample_rows = [last_row[id(c)] for c in chunks if c.samples]
-        return torch.tensor(ids, dtype=torch.int64).to(dev), batch, sample_rows
-
-    def prepare_decode(
-        self, chunks: list[ScheduledChunk], num_slots: int
-    ) -> tuple[torch.Tensor, ForwardBatch]:
-        """One token per live sequence in slots 0..n-1, dummies up to ``num_slots``.
-
-        A dummy slot has token 0 at position 0, slot -1 (nothing written), seq_len 0 (attention
-        gives zeros), an all-zero block row, and token_mask False (MoE routing skips it).
-        """
-        num_live, num_pad = len(chunks), num_slots - len(chunks)
-        if num_pad < 0:
-            raise ValueError(f"num_slots: {num_slots} < {num_live} live sequences")
-        seqs = [c.seq for c in chunks]
-        dev = self.device
-        seq_lens = [s.num_tokens for s in seqs]
-        batch = ForwardBatch(
-            is_prefill=False,
-            positions=torch.tensor([n - 1 for n in seq_lens] + [0] * num_pad,
-                                   dtype=torch.int64).to(dev),
-            slot_mapping=torch.tensor([self._slot(s.block_table, s.num_tokens - 1) for s in seqs]
-                                      + [-1] * num_pad, dtype=torch.int64).to(dev),
-            block_tables=self._block_tables([s.block_table for s in seqs], num_slots),
-            kv_cache=self.kv_cache, ops=self.ops,
-            seq_lens=torch.tensor(seq_lens + [0] * num_pad, dtype=torch.int32).to(dev),
-            max_seq_len=self._max_seq_len(max(seq_lens)),
-            token_mask=torch.tensor([True] * num_live + [False] * num_pad).to(dev),
-        )
-        ids = torch.tensor([s.token_ids[-1] for s in seqs] + [0] * num_pad, dtype=torch.int64)
-        return ids.to(dev), batch
-
-    # -- running ----------------------------------------------------------------------------------
+    def _publish(self, shape: StepShape, bufs: StepBuffers, host: StepHost) -> None:
+        """Hand a filled step to the other tensor-parallel ranks (nothing to do at TP=1)."""
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, batch: ForwardBatch,
-            sample_rows: list[int] | None = None) -> torch.Tensor:
-        """Logits [N, V] fp32 of the sampled rows (decode: every slot, dummies included)."""
-        if not batch.is_prefill and self.graph_runner is not None \
-                and self.graph_runner.can_replay(input_ids.shape[0]):
-            return self.graph_runner.replay(input_ids, batch)
-        hidden = self.model(input_ids, batch)
-        if sample_rows is not None:
-            if not sample_rows:
-                return hidden.new_empty(0, self.vocab_size, dtype=torch.float32)
-            hidden = hidden[torch.tensor(sample_rows, device=hidden.device)]
-        return self.model.compute_logits(hidden, self.ops)
+    def receive_and_launch(self, header) -> None:
+        """A tensor-parallel worker's step: rank 0's filled buffer arrives by broadcast into
+        this rank's buffer of the same layout, then the same shape runs (``corun.tp_executor``)."""
+        import torch.distributed as dist
+
+        bufs = self._buffers_of(header.shape)
+        dist.broadcast(bufs.dev, src=0, group=self.parallel.group)
+        self._launch(header.shape, bufs, header.host)
+
+    def _result(self, part: StepPart, host: StepHost, logits: torch.Tensor,
+                samples: torch.Tensor) -> StepResult:
+        logprobs = self.sampler.logprobs(logits, samples[:, 0]) if host.want_logprobs else None
+        return StepResult(samples, logits, logprobs, len(part.sampling_chunks))
 
     @torch.inference_mode()
-    def run_overlapped(
-        self, decode: tuple[torch.Tensor, ForwardBatch],
-        prefill: tuple[torch.Tensor, ForwardBatch, list[int]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One combined corun step: (decode logits [B, V], prefill logits [rows, V]).
+    def execute(self, part: StepPart) -> StepResult:
+        """Fill ``part``'s shape from its chunks, run it, and sample its sample rows."""
+        bufs = self._buffers_of(part.shape)
+        host = bufs.fill(part.shape, part.chunks)
+        self._publish(part.shape, bufs, host)
+        return self._result(part, host, *self._launch(part.shape, bufs, host))
 
-        Each part is exactly the forward ``run`` gives it alone (same shapes, same kernels and
+    @torch.inference_mode()
+    def execute_overlapped(self, decode: StepPart,
+                           prefill: StepPart) -> tuple[StepResult, StepResult]:
+        """One combined corun step: a decode part and a prefill part, as two forwards.
+
+        Each part is exactly the forward ``execute`` gives it alone (same shapes, kernels and
         configs), so its bits do not change; the parts read and write disjoint KV blocks (their
-        sequences differ; dummy decode slots write nothing and read nothing) and no kernel of one
-        part reduces across the other, so running them concurrently changes nothing either.
+        sequences differ; dummy rows write nothing and read nothing) and no kernel of one part
+        reduces across the other, so running them concurrently changes nothing either.
 
-        On CUDA the decode (graph replay, a single launch) goes first on the current stream, then
-        the prefill's eager kernels on a second stream, so the compute-bound prefill fills the
-        SMs the weight-bound decode leaves idle; the current stream then waits for the second
-        one, so everything after (sampling, the next step's KV writes) is ordered after both. On
-        the CPU the two forwards run one after the other.
+        On CUDA the decode (a graph replay) goes first on the current stream, then the prefill on
+        a second stream, so the compute-bound prefill fills the SMs the weight- and KV-bound
+        decode leaves idle; the current stream then waits for the second one, so everything after
+        (the next step's copies and KV writes) is ordered after both. The two parts' graphs live
+        in separate memory pools. On the CPU the two forwards run one after the other.
         """
         if self.device.type != "cuda":
-            return self.run(*decode), self.run(*prefill)
-        main = torch.cuda.current_stream(self.device)
-        side = self._prefill_stream()
-        # The prefill's inputs were copied to the device on the current stream.
-        side.wait_stream(main)
-        decode_logits = self.run(*decode)
+            return self.execute(decode), self.execute(prefill)
+        d_bufs, p_bufs = self._buffers_of(decode.shape), self._buffers_of(prefill.shape)
+        if d_bufs is p_bufs:
+            raise ValueError("execute_overlapped: expects a decode part and a prefill part")
+        d_host = d_bufs.fill(decode.shape, decode.chunks)
+        p_host = p_bufs.fill(prefill.shape, prefill.chunks)
+        main, side = torch.cuda.current_stream(self.device), self._prefill_stream()
+        side.wait_stream(main)  # the prefill's inputs were copied on the current stream
+        d_out = self._launch(decode.shape, d_bufs, d_host)
         with torch.cuda.stream(side):
-            prefill_logits = self.run(*prefill)
+            p_logits, p_samples = self._launch(prefill.shape, p_bufs, p_host)
         main.wait_stream(side)
-        # Made on ``side`` and read on ``main``: without this the allocator could hand its memory
-        # to the next allocation on ``side`` once it is freed while ``main`` still reads it. The
-        # prefill's inputs (made on ``main``, read on ``side``) are still referenced by the caller
-        # here, so any reuse of their memory on ``main`` is ordered after the wait above.
-        if prefill_logits.numel():  # a chunk that does not sample has no allocation to guard
-            prefill_logits.record_stream(main)
-        return decode_logits, prefill_logits
+        # Made on ``side`` and read on ``main``: without this the allocator could hand an eager
+        # prefill's outputs to the next allocation on ``side`` while ``main`` still reads them.
+        for tensor in (p_logits, p_samples):
+            if tensor.numel():
+                tensor.record_stream(main)
+        return (self._result(decode, d_host, *d_out),
+                self._result(prefill, p_host, p_logits, p_samples))
 
     def _prefill_stream(self) -> torch.cuda.Stream:
         stream = getattr(self, "_side_stream", None)

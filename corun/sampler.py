@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from corun.sequence import Sequence
 from kernels.reference import sample_reference
 
 
@@ -27,7 +26,8 @@ def seed_to_int64(seed: int) -> int:
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling inputs of one step, built once on the device (``Sampler.prepare``)."""
+    """Per-row sampling inputs of one step, on the device: views of the runner's static step
+    buffers (``corun.step_inputs``), filled once per step with the rest of the step's inputs."""
 
     temperature: torch.Tensor  # [N] f32, 0 = greedy
     top_k: torch.Tensor  # [N] int32, <= 0 = off
@@ -35,32 +35,14 @@ class SamplingTensors:
     seeds: torch.Tensor  # [N] int64
     sample_indices: torch.Tensor  # [N] int32
     positions: torch.Tensor  # [N] int64, absolute position of the token being sampled
-    all_greedy: bool
-    want_logprobs: bool
+    all_greedy: bool = False  # host flag: the torch backend's argmax shortcut
+    want_logprobs: bool = False
 
 
 class Sampler:
     def __init__(self, backend: str, device: torch.device) -> None:
         self.backend = backend
         self.device = device
-
-    def prepare(self, seqs: list[Sequence]) -> SamplingTensors:
-        params = [s.params for s in seqs]
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        return SamplingTensors(
-            temperature=tensor([p.temperature for p in params], torch.float32),
-            top_k=tensor([p.effective_top_k for p in params], torch.int32),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            seeds=tensor([seed_to_int64(s.seed) for s in seqs], torch.int64),
-            sample_indices=tensor([s.sample_index for s in seqs], torch.int32),
-            # The sampled token lands at index num_tokens: its absolute position.
-            positions=tensor([s.num_tokens for s in seqs], torch.int64),
-            all_greedy=all(p.is_greedy for p in params),
-            want_logprobs=any(p.logprobs is not None for p in params),
-        )
 
     def sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """logits [N, V] fp32 -> token ids [N] int64."""

@@ -7,15 +7,17 @@ One ``Scheduler`` serves all three modes; what differs is the ``BatchingPolicy``
   running sequences first (a decode token each, or their next prefill chunk), then admits waiting
   requests, all under the token budget ``max_num_batched_tokens``; prefill chunks and decode tokens
   share one step. A step of decode tokens only is padded up to the next graph bucket (1, 2, 4, ...).
-- ``CoRunPolicy`` (``corun``): *isolated prefill*: a prefill step holds one sequence's chunk only,
-  chunks end at multiples of ``prefill_chunk_size`` (so a request's chunking is a function of its
-  own length); *fixed-shape decode*: every decode step has exactly ``B`` slots, dummies in the empty
-  ones. Alternation (the stall bound): while sequences are decoding, at most
-  ``max_prefill_steps_between_decodes`` prefill steps run between two decode steps; a decode step
-  runs whenever that quota is used up or no prefill work can start. With
-  ``overlap_prefill_decode`` a decode step also carries one isolated prefill chunk (a *combined*
-  step, run on two CUDA streams): that chunk counts against the quota, so at most
-  ``max_prefill_steps_between_decodes - 1`` prefill-only steps run between two decode steps.
+- ``CoRunPolicy`` (``corun``): prefill chunks end at multiples of ``prefill_chunk_size`` C (so a
+  request's chunking is a function of its own length) and run in *fixed-shape* prefill steps:
+  ``packed`` (several requests' whole chunks in one step of exactly T tokens and R chunk rows,
+  padded with dummies; a chunk is never cut to fill the step) or ``isolated`` (the paper's: one
+  chunk, padded to its bucket). *Fixed-shape decode*: every decode step has exactly ``B`` slots,
+  dummies in the empty ones; decode-ready sequences beyond B wait for a slot in arrival order.
+  The stall bound is a token budget: while sequences are decoding, prefill steps whose padded
+  sizes add up to at most ``prefill_token_budget`` run between two decode steps (always at least
+  one when prefill work is waiting). With ``overlap_prefill_decode`` a decode step also carries
+  one prefill step (a *combined* step, run on two CUDA streams), which counts against the budget.
+  Every step's ``StepShape`` is decided here, so the runner only fills and replays.
 
 Preemption keeps the bits: when a sequence cannot get the block it needs, the most recently
 arrived running sequence is *swapped out*: the engine copies its KV blocks to host memory and the
@@ -33,6 +35,7 @@ from typing import Protocol
 from corun.config import EngineConfig
 from corun.kv_cache import BlockManager
 from corun.sequence import Sequence, SequenceStatus
+from corun.step import StepPart, StepShape
 
 
 @dataclass
@@ -55,22 +58,22 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step: the chunks in batch order, and the KV copies to do before running it.
+    """One step: its parts (shape + chunks, in batch order), and the KV copies to do first.
 
-    ``is_decode``: every chunk is one decode token; the step runs the decode path padded to
-    ``num_decode_slots`` rows (a bucket, or B under corun). Otherwise it is a (varlen) prefill step.
-    ``overlap_chunks`` (corun with ``overlap_prefill_decode`` only, on a decode step): one isolated
-    prefill chunk of a sequence that is not in the decode batch, run beside the decode as its own
-    forward (its own shapes, as in a prefill-only step); empty otherwise. Both parts are committed
-    as if they had been two steps: they touch disjoint sequences and disjoint KV blocks.
+    ``chunks`` / ``shape``: the step's main part: a decode part (one token per chunk, padded to
+    ``shape.num_seqs`` slots) or a prefill part. ``overlap_chunks`` / ``overlap_shape`` (corun with
+    ``overlap_prefill_decode`` only, on a decode step): a prefill part of sequences that are not
+    in the decode batch, run beside the decode as its own forward (its own shape, as in a
+    prefill-only step); empty otherwise. Both parts are committed as if they had been two steps:
+    they touch disjoint sequences and disjoint KV blocks.
     ``swap_out``: (sequence, device blocks) to copy to host *first*; ``swap_in``: sequences whose
     host copy goes into their new ``block_table`` *second*.
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    is_decode: bool = False
-    num_decode_slots: int = 0
+    shape: StepShape | None = None
     overlap_chunks: list[ScheduledChunk] = field(default_factory=list)
+    overlap_shape: StepShape | None = None
     swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     swap_in: list[Sequence] = field(default_factory=list)
 
@@ -79,9 +82,24 @@ class SchedulerOutput:
         return not self.chunks and not self.overlap_chunks
 
     @property
+    def is_decode(self) -> bool:
+        return self.shape is not None and not self.shape.is_prefill
+
+    @property
+    def num_decode_slots(self) -> int:
+        return self.shape.num_seqs if self.is_decode else 0
+
+    @property
     def is_combined(self) -> bool:
         """A decode part and a prefill part in one step (``overlap_prefill_decode``)."""
         return self.is_decode and bool(self.overlap_chunks)
+
+    @property
+    def parts(self) -> list[StepPart]:
+        parts = [StepPart(self.shape, self.chunks)] if self.chunks else []
+        if self.overlap_chunks:
+            parts.append(StepPart(self.overlap_shape, self.overlap_chunks))
+        return parts
 
     @property
     def decode_chunks(self) -> list[ScheduledChunk]:
@@ -203,6 +221,15 @@ class Scheduler:
         self._protected.add(seq.seq_id)
         return True
 
+    def try_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give running ``seq`` room for ``num_tokens`` tokens if the blocks are free; never
+        preempts (a packed prefill step's extra chunks only use what is free)."""
+        if not self.block_manager.can_grow(seq, num_tokens):
+            return False
+        self.block_manager.grow(seq, num_tokens)
+        self._protected.add(seq.seq_id)
+        return True
+
     def _swap_out(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.num_preemptions += 1
@@ -243,97 +270,175 @@ def _bucket(size: int, buckets: list[int]) -> int:
 
 
 class DynamicPolicy:
-    """default / batch_invariant: running sequences first, then admissions, under a token budget."""
+    """default / batch_invariant: running sequences first, then admissions, under a token budget.
+
+    Under batch_invariant a chunk the leftover budget cuts short ends at a multiple of
+    ``prefill_alignment`` (the prefill kernel's query tile): the kernel promises a row the same
+    bits whole or chunked only for chunks aligned so; a prompt's last chunk may end anywhere.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.alignment = config.prefill_alignment if config.kernel_mode.is_batch_invariant else 1
+
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq``'s next prefill chunk within ``budget`` (0: no aligned cut fits)."""
+        start, remaining = seq.num_computed_tokens, seq.num_uncomputed_tokens
+        n = min(remaining, budget, self.config.prefill_chunk_size)
+        if n < remaining and self.alignment > 1:
+            n = (start + n) // self.alignment * self.alignment - start
+        return max(n, 0)
 
     def schedule(self, sched: Scheduler, out: SchedulerOutput) -> None:
         budget = self.config.max_num_batched_tokens
-        chunk_cap = self.config.prefill_chunk_size
         for seq in list(sched.running):
             if budget == 0:
                 break
             if seq not in sched.running:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed_tokens, budget, chunk_cap) if seq.is_prefilling else 1
-            if not sched.reserve(seq, seq.num_computed_tokens + n, out):
+            n = self._chunk_len(seq, budget) if seq.is_prefilling else 1
+            if n == 0 or not sched.reserve(seq, seq.num_computed_tokens + n, out):
                 continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         while budget > 0 and sched.can_admit:
-            n = min(sched.waiting[0].num_uncomputed_tokens, budget, chunk_cap)
-            seq = sched.admit(n)
+            n = self._chunk_len(sched.waiting[0], budget)
+            seq = sched.admit(n) if n else None
             if seq is None:
                 break
             out.chunks.append(ScheduledChunk(seq, 0, n))
             budget -= n
-        if out.chunks and all(not c.seq.is_prefilling for c in out.chunks):
-            out.is_decode = True
-            out.num_decode_slots = _bucket(len(out.chunks), self.config.decode_buckets)
+        if not out.chunks:
+            return
+        if all(not c.seq.is_prefilling for c in out.chunks):
+            out.shape = StepShape.decode(_bucket(len(out.chunks), self.config.decode_buckets))
+        else:
+            out.shape = StepShape.dynamic(out.chunks)
 
 
 class CoRunPolicy:
-    """corun: isolated, aligned prefill chunks; decode at exactly B slots; bounded decode stalls."""
+    """corun: aligned prefill chunks in fixed-shape steps (packed or isolated); decode at exactly
+    B slots; prefill steps between two decode steps bounded by a token budget."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.num_prefills_since_decode = 0
+        self.num_prefill_tokens_since_decode = 0
 
-    def _chunk_len(self, seq: Sequence) -> int:
+    def _chunk_len(self, seq: Sequence, start: int) -> int:
         # Chunks end at the next multiple of C (or at the prompt's end): a function of the
         # sequence's own length only, whatever the schedule around it.
         size = self.config.prefill_chunk_size
-        start = seq.num_computed_tokens
         return min((start // size + 1) * size, seq.num_tokens) - start
 
     def schedule(self, sched: Scheduler, out: SchedulerOutput) -> None:
-        overlap = self.config.overlap_prefill_decode
+        config = self.config
         decoding = [s for s in sched.running if not s.is_prefilling]
-        # Under overlap, each decode step carries one prefill chunk, which uses up one unit of the
-        # quota: only the rest may be spent on prefill-only steps.
-        quota = self.config.max_prefill_steps_between_decodes - int(overlap)
-        quota_left = self.num_prefills_since_decode < quota
-        if not decoding or quota_left:
-            if self._schedule_prefill(sched, out.chunks, out):
-                self.num_prefills_since_decode += 1
+        # While sequences decode, a prefill step runs only if it fits in what is left of the
+        # budget since the last decode step (the first one always may).
+        room = None
+        if decoding and self.num_prefill_tokens_since_decode > 0:
+            room = config.prefill_token_budget - self.num_prefill_tokens_since_decode
+        if not decoding or room is None or room > 0:
+            if self._schedule_prefill(sched, out, main=True, room=room):
                 return
-        decoding = [s for s in sched.running if not s.is_prefilling]
-        for seq in decoding:
+        num_slots = config.num_decode_slots
+        for seq in [s for s in sched.running if not s.is_prefilling]:
+            if len(out.chunks) == num_slots:  # the rest wait for a slot, in arrival order
+                break
             if seq not in sched.running:  # preempted to make room for an earlier sequence
                 continue
             if sched.reserve(seq, seq.num_tokens, out):
                 out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
         if out.chunks:
-            out.is_decode = True
-            out.num_decode_slots = self.config.num_decode_slots
-            self.num_prefills_since_decode = 0
+            out.shape = StepShape.decode(num_slots)
+            self.num_prefill_tokens_since_decode = 0
             # The decode slots are reserved (protected) first, so the prefill part can never
             # preempt a sequence of this decode batch; a prefilling sequence is never decoding,
             # so the two parts hold disjoint sequences.
-            if overlap:
-                self._schedule_prefill(sched, out.overlap_chunks, out)
-        elif overlap and decoding:
+            if config.overlap_prefill_decode:
+                self._schedule_prefill(sched, out, main=False, room=None)
+        elif decoding:
             # Every decoding sequence was swapped out or must wait: a prefill-only step instead.
-            if self._schedule_prefill(sched, out.chunks, out):
-                self.num_prefills_since_decode += 1
+            self._schedule_prefill(sched, out, main=True, room=None)
 
-    def _schedule_prefill(self, sched: Scheduler, chunks: list[ScheduledChunk],
-                          out: SchedulerOutput) -> bool:
+    def _schedule_prefill(self, sched: Scheduler, out: SchedulerOutput, main: bool,
+                          room: int | None) -> bool:
+        """Schedule one prefill step whose padded size fits in ``room`` (None: any size)."""
+        config = self.config
+        if config.is_packed_prefill:
+            shape = StepShape.packed_prefill(config.prefill_step_tokens,
+                                             config.max_prefill_seqs_per_step,
+                                             config.prefill_chunk_size)
+            if room is not None and shape.num_tokens > room:
+                return False
+            chunks = self._packed(sched, out)
+        else:
+            chunks = self._isolated(sched, out, room)
+            shape = StepShape.isolated_prefill(
+                _bucket(chunks[0].num_tokens, config.prefill_buckets)) if chunks else None
+        if not chunks:
+            return False
+        if main:
+            out.chunks, out.shape = chunks, shape
+        else:
+            out.overlap_chunks, out.overlap_shape = chunks, shape
+        self.num_prefill_tokens_since_decode += shape.num_tokens
+        return True
+
+    def _isolated(self, sched: Scheduler, out: SchedulerOutput,
+                  room: int | None) -> list[ScheduledChunk]:
         # Finish the earliest arrival's prompt before starting another (a sequence swapped back in
         # in the middle of its prompt continues here too).
         prefilling = [s for s in sched.running if s.is_prefilling]
+        seq = prefilling[0] if prefilling else sched.waiting[0] if sched.can_admit else None
+        if seq is None:
+            return []
+        n = self._chunk_len(seq, seq.num_computed_tokens)
+        if room is not None and _bucket(n, self.config.prefill_buckets) > room:
+            return []
         if prefilling:
-            seq = prefilling[0]
-            n = self._chunk_len(seq)
             if not sched.reserve(seq, seq.num_computed_tokens + n, out):
-                return False
-        elif sched.can_admit:
+                return []
+        elif sched.admit(n) is None:
+            return []
+        return [ScheduledChunk(seq, seq.num_computed_tokens, n)]
+
+    def _packed(self, sched: Scheduler, out: SchedulerOutput) -> list[ScheduledChunk]:
+        """Whole aligned chunks, in arrival order, while they fit in T tokens and R rows.
+
+        Prompts already being prefilled go first (the first chunk of the earliest one may preempt
+        later arrivals, so it always progresses), then waiting requests are admitted. A chunk that
+        does not fit ends its sequence's share of this step (its later chunks wait too); a shorter
+        chunk of a later sequence may still fit. A chunk is never cut to fill the step.
+        """
+        config = self.config
+        chunks: list[ScheduledChunk] = []
+        room = config.prefill_step_tokens
+        max_rows = config.max_prefill_seqs_per_step
+
+        def add_chunks(seq: Sequence, start: int, may_preempt: bool) -> None:
+            nonlocal room
+            while start < seq.num_tokens and len(chunks) < max_rows:
+                n = self._chunk_len(seq, start)
+                if n > room:
+                    return
+                grown = (sched.reserve(seq, start + n, out) if may_preempt and not chunks
+                         else sched.try_grow(seq, start + n))
+                if not grown:
+                    return
+                chunks.append(ScheduledChunk(seq, start, n))
+                room -= n
+                start += n
+
+        for seq in [s for s in sched.running if s.is_prefilling]:
+            if seq in sched.running:  # not preempted by an earlier chunk of this step
+                add_chunks(seq, seq.num_computed_tokens, may_preempt=True)
+        while sched.can_admit and len(chunks) < max_rows:
             seq = sched.waiting[0]
-            n = self._chunk_len(seq)
-            if sched.admit(n) is None:
-                return False
-        else:
-            return False
-        chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-        return True
+            n = self._chunk_len(seq, 0)
+            if n > room or sched.admit(n) is None:
+                break
+            chunks.append(ScheduledChunk(seq, 0, n))
+            room -= n
+            add_chunks(seq, n, may_preempt=False)
+        return chunks

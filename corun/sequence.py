@@ -51,6 +51,9 @@ class Sequence:
     num_reported_chars: int = 0  # output text already handed out as deltas
     num_preemptions: int = 0
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    # The generated tokens, appended in step with token_ids: outputs hand this list out without
+    # copying it every step (a finished sequence's list no longer changes).
+    output_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -72,7 +75,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.output_ids
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -88,4 +91,6 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
-        self.token_ids.append(int(token_id))
+        token_id = int(token_id)
+        self.token_ids.append(token_id)
+        self.output_ids.append(token_id)

@@ -13,12 +13,13 @@ One step (``TPModelRunner.run``):
 2. it sends a small ``StepHeader`` through each worker's pipe. The pipe is the wake-up: an idle
    worker blocks on it, never inside a collective, so an idle server cannot hit a collective
    timeout;
-3. it broadcasts the step's inputs as one packed int64 tensor (``dist.broadcast`` from rank 0:
-   input ids, positions, slot mapping, block tables, cu_seqlens / seq_lens, context lens, token
-   mask), so every rank builds the same ``ForwardBatch`` over its own cache shard;
-4. every rank runs ``ModelRunner.run``: the row-parallel layers all-reduce by
-   ``models.parallel.reduce_policy(mode, N)`` and the logits are gathered to the full
-   vocabulary; rank 0 returns them to the sampler, the workers drop them.
+3. it broadcasts the step's filled static buffer (``corun.step_inputs``: input ids, positions,
+   slots, block tables, lengths, token mask, sample rows and sampling parameters, one byte
+   tensor) from rank 0 into every worker's own buffer of the same layout, so every rank binds
+   the same views to the same ``ForwardBatch`` over its own cache shard;
+4. every rank runs the same step (the shape's graph, or the eager forward): the row-parallel
+   layers all-reduce by ``models.parallel.reduce_policy(mode, N)`` and the logits are gathered
+   to the full vocabulary; rank 0 reads the samples, the workers drop theirs.
 
 Swap-out / swap-in / drop go through the same pipes, in order with the steps, so every rank
 copies its own cache shard to and from host memory. Each rank captures its own CUDA graphs at the
@@ -55,8 +56,9 @@ import torch
 import torch.distributed as dist
 
 from corun.config import EngineConfig
-from corun.model_runner import ModelRunner
-from models.forward_batch import ForwardBatch
+from corun.model_runner import ModelRunner, StepResult
+from corun.step import StepPart, StepShape
+from corun.step_inputs import StepBuffers, StepHost
 from models.parallel import ParallelContext, WorkerError, find_free_port
 
 # How long failure reports are collected after a failure is first seen: a killed worker makes
@@ -66,66 +68,11 @@ _SETTLE_S = 0.5
 
 @dataclass(frozen=True)
 class StepHeader:
-    """The host ints of one step; the tensors follow as one broadcast int64 buffer."""
+    """What a worker needs besides the step's buffer: its shape and host ints. The buffer (the
+    runner's static step buffer, filled by rank 0) follows as one broadcast."""
 
-    is_prefill: bool
-    num_tokens: int
-    num_rows: int  # block-table rows: sequences (prefill, decode tokens included) or slots
-    max_q_len: int
-    max_seq_len: int
-    sample_rows: tuple[int, ...] | None
-    num_decode_tokens: int = 0  # a mixed prefill step's leading decode tokens
-
-    def len_sizes(self) -> list[int]:
-        """Sizes of the length tensors: cu_seqlens_q, context_lens (+ seq_lens of a mixed
-        step's decode tokens) for prefill, seq_lens for decode."""
-        n, nd = self.num_rows, self.num_decode_tokens
-        if not self.is_prefill:
-            return [n]
-        return [n - nd + 1, n - nd] + ([nd] if nd else [])
-
-    def packed_len(self, block_width: int) -> int:
-        t, n = self.num_tokens, self.num_rows
-        # ids, positions, slots, token mask + tables + lengths
-        return 4 * t + n * block_width + sum(self.len_sizes())
-
-
-def pack_step(input_ids: torch.Tensor, batch: ForwardBatch,
-              sample_rows: list[int] | None) -> tuple[StepHeader, torch.Tensor]:
-    """(header, packed int64 tensor on the batch's device) of one prepared step."""
-    if batch.is_prefill:
-        lens = [batch.cu_seqlens_q, batch.context_lens]
-        if batch.num_decode_tokens:
-            lens.append(batch.seq_lens)
-    else:
-        lens = [batch.seq_lens]
-    parts = [input_ids, batch.positions, batch.slot_mapping, batch.token_mask,
-             batch.block_tables.reshape(-1), *lens]
-    header = StepHeader(batch.is_prefill, int(input_ids.shape[0]),
-                        int(batch.block_tables.shape[0]), int(batch.max_q_len),
-                        int(batch.max_seq_len), None if sample_rows is None else tuple(sample_rows),
-                        int(batch.num_decode_tokens))
-    return header, torch.cat([p.to(torch.int64) for p in parts])
-
-
-def unpack_step(header: StepHeader, packed: torch.Tensor,
-                runner: ModelRunner) -> tuple[torch.Tensor, ForwardBatch]:
-    """The (input_ids, ForwardBatch) ``pack_step`` packed, over ``runner``'s cache shard."""
-    t, n, width = header.num_tokens, header.num_rows, runner.block_width
-    ids, positions, slots, mask, tables, *lens = packed.split(
-        [t, t, t, t, n * width, *header.len_sizes()])
-    i32 = torch.int32
-    mixed = header.num_decode_tokens > 0
-    batch = ForwardBatch(
-        is_prefill=header.is_prefill, positions=positions, slot_mapping=slots,
-        block_tables=tables.view(n, width).to(i32), kv_cache=runner.kv_cache, ops=runner.ops,
-        cu_seqlens_q=lens[0].to(i32) if header.is_prefill else None,
-        context_lens=lens[1].to(i32) if header.is_prefill else None,
-        max_q_len=header.max_q_len,
-        seq_lens=lens[-1].to(i32) if mixed or not header.is_prefill else None,
-        max_seq_len=header.max_seq_len, token_mask=mask.to(torch.bool),
-        num_decode_tokens=header.num_decode_tokens)
-    return ids, batch
+    shape: StepShape
+    host: StepHost
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,12 +94,7 @@ def _serve_steps(runner: ModelRunner, conn: Any) -> None:
         command, *args = conn.recv()
         if command == "step":
             header: StepHeader = args[0]
-            packed = torch.empty(header.packed_len(runner.block_width), dtype=torch.int64,
-                                 device=runner.device)
-            dist.broadcast(packed, src=0, group=runner.parallel.group)
-            input_ids, batch = unpack_step(header, packed, runner)
-            runner.run(input_ids, batch,
-                       None if header.sample_rows is None else list(header.sample_rows))
+            runner.receive_and_launch(header)
         elif command == "swap_out":
             runner.swap_out(*args)
         elif command == "swap_in":
@@ -364,14 +306,14 @@ class TPModelRunner(ModelRunner):
                 raise WorkerError(message) from exc
             raise
 
-    def run(self, input_ids: torch.Tensor, batch: ForwardBatch,
-            sample_rows: list[int] | None = None) -> torch.Tensor:
+    def _publish(self, shape: StepShape, bufs: StepBuffers, host: StepHost) -> None:
+        self.workers.check()
+        self.workers.send("step", StepHeader(shape, host))
+        dist.broadcast(bufs.dev, src=0, group=self.parallel.group)
+
+    def execute(self, part: StepPart) -> StepResult:
         with self._guard():
-            self.workers.check()
-            header, packed = pack_step(input_ids, batch, sample_rows)
-            self.workers.send("step", header)
-            dist.broadcast(packed, src=0, group=self.parallel.group)
-            return super().run(input_ids, batch, sample_rows)
+            return super().execute(part)
 
     def check_health(self) -> None:
         with self._guard():

@@ -28,7 +28,8 @@ from corun.outputs import RequestOutput
 from corun.sampling_params import SamplingParams
 
 TINY = dict(model="tiny-qwen3", dtype="float32", device="cpu", max_num_seqs=4, max_model_len=64,
-            block_size=4, prefill_chunk_size=8, max_num_batched_tokens=16)
+            block_size=4, prefill_chunk_size=8, max_num_batched_tokens=16,
+            prefill_step_tokens=16, max_prefill_seqs_per_step=4, prefill_token_budget=16)
 # 16 blocks of 4 tokens = one max_model_len sequence, the least the config allows: a few
 # sequences of ~30 tokens outgrow it, so swaps happen.
 TIGHT_KV_BLOCKS = 16
@@ -203,7 +204,8 @@ def test_corun_decode_slot_does_not_matter(slot):
 
     engine.scheduler.schedule = recording_schedule
     for i in range(slot):
-        engine.add_request([5 + i, 6], SamplingParams(max_tokens=6 + 2 * i, seed=i), f"co{i}")
+        # Shorter outputs than the target's 6: the target moves to lower slots as they finish.
+        engine.add_request([5 + i, 6], SamplingParams(max_tokens=3 + i, seed=i), f"co{i}")
     engine.add_request(TARGET_PROMPT, TARGET_PARAMS, "target")
     finals: dict[str, RequestOutput] = {}
     _drain(engine, finals)

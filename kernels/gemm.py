@@ -8,6 +8,12 @@ Invariance, by mode (DESIGN.md, "The two properties"):
   row's K walk is fixed by (block_k, split_k), and split-K partials are summed in split order.
 - ``batch_invariant`` is also **batch-invariant**: one config for every M (its policy never reads
   M), no split-K, so a row's reduction order is the same at every batch size.
+- ``batch_invariant_tuned`` is batch-invariant on the hardware its table was tuned on: tiles per
+  (M, N, K) with split-K off. On the H200 a row's bits depend on split-K only (BLOCK_K and the
+  tile shape do not change them: the MMA accumulates a K tile in one order; checked at real shapes
+  across M by ``invariance_tests/test_batch_invariant_tuned.py``). Shapes without a tuned entry
+  take the literal tiles with BLOCK_K pinned to the portable policy's, which is batch-invariant
+  everywhere (the interpreter included).
 - ``default`` and ``corun`` pick the fastest config per shape (block_k and split-K chosen by M), so
   a row's bits may change with M; corun gets determinism by fixing M (isolated prefill, padded
   decode), default does not.
@@ -99,7 +105,7 @@ class GemmConfig:
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: the config cache keys on the table
 class TunedTable:
     """Configs measured fastest on the H200, per (N, K) and tuned M, for 16-bit inputs.
 
@@ -109,9 +115,13 @@ class TunedTable:
 
     entries: dict[tuple[int, int], tuple[tuple[int, GemmConfig], ...]]
     batch_invariant: GemmConfig | None = None
+    # Per (N, K): the fastest config without split-K at each tuned M (batch_invariant_tuned).
+    no_split_entries: dict[tuple[int, int], tuple[tuple[int, GemmConfig], ...]] = \
+        dataclasses.field(default_factory=dict)
 
-    def lookup(self, m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig | None:
-        rows = self.entries.get((n, k))
+    def lookup(self, m: int, n: int, k: int, dtype: torch.dtype,
+               no_split: bool = False) -> GemmConfig | None:
+        rows = (self.no_split_entries if no_split else self.entries).get((n, k))
         if not rows or dtype.itemsize != 2:  # tuned in bf16; fp16 has the same tile economics
             return None
         for tuned_m, config in rows:
@@ -131,15 +141,28 @@ def load_tuned_table(path: Path | str) -> TunedTable:
 
 def _parse_tuned_table(data: dict) -> TunedTable:
     grouped: dict[tuple[int, int], list[tuple[int, GemmConfig]]] = {}
+    no_split: dict[tuple[int, int], list[tuple[int, GemmConfig]]] = {}
     for entry in data["entries"]:
-        key = (int(entry["n"]), int(entry["k"]))
+        key, m = (int(entry["n"]), int(entry["k"])), int(entry["m"])
         config = GemmConfig.from_dict(entry["config"])
-        grouped.setdefault(key, []).append((int(entry["m"]), config))
+        grouped.setdefault(key, []).append((m, config))
+        # The tuner records the fastest split_k == 1 candidate as "no_split_config"; older tables
+        # only have "config", which serves when it does not split K.
+        if "no_split_config" in entry:
+            fastest = GemmConfig.from_dict(entry["no_split_config"])
+            if fastest.split_k != 1:
+                raise ValueError(f"no_split_config of ({m}, {key}) has split_k {fastest.split_k}")
+            no_split.setdefault(key, []).append((m, fastest))
+        elif config.split_k == 1:
+            no_split.setdefault(key, []).append((m, config))
     bi = data.get("batch_invariant")
-    return TunedTable(
-        entries={key: tuple(sorted(rows, key=lambda r: r[0])) for key, rows in grouped.items()},
-        batch_invariant=GemmConfig.from_dict(bi) if bi else None,
-    )
+
+    def by_m(table: dict) -> dict:
+        return {key: tuple(sorted(rows, key=lambda r: r[0])) for key, rows in table.items()}
+
+    return TunedTable(entries=by_m(grouped),
+                      batch_invariant=GemmConfig.from_dict(bi) if bi else None,
+                      no_split_entries=by_m(no_split))
 
 
 @functools.lru_cache(maxsize=1)
@@ -214,17 +237,32 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype, mode: Mode | str) ->
     """The config ``gemm`` runs for x [m, k] @ w[n, k].T; a pure function of its arguments.
 
     - ``batch_invariant``: depends on dtype only (never on m, n or k); no split-K.
+    - ``batch_invariant_tuned``: depends on (m, n, k, dtype), never split-K: the tuned no-split
+      entry, else the literal tile with the portable policy's BLOCK_K.
     - ``default`` / ``corun``: depends on (m, n, k, dtype): the tuned entry for (n, k) at the
       smallest tuned M >= m, else the literal fallback with split-K from ``auto_split_k``.
+
+    Cached: a pure function of hashable arguments, computed once per shape.
     """
-    mode = Mode.parse(mode)
+    return _gemm_config(_tuned_table(), m, n, k, dtype, Mode.parse(mode))
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemm_config(table: TunedTable, m: int, n: int, k: int, dtype: torch.dtype,
+                 mode: Mode) -> GemmConfig:
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype}")
     if m < 1 or n < 1 or k < 0:
         raise ValueError(f"shape: expected m >= 1, n >= 1, k >= 0, got ({m}, {n}, {k})")
-    table = _tuned_table()
+    portable = table.batch_invariant or _BATCH_INVARIANT_16BIT
     if mode is Mode.BATCH_INVARIANT:
-        return _for_dtype(table.batch_invariant or _BATCH_INVARIANT_16BIT, dtype)
+        return _for_dtype(portable, dtype)
+    if mode is Mode.BATCH_INVARIANT_TUNED:
+        tuned = table.lookup(m, n, k, dtype, no_split=True)
+        if tuned is not None:
+            return _fit_smem(tuned, dtype.itemsize)
+        tile = dataclasses.replace(_fallback_config(m, n, k), block_k=portable.block_k)
+        return _for_dtype(tile, dtype)
     tuned = table.lookup(m, n, k, dtype)
     if tuned is not None:
         return _fit_smem(tuned, dtype.itemsize)

@@ -3,7 +3,13 @@
 - ``default``: the fastest config per shape, including configs that depend on the batch (split-K
   chosen by M, attention splits chosen from the batch's longest sequence). Not deterministic.
 - ``batch_invariant``: one reduction order for every shape (no split-K, a fixed attention split
-  size). Deterministic at any batch composition, and slower.
+  size). Deterministic at any batch composition, and slower. The *portable* batch-invariant
+  policy: one tile config for every shape, as batch_invariant_ops-style kernels do.
+- ``batch_invariant_tuned``: the strongest batch-invariant policy this hardware allows, the peer a
+  CoRun speedup must beat. Same scheduling and reduction-order pins as ``batch_invariant`` (no
+  split-K, fixed attention split size, fixed BLOCK_K per op), but GEMM and MoE tiles (BLOCK_M/N,
+  warps, stages, persistence) tuned per shape: on the H200 those never change a row's bits (the
+  MMA accumulates a K tile in one order; checked by the GPU tests at real shapes across M).
 - ``corun``: the fastest config per shape, restricted to configs that are position-invariant at a
   fixed shape, plus the selective constraints (fixed decode split size, expert-count-independent
   MoE tiles). Deterministic because the engine fixes the shapes.
@@ -19,7 +25,13 @@ import enum
 class Mode(str, enum.Enum):
     DEFAULT = "default"
     BATCH_INVARIANT = "batch_invariant"
+    BATCH_INVARIANT_TUNED = "batch_invariant_tuned"
     CORUN = "corun"
+
+    @property
+    def is_batch_invariant(self) -> bool:
+        """Every kernel's reduction order is the same at every batch size (either policy)."""
+        return self in (Mode.BATCH_INVARIANT, Mode.BATCH_INVARIANT_TUNED)
 
     @classmethod
     def parse(cls, value: str | Mode, field: str = "mode") -> Mode:

@@ -209,6 +209,12 @@ def fallback_moe_config(
     same dependence rules as ``moe_config``."""
     if mode is Mode.BATCH_INVARIANT:
         block_m, block_n, block_k, stages = 32, 64, 64, 4
+    elif mode is Mode.BATCH_INVARIANT_TUNED:
+        # Tiles by the expected rows per expert, BLOCK_K pinned to the portable policy's.
+        rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+        block_m, block_n, stages = (16, 64, 3) if rows_per_expert <= 16 else \
+            (32, 64, 4) if rows_per_expert <= 64 else (64, 64, 3)
+        block_k = 64
     else:
         rows_per_expert = num_tokens * top_k / max(num_experts, 1)
         if rows_per_expert <= 16:  # decode: memory-bound on weights, long K tiles in flight
@@ -241,14 +247,19 @@ def moe_config(
 
     May depend on: ``batch_invariant`` -> expert shapes (E, k, H, I) and dtype only, one config
     for every T; ``default``/``corun`` -> also ``num_tokens`` (vLLM likewise picks from the total
-    M). For 16-bit dtypes the tuned table (kernels/tuned/moe_h200.json, read once, a lookup; no
-    timing at run time) decides when it covers the expert shape; otherwise the literal rule on
+    M); ``batch_invariant_tuned`` -> also ``num_tokens``, through the tuned per-T tiles (the
+    expert GEMMs never split K, and on the H200 neither BLOCK_K nor the tile shape changes a
+    row's bits, so these are batch-invariant there; checked by
+    ``invariance_tests/test_batch_invariant_tuned.py``), else the literal tiles with BLOCK_K
+    pinned, batch-invariant everywhere. For 16-bit dtypes the tuned table
+    (kernels/tuned/moe_h200.json, read once, a lookup; no timing at run time) decides when it covers the expert shape; otherwise the literal rule on
     the expected rows per expert ``num_tokens * top_k / num_experts``. BLOCK_K can change a row's
     bits (it does in the interpreter); BLOCK_M/N, warps and stages do not. Literal tiles are
     clamped to the expert dims (a shape-only rule) so tiny test shapes stay small.
     """
     mode = Mode.parse(mode)
     if dtype.itemsize == 2:  # tuned in bf16; fp16 has the same tile economics
+        # batch_invariant_tuned reads the per-T rows (never split-K, see above).
         tuned = _tuned_table(TUNED_PATH).lookup(
             num_tokens, (num_experts, top_k, hidden, intermediate),
             batch_invariant=mode is Mode.BATCH_INVARIANT)

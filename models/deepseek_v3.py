@@ -23,6 +23,7 @@ from models.parallel import SINGLE, ParallelContext
 class DeepseekV3ForCausalLM(CausalLM):
     # Only gate/up are fused; q_a_proj, q_b_proj, kv_a_proj_with_mqa stay separate modules.
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    supports_prefill_graphs = False  # MLA's prefill expands each context by its host length
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
         layers = []

@@ -64,6 +64,11 @@ class ForwardBatch:
     batch_invariant whatever prefill chunks share its step (as vLLM / SGLang backends split).
 
     ``token_mask`` [T] bool marks real tokens (False for dummies) so MoE routing can skip them.
+
+    Packed prefill (corun): ``T`` tokens in ``R`` chunk rows, fixed; real chunks first, then
+    zero-length rows (their ``cu_seqlens_q`` entries repeat, ``context_lens`` 0) and trailing
+    dummy tokens past ``cu_seqlens_q[-1]`` (slot -1, mask False): kernels skip both, so every
+    real row sees exactly the shapes of the step whoever else fills it.
     """
 
     is_prefill: bool
@@ -79,6 +84,10 @@ class ForwardBatch:
     max_seq_len: int = 0
     token_mask: torch.Tensor | None = None  # [T] bool
     num_decode_tokens: int = 0  # mixed prefill: decode tokens first (see the class docstring)
+    # Prefill: ``context_lens`` as host ints, real chunk rows only (padding rows of a packed step
+    # have length 0 and are left out). Layers that size work by a sequence's context (MLA's
+    # expansion) read these instead of syncing the device; None under a CUDA graph capture.
+    context_lens_host: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Shapes only (no tensor values): a check must not sync the device.
@@ -119,7 +128,8 @@ class ForwardBatch:
             block_tables=self.block_tables[nd:], kv_cache=self.kv_cache, ops=self.ops,
             cu_seqlens_q=self.cu_seqlens_q, context_lens=self.context_lens,
             max_q_len=self.max_q_len, max_seq_len=self.max_seq_len,
-            token_mask=None if self.token_mask is None else self.token_mask[nd:])
+            token_mask=None if self.token_mask is None else self.token_mask[nd:],
+            context_lens_host=self.context_lens_host)
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,10 @@ class CausalLM(nn.Module):
 
     # HF module name -> (our fused module name, shard index); matched on dotted components.
     packed_modules_mapping: dict[str, tuple[str, int]] = {}
+    # A prefill step's forward is a pure function of the step's shape and device tensors, so it
+    # can be captured as a CUDA graph. False where a layer sizes its work by host ints that change
+    # from step to step at one shape (MLA expands each sequence's context).
+    supports_prefill_graphs: bool = True
 
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer],
                  parallel: ParallelContext = SINGLE) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.mode import Mode
 from models import ops
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
@@ -110,22 +111,40 @@ class MLAAttention(nn.Module):
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor,
                  batch: ForwardBatch) -> torch.Tensor:
-        """Expand every sequence's cached context with kv_b_proj, then dense causal attention."""
+        """Expand every sequence's cached context with kv_b_proj, then dense causal attention.
+
+        The context lengths come from the host (``context_lens_host``: no device sync); only the
+        real chunk rows have contexts (a packed step's padding rows have none).
+        """
         block_size = kv_cache.shape[1]
+        lengths = batch.context_lens_host
+        if lengths is None:  # a direct caller without host lengths: read them (a device sync)
+            lengths = tuple(batch.context_lens.tolist())
         slots = []
-        for b, length in enumerate(batch.context_lens.tolist()):
+        for b, length in enumerate(lengths):
             pos = torch.arange(length, device=q.device)
             slots.append(batch.block_tables[b, pos // block_size].long() * block_size
                          + pos % block_size)
         rows = kv_cache.view(-1, kv_cache.shape[-1])[torch.cat(slots)]  # [S, Lkv + R]
         context, k_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(context, batch.ops).view(-1, self.num_heads,
-                                                     self.nope_dim + self.v_dim)
+        if batch.ops.mode is Mode.CORUN and len(lengths) > 1:
+            # corun's GEMM policy may pick its config (split-K) from M, and S = sum of the step's
+            # contexts depends on the co-runners: expand each context alone, at an M that is a
+            # function of its own sequence. The batch-invariant policies never read M, and
+            # default does not promise anything, so they expand the step in one GEMM.
+            kv = torch.cat([self.kv_b_proj(part, batch.ops)
+                            for part in context.split(list(lengths))])
+        else:
+            kv = self.kv_b_proj(context, batch.ops)
+        kv = kv.view(-1, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k_pe = k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)
         k = torch.cat([k_nope, k_pe], dim=-1)
-        cu_seqlens_k = torch.zeros_like(batch.cu_seqlens_q)
-        cu_seqlens_k[1:] = torch.cumsum(batch.context_lens, 0)
+        num_chunks = batch.context_lens.shape[0]
+        cu_k = [0]
+        for length in (*lengths, *([0] * (num_chunks - len(lengths)))):
+            cu_k.append(cu_k[-1] + length)
+        cu_seqlens_k = torch.tensor(cu_k, dtype=torch.int32).to(q.device, non_blocking=True)
         return ops.mla_prefill_attention(q, k, v.contiguous(), batch.cu_seqlens_q, cu_seqlens_k,
                                          self.scale, batch.max_q_len, batch.ops)
 

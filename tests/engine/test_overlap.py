@@ -1,10 +1,10 @@
-"""corun's ``overlap_prefill_decode`` (issue 5 ablation): a decode step carries one isolated
-prefill chunk, run as a second forward (a second CUDA stream on a GPU, one after the other here).
+"""corun's ``overlap_prefill_decode``: a decode step carries one prefill step (packed or isolated),
+run as a second forward (a second CUDA stream on a GPU, one after the other here).
 
 Scheduler: combined steps are emitted, their two parts hold disjoint sequences, the prefill part
-keeps corun's isolated aligned chunks and the decode part its B slots, the stall bound counts the
-overlapped chunk. Engine (CPU, torch backend, fp32): every request's fingerprint with overlap on
-equals overlap off and the target's fingerprint alone, beside co-runners; a negative control shows
+keeps corun's aligned chunks and its fixed shape and the decode part its B slots, the token
+budget counts the overlapped prefill step. Engine (CPU, torch backend, fp32): every request's
+fingerprint with overlap on equals overlap off and the target's fingerprint alone, beside co-runners; a negative control shows
 the comparison catches a decode-shape change on the combined path. Config: ValueError cases.
 """
 
@@ -34,6 +34,7 @@ CORUNNERS = [
 
 
 def _sched_config(**kw) -> EngineConfig:
+    kw.setdefault("prefill_policy", "isolated")
     return EngineConfig(**dict(dict(TINY, mode="corun", overlap_prefill_decode=True), **kw))
 
 
@@ -64,16 +65,19 @@ def _simulate(config: EngineConfig, prompt_lens: list[int], max_tokens: int,
     return steps, computed
 
 
-def test_scheduler_emits_combined_steps_with_disjoint_isolated_parts():
+@pytest.mark.parametrize("policy", ["isolated", "packed"])
+def test_scheduler_emits_combined_steps_with_disjoint_aligned_parts(policy):
     lengths = [3, 21, 6, 17, 9]
-    steps, computed = _simulate(_sched_config(decode_batch_size=3, max_num_seqs=3), lengths, 4)
+    steps, computed = _simulate(_sched_config(decode_batch_size=3, max_num_seqs=3,
+                                              prefill_policy=policy, prefill_token_budget=8),
+                                lengths, 4)
     combined = [out for out in steps if out.is_combined]
     assert len(combined) >= 3, "overlap on, but few decode steps carried a prefill chunk"
     for out in steps:
         if out.is_decode:
             assert out.num_decode_slots == 3 and 1 <= len(out.chunks) <= 3
-        for chunk in out.prefill_chunks:  # isolated and aligned, in a combined step or alone
-            assert len(out.prefill_chunks) == 1
+        for chunk in out.prefill_chunks:  # aligned, in a combined step or alone
+            assert policy == "packed" or len(out.prefill_chunks) == 1
             assert chunk.start % 8 == 0
             assert chunk.end % 8 == 0 or chunk.end == chunk.seq.num_prompt_tokens
         decode_ids = {c.seq.seq_id for c in out.decode_chunks}
@@ -92,18 +96,24 @@ def test_prefill_chunking_is_unchanged_by_overlap():
     assert chunks(True) == chunks(False) == [(0, 8), (8, 8), (16, 5)]
 
 
-@pytest.mark.parametrize("quota", [1, 2])
-def test_stall_bound_counts_the_overlapped_chunk(quota):
-    """While sequences decode, at most ``quota - 1`` prefill-only steps run between two decode
-    steps (each decode step already carries one prefill chunk), and that bound is reached."""
-    steps, _ = _simulate(_sched_config(max_prefill_steps_between_decodes=quota),
+@pytest.mark.parametrize("steps_per_decode", [1, 2])
+def test_stall_bound_counts_the_overlapped_prefill(steps_per_decode):
+    """With a budget of ``n`` isolated 8-token steps, at most ``n - 1`` prefill-only steps run
+    after a decode step that carried one (``n`` after one that found no prefill work), and that
+    bound is reached."""
+    steps, _ = _simulate(_sched_config(prefill_token_budget=8 * steps_per_decode),
                          [3, 30, 25, 17], 6)
-    run, longest = 0, 0
+    run, longest, carried = 0, 0, False
     for out in steps:
-        run = 0 if out.is_decode else run + 1
+        if out.is_decode:
+            run, carried = 0, out.is_combined
+            continue
+        run += 1
         if out.decoding_before:
-            longest = max(longest, run)
-    assert longest == quota - 1
+            assert run <= steps_per_decode - int(carried)
+            if carried:
+                longest = max(longest, run)
+    assert longest == steps_per_decode - 1 or steps_per_decode == 1
 
 
 def _run(config: EngineConfig, requests: list[tuple[str, list[int], SamplingParams]],
@@ -134,13 +144,18 @@ def alone() -> RequestOutput:
     return _run(config, [("target", TARGET_PROMPT, TARGET_PARAMS)])["target"]
 
 
+@pytest.mark.parametrize("policy", ["packed", "isolated"])
 @pytest.mark.parametrize("target_index", [1, 2])
-def test_overlap_fingerprints_equal_overlap_off_and_alone(alone, target_index):
+def test_overlap_fingerprints_equal_overlap_off_and_alone(alone, target_index, policy):
     """Every request's fingerprint with overlap on equals overlap off, and the target's equals
     its fingerprint alone, with the target's prefill run beside decodes in combined steps."""
     requests = list(CORUNNERS)
     requests.insert(target_index, ("target", TARGET_PROMPT, TARGET_PARAMS))
-    base = EngineConfig(mode="corun", **TINY)
+    # One 8-token step per decode step, so the target's two chunks land in combined steps.
+    base = EngineConfig(mode="corun", **dict(TINY, prefill_policy=policy, prefill_step_tokens=8,
+                                             prefill_token_budget=8))
+    # The reference alone runs the same step shapes (the fixture's ran T=16 packed steps).
+    alone = _run(base, [("target", TARGET_PROMPT, TARGET_PARAMS)])["target"]
     steps: list[SchedulerOutput] = []
     on = _run(dataclasses.replace(base, overlap_prefill_decode=True), requests, steps)
     off = _run(base, requests)
@@ -157,10 +172,15 @@ def test_overlap_fingerprint_negative_control(alone, monkeypatch):
     """The comparison above can fail: decoding the combined steps at the live row count instead
     of B (CPU fp32 rows differ between M = 1 and M >= 2) changes the target's fingerprint."""
     from corun.model_runner import ModelRunner
+    from corun.step import StepPart, StepShape
 
-    prepare_decode = ModelRunner.prepare_decode
-    monkeypatch.setattr(ModelRunner, "prepare_decode",
-                        lambda self, chunks, num_slots: prepare_decode(self, chunks, len(chunks)))
+    overlapped = ModelRunner.execute_overlapped
+
+    def at_live_rows(self, decode, prefill):
+        live = StepPart(StepShape.decode(len(decode.chunks)), decode.chunks)
+        return overlapped(self, live, prefill)
+
+    monkeypatch.setattr(ModelRunner, "execute_overlapped", at_live_rows)
     requests = [CORUNNERS[0], ("target", TARGET_PROMPT, TARGET_PARAMS), *CORUNNERS[1:]]
     config = EngineConfig(mode="corun", overlap_prefill_decode=True, **TINY)
     assert _run(config, requests)["target"].fingerprint != alone.fingerprint

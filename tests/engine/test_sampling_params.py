@@ -40,7 +40,7 @@ def test_bad_engine_config_names_the_field(field, value):
 
 def test_engine_config_derived_values():
     config = EngineConfig(mode="corun", device="cpu", max_num_seqs=6, decode_batch_size=4)
-    assert config.decode_buckets == [4] and config.max_running_seqs == 4
+    assert config.decode_buckets == [4] and config.max_running_seqs == 6
     assert config.resolved_backend == "torch" and not config.use_cuda_graphs
     dynamic = EngineConfig(mode="default", device="cpu", max_num_seqs=8)
     assert dynamic.decode_buckets == [1, 2, 4, 8] and dynamic.max_running_seqs == 8

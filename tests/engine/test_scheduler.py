@@ -15,7 +15,8 @@ from corun.sequence import Sequence
 
 def _config(mode: str, **kw) -> EngineConfig:
     base = dict(model="tiny-qwen3", mode=mode, device="cpu", max_num_seqs=4, max_model_len=64,
-                block_size=4, prefill_chunk_size=8, max_num_batched_tokens=16)
+                block_size=4, prefill_chunk_size=8, max_num_batched_tokens=16,
+                prefill_step_tokens=16, max_prefill_seqs_per_step=4, prefill_token_budget=16)
     base.update(kw)
     return EngineConfig(**base)
 
@@ -64,7 +65,8 @@ class Sim:
 
 
 def test_corun_prefill_is_isolated_aligned_and_decode_is_fixed_b():
-    sim = Sim(_config("corun", decode_batch_size=3, max_num_seqs=3), num_blocks=64)
+    sim = Sim(_config("corun", decode_batch_size=3, max_num_seqs=3, prefill_policy="isolated"),
+              num_blocks=64)
     lengths = [5, 19, 8, 1, 17]
     for n in lengths:
         sim.add(n, max_tokens=3)
@@ -76,13 +78,38 @@ def test_corun_prefill_is_isolated_aligned_and_decode_is_fixed_b():
             (chunk,) = out.chunks  # one sequence per prefill step
             assert chunk.start % 8 == 0
             assert chunk.end % 8 == 0 or chunk.end == chunk.seq.num_prompt_tokens
+            # padded to its bucket: a function of the chunk's own length
+            assert out.shape.num_tokens == min(b for b in (16, 8) if b >= chunk.num_tokens) \
+                or out.shape.num_tokens == 8
+            assert out.shape.num_tokens >= chunk.num_tokens and out.shape.num_seqs == 1
     for seq_id, n in enumerate(lengths):  # every position computed exactly once, in order
         assert sim.computed[seq_id] == list(range(n + 2))
 
 
-def test_corun_chunks_of_a_request_do_not_depend_on_corunners():
+def test_corun_packed_steps_have_one_fixed_shape_and_whole_aligned_chunks():
+    """Packed prefill: every prefill step has the shape (T=16 tokens, R=4 rows), holds whole
+    chunks ending at multiples of C=8 (or the prompt's end), and never more than T tokens."""
+    sim = Sim(_config("corun", decode_batch_size=4, max_num_seqs=4), num_blocks=64)
+    lengths = [5, 19, 3, 1, 17, 9, 2]
+    for n in lengths:
+        sim.add(n, max_tokens=3)
+    sim.run()
+    prefill_steps = [out for out in sim.steps if not out.is_decode]
+    assert any(len(out.chunks) > 1 for out in prefill_steps), "nothing was packed"
+    for out in prefill_steps:
+        assert (out.shape.num_tokens, out.shape.num_seqs, out.shape.max_q_len) == (16, 4, 8)
+        assert out.num_tokens <= 16 and len(out.chunks) <= 4
+        for chunk in out.chunks:
+            assert chunk.start % 8 == 0
+            assert chunk.end % 8 == 0 or chunk.end == chunk.seq.num_prompt_tokens
+    for seq_id, n in enumerate(lengths):
+        assert sim.computed[seq_id] == list(range(n + 2))
+
+
+@pytest.mark.parametrize("policy", ["packed", "isolated"])
+def test_corun_chunks_of_a_request_do_not_depend_on_corunners(policy):
     def target_chunks(corunner_lengths: list[int]) -> list[tuple[int, int]]:
-        sim = Sim(_config("corun"), num_blocks=64)
+        sim = Sim(_config("corun", prefill_policy=policy), num_blocks=64)
         for n in corunner_lengths:
             sim.add(n, max_tokens=4)
         target = sim.add(21, max_tokens=2)
@@ -95,20 +122,28 @@ def test_corun_chunks_of_a_request_do_not_depend_on_corunners():
     assert target_chunks([3, 30, 9]) == alone
 
 
-@pytest.mark.parametrize("quota", [1, 2])
-def test_corun_stall_bound(quota):
-    """While sequences decode, at most ``quota`` prefill steps run between two decode steps."""
-    sim = Sim(_config("corun", max_prefill_steps_between_decodes=quota), num_blocks=64)
+@pytest.mark.parametrize("policy", ["packed", "isolated"])
+@pytest.mark.parametrize("budget", [8, 16, 40])
+def test_corun_stall_bound(budget, policy):
+    """While sequences decode, the prefill steps between two decode steps add up to at most the
+    token budget (padded sizes), or are a single step when one alone exceeds it."""
+    sim = Sim(_config("corun", prefill_token_budget=budget, prefill_policy=policy),
+              num_blocks=64)
     sim.add(3, max_tokens=12)
     for n in (30, 25, 17):
         sim.add(n, max_tokens=2)
-    run = 0
+    run, steps, reached = 0, 0, False
     while sim.sched.has_unfinished():
         decoding = any(not s.is_prefilling for s in sim.sched.running)
         out = sim.step()
-        run = 0 if out.is_decode else run + 1
+        if out.is_decode:
+            run, steps = 0, 0
+            continue
+        run, steps = run + out.shape.num_tokens, steps + 1
         if decoding:
-            assert run <= quota
+            assert run <= budget or steps == 1
+            reached |= run + out.shape.num_tokens > budget
+    assert reached or budget >= 40, "the budget never bound"
 
 
 def test_dynamic_budget_mixing_and_buckets():
@@ -155,10 +190,19 @@ def test_abort_frees_blocks_and_leaves_others_running():
     assert b.num_output_tokens == 5 and sim.sched.block_manager.num_free_blocks == 32
 
 
-def test_corun_admission_never_exceeds_b():
-    sim = Sim(_config("corun", max_num_seqs=8, decode_batch_size=2), num_blocks=64)
+def test_corun_decode_never_exceeds_b_and_waiting_sequences_keep_arrival_order():
+    """max_num_seqs bounds the sequences holding KV; B bounds a decode step. Decode-ready
+    sequences beyond B wait, and the B slots go to the earliest arrivals."""
+    sim = Sim(_config("corun", max_num_seqs=4, decode_batch_size=2), num_blocks=64)
     for _ in range(5):
         sim.add(4, max_tokens=3)
+    ahead = False
     while sim.sched.has_unfinished():
-        sim.step()
-        assert len(sim.sched.running) <= 2
+        ready = sorted(s.seq_id for s in sim.sched.running if not s.is_prefilling)
+        out = sim.step()
+        assert len(sim.sched.running) <= 4
+        if out.is_decode:
+            assert out.num_decode_slots == 2 and len(out.chunks) <= 2
+            assert [c.seq.seq_id for c in out.chunks] == ready[: len(out.chunks)]
+            ahead |= len(ready) > 2
+    assert ahead, "no sequence ever waited for a decode slot"

@@ -36,7 +36,8 @@ from corun.outputs import RequestOutput
 from models.parallel import WorkerError
 
 TINY = dict(dtype="float32", device="cpu", backend="torch", max_num_seqs=4, max_model_len=64,
-            block_size=4, prefill_chunk_size=8, max_num_batched_tokens=16)
+            block_size=4, prefill_chunk_size=8, max_num_batched_tokens=16,
+            prefill_step_tokens=16, max_prefill_seqs_per_step=4, prefill_token_budget=16)
 # 16 blocks of 4 tokens: one max_model_len sequence, so co-runners of ~30 tokens force swaps.
 TIGHT_KV_BLOCKS = 16
 MODELS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3")
@@ -267,7 +268,8 @@ def test_server_tp2_answers_then_exits_when_a_worker_dies(tmp_path):
         assert response.status_code == 200, response.text
         # The server serves a named config with the byte-level tokenizer of corun/assets.
         with LLM("tiny-qwen3", tokenizer=ASSETS_DIR,
-                 **dict(TINY, max_model_len=128, prefill_chunk_size=64)) as tp1:
+                 **dict(TINY, max_model_len=128, prefill_chunk_size=64,
+                        prefill_step_tokens=64)) as tp1:
             expected = tp1.generate([[5, 6, 7, 8]], SamplingParams(
                 max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
         assert response.json()["choices"][0]["text"] == expected[0].outputs[0].text
