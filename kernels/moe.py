@@ -252,8 +252,9 @@ def moe_config(
     row's bits, so these are batch-invariant there; checked by
     ``invariance_tests/test_batch_invariant_tuned.py``), else the literal tiles with BLOCK_K
     pinned, batch-invariant everywhere. For 16-bit dtypes the tuned table
-    (kernels/tuned/moe_h200.json, read once, a lookup; no timing at run time) decides when it covers the expert shape; otherwise the literal rule on
-    the expected rows per expert ``num_tokens * top_k / num_experts``. BLOCK_K can change a row's
+    (kernels/tuned/moe_h200.json, read once, a lookup; no timing at run time) decides when it
+    covers the expert shape; otherwise the literal rule on the expected rows per expert
+    ``num_tokens * top_k / num_experts``. BLOCK_K can change a row's
     bits (it does in the interpreter); BLOCK_M/N, warps and stages do not. Literal tiles are
     clamped to the expert dims (a shape-only rule) so tiny test shapes stay small.
     """

@@ -1,8 +1,8 @@
 """Mixed prefill + decode steps of the dynamic schedules in the engine (CPU, torch backend, fp32).
 
 A dynamic step's buffers put the step's decode tokens first (``num_decode_tokens``) and attention
-runs them through the decode path. Checked here: the layout (decode tokens first, sample rows still in
-the scheduler's chunk order), greedy outputs unchanged against the pre-split layout (every chunk
+runs them through the decode path. Checked here: the layout (decode tokens first, sample rows still
+in the scheduler's chunk order), greedy outputs unchanged against the pre-split layout (every chunk
 through prefill attention, in chunk order), and under batch_invariant every request's fingerprint
 beside others equal to its fingerprint alone, for an MHA and an MLA model. For MLA the pre-split
 layout is the negative control: a decode token through the expanded prefill path gets other bits

@@ -4,7 +4,8 @@ run as a second forward (a second CUDA stream on a GPU, one after the other here
 Scheduler: combined steps are emitted, their two parts hold disjoint sequences, the prefill part
 keeps corun's aligned chunks and its fixed shape and the decode part its B slots, the token
 budget counts the overlapped prefill step. Engine (CPU, torch backend, fp32): every request's
-fingerprint with overlap on equals overlap off and the target's fingerprint alone, beside co-runners; a negative control shows
+fingerprint with overlap on equals overlap off and the target's fingerprint alone, beside co-
+runners; a negative control shows
 the comparison catches a decode-shape change on the combined path. Config: ValueError cases.
 """
 
