@@ -67,6 +67,9 @@ class CausalLM(nn.Module):
 
     # HF module name -> (our fused module name, shard index); matched on dotted components.
     packed_modules_mapping: dict[str, tuple[str, int]] = {}
+    # Checkpoint name -> our name, dotted fragments matched on whole components (transformers'
+    # WeightRenaming of the family's Hub keys), applied before the mapping above.
+    checkpoint_renames: dict[str, str] = {}
 
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer],
                  parallel: ParallelContext = SINGLE) -> None:
