@@ -107,6 +107,9 @@ class ModelConfig:
             for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 if getattr(self, name) < 1:
                     raise ValueError(f"{name}: expected >= 1 for MLA, got {getattr(self, name)}")
+        if self.architecture == "HYV3ForCausalLM" and not self.mlp_layer_types:
+            raise ValueError("mlp_layer_types: required for HYV3ForCausalLM (dense/sparse per "
+                             "layer)")
         if self.mlp_layer_types:
             if len(self.mlp_layer_types) != self.num_hidden_layers:
                 raise ValueError(f"mlp_layer_types: {len(self.mlp_layer_types)} entries for "

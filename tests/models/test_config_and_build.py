@@ -4,6 +4,8 @@ weights."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -71,8 +73,10 @@ def test_from_hf_reads_hy3_hub_legacy_and_v5_forms_alike():
         False, False, True]
     with pytest.raises(ValueError, match="mlp_bias"):
         ModelConfig.from_hf(dict(HUB_HY3, mlp_bias=True))
-    with pytest.raises(ValueError, match="mlp_layer_types"):
+    with pytest.raises(ValueError, match="mlp_layer_types: 79 entries for 80 layers"):
         ModelConfig.from_hf(dict(v5, mlp_layer_types=["dense"] * 79))
+    with pytest.raises(ValueError, match="mlp_layer_types: required"):
+        dataclasses.replace(NAMED_CONFIGS["tiny-hy3"], mlp_layer_types=())
 
 
 def test_from_hf_plain_rope_is_none():
@@ -90,10 +94,9 @@ def test_from_hf_plain_rope_is_none():
     ("architecture", "LlamaForCausalLM", "architecture: unsupported"),
     ("num_key_value_heads", 3, "num_key_value_heads: 3 does not divide"),
     ("hidden_size", 0, "hidden_size: expected >= 1"),
+    ("mlp_layer_types", ("dense", "moe"), "mlp_layer_types: expected entries"),
 ])
 def test_invalid_config_names_the_field(field, value, message):
-    import dataclasses
-
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(NAMED_CONFIGS["tiny-qwen3"], **{field: value})
 
