@@ -16,7 +16,7 @@ built alone and freed before the next:
   embedding table (a 64-row gather) unless it is tied to the LM head.
 
 Writes experiments/results/models-h200.json. Usage: python -m experiments.bench_models
-[--models qwen3-8b deepseek-v3-l6] [--prefill-len 2048] [--decode-batch 64].
+[--models qwen3-8b deepseek-v3-l6 hy3-l14] [--prefill-len 2048] [--decode-batch 64].
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from models.config import NAMED_CONFIGS, ModelConfig, num_parameters
 from models.forward_batch import ForwardBatch, KVCache, OpsConfig
 
 DEFAULT_MODELS = ["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-235b-a22b-l12",
-                  "deepseek-v3-l6"]
+                  "deepseek-v3-l6", "hy3-l14"]
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 4096  # the corun decode grid bound (max_seq_len) and each slot's block-table width
 

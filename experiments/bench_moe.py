@@ -1,9 +1,10 @@
 """The routed-MoE layer on the H200: router + fused_moe against a torch per-expert loop and against
 the memory bound of the touched experts' weights; bitwise invariance at the real shapes.
 
-Models (NAMED_CONFIGS): Qwen3-30B-A3B (128 experts, top-8, H 2048, I 768, softmax router) and
-DeepSeek-V3 (256 experts, top-8, 8 groups keep 4, H 2048 -> 7168, I 2048, sigmoid router), at 64
-(decode) and 2048 (prefill) tokens, bf16. The router GEMM (x @ gate.T) is not timed: logits are
+Models (NAMED_CONFIGS): Qwen3-30B-A3B (128 experts, top-8, H 2048, I 768, softmax router),
+DeepSeek-V3 (256 experts, top-8, 8 groups keep 4, H 2048 -> 7168, I 2048, sigmoid router) and Hy3
+(192 experts, top-8, one group, H 4096, I 1536, sigmoid router), at 64 (decode) and 2048
+(prefill) tokens, bf16. The router GEMM (x @ gate.T) is not timed: logits are
 inputs. ``us`` = our softmax_topk/grouped_topk + fused_moe; peer = the torch reference router +
 a loop of bf16 matmuls per expert over the tokens routed to it (HF eager style);
 bound_us = (distinct experts hit) x (w13 + w2 bytes) / 4.3 TB/s; bw_fraction = bound_us / us.
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from experiments import harness
 
-MODELS = ("qwen3-30b-a3b", "deepseek-v3")
+MODELS = ("qwen3-30b-a3b", "deepseek-v3", "hy3")
 TOKEN_COUNTS = (64, 2048)
 DTYPE = torch.bfloat16
 
@@ -39,7 +40,7 @@ def _shapes(model: str) -> dict:
     return {
         "num_experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok,
         "hidden": cfg.hidden_size, "inter": cfg.moe_intermediate_size,
-        "grouped": cfg.is_mla, "n_group": cfg.n_group, "topk_group": cfg.topk_group,
+        "grouped": cfg.has_expert_bias, "n_group": cfg.n_group, "topk_group": cfg.topk_group,
         "renormalize": cfg.norm_topk_prob, "scale": cfg.routed_scaling_factor,
     }
 
@@ -59,7 +60,7 @@ def _inputs(shapes: dict, num_tokens: int, seed: int) -> tuple[torch.Tensor, tor
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(num_tokens, shapes["hidden"], generator=gen, device="cuda").to(DTYPE)
     logits = torch.randn(num_tokens, shapes["num_experts"], generator=gen, device="cuda")
-    # Qwen3-MoE's gate is a bf16 Linear; DeepSeek-V3 computes router logits in fp32
+    # Qwen3-MoE's gate is a bf16 Linear; DeepSeek-V3 and Hy3 compute router logits in fp32
     return x, (logits if shapes["grouped"] else logits.to(DTYPE))
 
 

@@ -169,10 +169,10 @@ def test_preempted_target_keeps_its_bits(mode):
     assert got.fingerprint == _alone_cached(mode).fingerprint
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-hy3"])
 def test_corun_preemption_keeps_bits_for_moe_and_mla(model):
-    """For MoE and MLA (one latent KV tensor per layer) models too, a corun target preempted
-    beside a long co-runner ends with its fingerprint alone."""
+    """For MoE (softmax and sigmoid routers) and MLA (one latent KV tensor per layer) models too,
+    a corun target preempted beside a long co-runner ends with its fingerprint alone."""
     config = EngineConfig(**dict(TINY, model=model), mode="corun")
     tight = dataclasses.replace(config, num_kv_blocks=TIGHT_KV_BLOCKS)
     results = []

@@ -1,4 +1,4 @@
-"""CoRun models: Qwen3, Qwen3-MoE and DeepSeek-V3 built from shared layers.
+"""CoRun models: Qwen3, Qwen3-MoE, DeepSeek-V3 and Hy3 built from shared layers.
 
 ``build_model(name_or_path, dtype=..., device=...)`` returns ``(model, ModelConfig)``: a name from
 ``NAMED_CONFIGS`` gives seeded random weights, a directory loads a HF checkpoint. The model runs
@@ -27,6 +27,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "DeepseekV3ForCausalLM": ("models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "HYV3ForCausalLM": ("models.hy3", "HYV3ForCausalLM"),
 }
 
 

@@ -10,7 +10,13 @@ builds the exact set of checkpoint keys it expects from the model's own paramete
   the v5 fused keys themselves, or the Hub's per-expert ``<prefix>.experts.{e}.gate_proj`` /
   ``up_proj`` / ``down_proj`` ``.weight`` (gate rows first, as vLLM and transformers v5 stack).
 
-Keys of layers >= num_hidden_layers (DeepSeek-V3's MTP layer 61) are skipped, as is
+A model may also declare ``checkpoint_renames`` (checkpoint fragment -> our fragment, whole
+dotted components, the first rule that matches): Hy3's Hub files name the router
+``mlp.router.gate``, the correction bias ``mlp.expert_bias`` (transformers v5:
+``mlp.e_score_correction_bias``) and the shared expert ``mlp.shared_mlp``. Two checkpoint keys
+that rename to one tensor are an error.
+
+Keys of layers >= num_hidden_layers (DeepSeek-V3's MTP layer 61, Hy3's 80) are skipped, as is
 ``lm_head.weight`` when the embeddings are tied. Everything is validated from the safetensors
 headers first (unexpected keys, shapes, missing keys) and only then streamed tensor by tensor onto
 the target device and dtype, so a bad checkpoint fails before any weight is copied, with a
@@ -141,6 +147,17 @@ def _expected_keys(model: nn.Module) -> tuple[dict[str, _Target], dict[str, list
     return targets, coverage
 
 
+def _rename(key: str, renames: dict[str, str]) -> str:
+    """``key`` with the first matching fragment of ``renames`` replaced (whole components)."""
+    parts = key.split(".")
+    for source, target in renames.items():
+        src = source.split(".")
+        for i in range(len(parts) - len(src) + 1):
+            if parts[i : i + len(src)] == src:
+                return ".".join(parts[:i] + target.split(".") + parts[i + len(src):])
+    return key
+
+
 def _is_persistent(owners: dict[str, nn.Module], buffer_name: str) -> bool:
     prefix, _, leaf = buffer_name.rpartition(".")
     return leaf not in owners[prefix]._non_persistent_buffers_set
@@ -184,16 +201,22 @@ def _plan(model: nn.Module, config: ModelConfig,
     from safetensors import safe_open
 
     targets, coverage = _expected_keys(model)
+    renames = getattr(model, "checkpoint_renames", {})
     by_file: dict[Path, list[tuple[str, _Target]]] = {}
+    source_of: dict[str, str] = {}  # our name -> the checkpoint key that feeds it
     for key, file in files.items():
         layer = _layer_index(key)
         if layer is not None and layer >= config.num_hidden_layers:
             continue  # e.g. DeepSeek-V3's MTP layer 61, which HF ignores too
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if key not in targets:
+        name = _rename(key, renames)
+        if name not in targets:
             raise CheckpointError(f"unexpected tensor {key!r} in {file.name}")
-        by_file.setdefault(file, []).append((key, targets[key]))
+        if name in source_of:
+            raise CheckpointError(f"tensors {source_of[name]!r} and {key!r} both load {name!r}")
+        source_of[name] = key
+        by_file.setdefault(file, []).append((key, targets[name]))
     for file, entries in by_file.items():
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
@@ -210,7 +233,7 @@ def _plan(model: nn.Module, config: ModelConfig,
             raise
         except Exception as exc:
             raise CheckpointError(f"unreadable file {file}: {exc}") from exc
-    seen = {key for entries in by_file.values() for key, _ in entries}
+    seen = set(source_of)
     for param, alternatives in coverage.items():
         if not any(all(k in seen for k in keys) for keys in alternatives):
             first_missing = next(k for k in alternatives[0] if k not in seen)

@@ -71,6 +71,9 @@ class CausalLM(nn.Module):
     # can be captured as a CUDA graph. False where a layer sizes its work by host ints that change
     # from step to step at one shape (MLA expands each sequence's context).
     supports_prefill_graphs: bool = True
+    # Checkpoint name -> our name, dotted fragments matched on whole components (transformers'
+    # WeightRenaming of the family's Hub keys), applied before the mapping above.
+    checkpoint_renames: dict[str, str] = {}
 
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer],
                  parallel: ParallelContext = SINGLE) -> None:

@@ -1,5 +1,6 @@
 """Mixture-of-experts blocks: fused expert weights, Qwen3-MoE's softmax router and DeepSeek-V3's
-grouped sigmoid router with shared experts.
+grouped sigmoid router with shared experts (also Hy3's: one group, so a plain sigmoid + bias
+top-k, and optionally the fp32 routed + shared combine).
 
 Expert weights are stacked as vLLM and transformers v5 hold them: ``gate_up_proj`` [E, 2I, H]
 (gate rows first) and ``down_proj`` [E, H, I]; the loader fills them from per-expert Hub keys or
@@ -106,11 +107,19 @@ class GroupedTopKRouter(nn.Module):
 
 class GroupedTopKMoE(nn.Module):
     """DeepSeek-V3 MoE: sigmoid scores, group-limited top-k (noaux_tc), weights renormalised and
-    times routed_scaling_factor, plus the always-on shared experts."""
+    times routed_scaling_factor, plus the always-on shared experts.
+
+    Hy3 is the case n_group = topk_group = 1 (the one group is always kept, so the choice is the
+    top-k of sigmoid + bias over all experts, as HF's HYV3TopKRouter), with
+    ``enable_moe_fp32_combine``: routed + shared added in fp32 and cast back, as HF's HYV3MoE
+    writes it. Both operands are already in the activation dtype, so for bf16 this is bitwise the
+    plain add (torch adds bf16 in fp32 and rounds once); it is kept for fp16 and for the record.
+    """
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.config, self.parallel = config, parallel
+        self.fp32_combine = config.enable_moe_fp32_combine
         self.gate = GroupedTopKRouter(config.num_experts, config.hidden_size)
         self.experts = FusedExperts(config.num_experts, config.hidden_size,
                                     config.moe_intermediate_size, parallel)
@@ -129,5 +138,7 @@ class GroupedTopKMoE(nn.Module):
             c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, ops_config)
         out = self.experts(x, weights, ids, ops_config, token_mask)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x, ops_config)
+            shared = self.shared_experts(x, ops_config)
+            out = ((out.float() + shared.float()).to(out.dtype) if self.fp32_combine
+                   else out + shared)
         return self.parallel.all_reduce(out, ops_config.mode)

@@ -1,7 +1,10 @@
-"""ModelConfig.from_hf (both RoPE forms, validation), the named-config table against published
-parameter counts, and build_model's seeded random weights."""
+"""ModelConfig.from_hf (both RoPE forms, Hy3's Hub / legacy / v5 files, validation), the
+named-config table against published parameter counts, and build_model's seeded random
+weights."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -37,6 +40,45 @@ def test_from_hf_reads_hub_and_v5_rope_forms_alike():
     assert hub.rope_scaling["rope_type"] == "yarn" and hub.qk_head_dim == 192
 
 
+# The official Hy3-preview config.json's fields (no mlp_layer_types, first_k_dense_replace 1) and
+# a few it carries that transformers ignores.
+HUB_HY3 = {
+    "architectures": ["HYV3ForCausalLM"], "vocab_size": 120832, "hidden_size": 4096,
+    "intermediate_size": 13312, "moe_intermediate_size": 1536, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "num_experts": 192,
+    "num_experts_per_tok": 8, "num_shared_experts": 1, "router_scaling_factor": 2.826,
+    "first_k_dense_replace": 1, "enable_moe_fp32_combine": True, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 262144, "tie_word_embeddings": False, "eos_token_id": 120025,
+    "rope_parameters": {"rope_theta": 11158840.0, "rope_type": "default"},
+    "moe_router_use_sigmoid": True, "route_norm": True, "num_nextn_predict_layers": 1,
+}
+
+
+def test_from_hf_reads_hy3_hub_legacy_and_v5_forms_alike():
+    legacy = {k: v for k, v in HUB_HY3.items() if k not in ("rope_parameters",
+                                                            "moe_intermediate_size")}
+    legacy.update(rope_theta=11158840.0, expert_hidden_dim=1536)
+    v5 = dict(HUB_HY3, mlp_layer_types=["dense"] + ["sparse"] * 79)
+    del v5["first_k_dense_replace"]
+    parsed = [ModelConfig.from_hf(c) for c in (HUB_HY3, legacy, v5)]
+    assert parsed[0] == parsed[1] == parsed[2] == NAMED_CONFIGS["hy3"]
+    assert parsed[0].rope_scaling is None and parsed[0].n_group == 1
+    # transformers' HYV3Config defaults where the file is silent
+    bare = {k: v for k, v in HUB_HY3.items()
+            if k not in ("rope_parameters", "enable_moe_fp32_combine", "first_k_dense_replace",
+                         "num_shared_experts", "router_scaling_factor", "rms_norm_eps")}
+    assert ModelConfig.from_hf(bare) == NAMED_CONFIGS["hy3"]
+    off = ModelConfig.from_hf(dict(HUB_HY3, enable_moe_fp32_combine=False, first_k_dense_replace=2))
+    assert not off.enable_moe_fp32_combine and [off.is_moe_layer(i) for i in range(3)] == [
+        False, False, True]
+    with pytest.raises(ValueError, match="mlp_bias"):
+        ModelConfig.from_hf(dict(HUB_HY3, mlp_bias=True))
+    with pytest.raises(ValueError, match="mlp_layer_types: 79 entries for 80 layers"):
+        ModelConfig.from_hf(dict(v5, mlp_layer_types=["dense"] * 79))
+    with pytest.raises(ValueError, match="mlp_layer_types: required"):
+        dataclasses.replace(NAMED_CONFIGS["tiny-hy3"], mlp_layer_types=())
+
+
 def test_from_hf_plain_rope_is_none():
     config = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
               "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -52,25 +94,26 @@ def test_from_hf_plain_rope_is_none():
     ("architecture", "LlamaForCausalLM", "architecture: unsupported"),
     ("num_key_value_heads", 3, "num_key_value_heads: 3 does not divide"),
     ("hidden_size", 0, "hidden_size: expected >= 1"),
+    ("mlp_layer_types", ("dense", "moe"), "mlp_layer_types: expected entries"),
 ])
 def test_invalid_config_names_the_field(field, value, message):
-    import dataclasses
-
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(NAMED_CONFIGS["tiny-qwen3"], **{field: value})
 
 
 @pytest.mark.parametrize("name, billions", [
     ("qwen3-0.6b", 0.6), ("qwen3-8b", 8.2), ("qwen3-30b-a3b", 30.5),
-    ("qwen3-235b-a22b", 235.1), ("deepseek-v3", 671.0),
+    ("qwen3-235b-a22b", 235.1), ("deepseek-v3", 671.0), ("hy3", 295.0),
 ])
 def test_real_shapes_match_published_parameter_counts(name, billions):
     assert round(num_parameters(NAMED_CONFIGS[name]) / 1e9, 1) == billions
 
 
 def test_truncated_configs_fit_one_h200_in_bf16():
-    for name in ("qwen3-235b-a22b-l12", "deepseek-v3-l6"):
+    for name in ("qwen3-235b-a22b-l12", "deepseek-v3-l6", "hy3-l14"):
         assert 2 * num_parameters(NAMED_CONFIGS[name]) < 100e9, name
+    truncated = NAMED_CONFIGS["hy3-l14"]
+    assert truncated.mlp_layer_types == ("dense",) + ("sparse",) * 13
 
 
 def test_build_model_is_seeded():

@@ -27,7 +27,7 @@ BLOCKS_PER_SEQ = 4
 MAX_MODEL_LEN = BLOCK_SIZE * BLOCKS_PER_SEQ  # the batch_invariant decode grid bound
 SPLIT = 16  # the decode split size: a decode sequence longer than 16 has two splits
 OPS = OpsConfig(Mode.BATCH_INVARIANT, backend="triton", decode_split_size=SPLIT)
-MODELS = ["tiny-qwen3", "tiny-deepseek-v3"]
+MODELS = ["tiny-qwen3", "tiny-deepseek-v3", "tiny-hy3"]
 # tests/ does not load the invariance_tests profiles; the interpreter is slow: few examples.
 FEW = settings(max_examples=1, deadline=None, derandomize=True)
 I32 = torch.int32

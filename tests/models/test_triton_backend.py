@@ -14,7 +14,7 @@ from tests.models.helpers import relative_error, run_sequence
 TOLERANCE = 1e-4
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-hy3"])
 def test_triton_backend_matches_torch_backend(name):
     model, config = build_model(name, dtype=torch.float32, device="cpu", seed=5)
     gen = torch.Generator().manual_seed(6)

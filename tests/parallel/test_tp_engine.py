@@ -40,7 +40,7 @@ TINY = dict(dtype="float32", device="cpu", backend="torch", max_num_seqs=4, max_
             prefill_step_tokens=16, max_prefill_seqs_per_step=4, prefill_token_budget=16)
 # 16 blocks of 4 tokens: one max_model_len sequence, so co-runners of ~30 tokens force swaps.
 TIGHT_KV_BLOCKS = 16
-MODELS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3")
+MODELS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-hy3")
 # Measured max |logprob TP2 - TP1|: 7.2e-7 dense, 9.5e-7 MoE, 1.7e-6 MLA.
 LOGPROB_ATOL = 1e-5
 TARGET_PROMPT = [17, 3, 250, 9, 81, 44, 5, 128, 66, 7, 200, 31, 12]  # two prefill chunks of 8

@@ -5,7 +5,8 @@
 - Loader: from transformers ``save_pretrained`` checkpoints, each rank holds only its shard
   (local shapes, bytes summing to the full model's) and its pieces equal the TP=1 load.
 - Two processes: TP=2 logits of a prefill and 2 decode steps match TP=1 within fp32 tolerance
-  under corun (plain all-reduce) and batch_invariant (rank-order reduction), dense, MoE and MLA;
+  under corun (plain all-reduce) and batch_invariant (rank-order reduction), dense, MoE (softmax
+  and sigmoid routers, shared experts) and MLA;
   both ranks return the same full-vocabulary logits.
 - A worker that raises or dies makes ``spawn_workers`` raise within seconds.
 """
@@ -27,7 +28,7 @@ from models.parallel import ParallelContext, WorkerError, spawn_workers
 from models.weights import parameter_layouts
 from tests.models.helpers import relative_error, run_sequence
 
-MODELS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3")
+MODELS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-hy3")
 MODES = (Mode.CORUN, Mode.BATCH_INVARIANT)
 # Measured max |TP2 - TP1| / max |TP1| over steps: 4.4e-7 to 8.9e-7 (MLA batch_invariant highest).
 TOLERANCE = 1e-5
@@ -79,6 +80,7 @@ def test_uneven_heads_raise_naming_the_field():
 
 def _checkpoints(tmp_path):
     from tests.models.test_deepseek_v3_parity import make_hf_deepseek_v3
+    from tests.models.test_hy3_parity import make_hf_hy3
     from tests.models.test_qwen3_moe_parity import make_hf_qwen3_moe
     from tests.models.test_qwen3_parity import make_hf_qwen3
 
@@ -88,6 +90,9 @@ def _checkpoints(tmp_path):
     yield "qwen3-moe-per-expert", moe, {"save_original_format": True}
     yield "qwen3-moe-fused", moe, {"save_original_format": False}
     yield "deepseek-v3", make_hf_deepseek_v3(32), {}
+    hy3 = make_hf_hy3()
+    yield "hy3-moe-hub", hy3, {"save_original_format": True}
+    yield "hy3-moe-fused", hy3, {"save_original_format": False}
 
 
 def test_loader_loads_only_the_rank_shard(tmp_path):
