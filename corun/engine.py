@@ -28,6 +28,19 @@ from corun.sequence import Sequence, SequenceStatus
 from corun.step import StepPart
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One profiled step (``LLMEngine(profile_steps=True)``): the device is synchronised around
+    it, so ``seconds`` is its wall time, host work included."""
+
+    kind: str  # "decode", "prefill" or "combined" (a decode part with a prefill part)
+    num_tokens: int  # padded rows of the step's forwards
+    num_real_tokens: int  # scheduled tokens (chunks and decode tokens)
+    num_decode_live: int  # live decode rows
+    decode_context_tokens: int  # sum of the live decode rows' sequence lengths
+    seconds: float
+
+
 class QueueFullError(RuntimeError):
     """``max_queue_len`` requests are already waiting."""
 
@@ -51,8 +64,12 @@ class LLMEngine:
     """One model, one scheduler, one KV cache. Not thread-safe: one thread calls it."""
 
     def __init__(self, config: EngineConfig, tokenizer=None,
-                 model_runner: ModelRunner | None = None) -> None:
+                 model_runner: ModelRunner | None = None, profile_steps: bool = False) -> None:
+        """``profile_steps``: synchronise the device around every step and keep a
+        ``StepRecord`` per step in ``step_records`` (benchmarks; it costs a sync per step)."""
         self.config = config
+        self.profile_steps = profile_steps
+        self.step_records: list[StepRecord] = []
         self.tokenizer = tokenizer
         # A runner may be shared with another engine of the same model (the benchmark reruns a
         # workload under a different max_num_seqs without rebuilding the model and graphs); only
@@ -184,13 +201,30 @@ class LLMEngine:
             self.runner.swap_in(seq.seq_id, seq.block_table)
         if not out.is_empty:
             self.num_steps += 1
+            start = self._sync_time() if self.profile_steps else 0.0
             for seq in self._execute(out):
                 touched[seq.request_id] = self.requests[seq.request_id]
+            if self.profile_steps:
+                self._record_step(out, self._sync_time() - start)
         outputs = [self._make_output(r) for r in touched.values()]
         for request in touched.values():
             if request.finished:
                 del self.requests[request.request_id]
         return outputs
+
+    def _sync_time(self) -> float:
+        if self.device_is_cuda:
+            torch.cuda.synchronize(self.runner.device)
+        return time.perf_counter()
+
+    def _record_step(self, out: SchedulerOutput, seconds: float) -> None:
+        decodes = out.decode_chunks
+        kind = "combined" if out.is_combined else "decode" if out.is_decode else "prefill"
+        padded = sum(part.shape.num_tokens for part in out.parts)
+        self.step_records.append(StepRecord(
+            kind=kind, num_tokens=padded, num_real_tokens=out.num_tokens,
+            num_decode_live=len(decodes), decode_context_tokens=sum(c.end for c in decodes),
+            seconds=seconds))
 
     def _execute(self, out: SchedulerOutput) -> list[Sequence]:
         runner = self.runner
