@@ -1,0 +1,213 @@
+"""The engine's GPU-only properties (skipped on the CPU, with the reason), run on the H200.
+
+- Graph replay gives the eager bits: every request's fingerprint is the same with CUDA graphs on
+  and off, for every fixed shape of corun (packed and isolated prefill, decode at B) and every
+  decode bucket of the dynamic modes (the workload's live count walks down through them all).
+- Packed prefill keeps a request's bits at real shapes: a target prompt's first-token fingerprint
+  is the same beside five different sets of co-runners in packed steps, for the Qwen3-8B and the
+  Qwen3-30B-A3B layer shapes (depth-truncated: the per-layer shapes are the real ones); the
+  negative control packs without padding (the step's shape follows its contents) and under the
+  H200 GEMM policy that changes the target's bits.
+- ``batch_invariant_tuned`` is batch-invariant at real shapes across M: a row of the GEMM, and a
+  token of the MoE layer, has the same bits at every batch size from 1 to 8192 (its tiles change
+  with M, split-K never happens); ``corun`` (split-K at small M) is the negative control.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from corun.config import EngineConfig
+from corun.engine import LLMEngine
+from corun.model_runner import ModelRunner
+from corun.sampling_params import SamplingParams
+from corun.scheduler import CoRunPolicy
+from corun.step import StepShape
+from kernels.mode import Mode
+from models import create_model
+from models.config import NAMED_CONFIGS
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="CUDA graphs, bf16 Triton kernels and real shapes need a GPU"),
+]
+GPU = dict(device="cuda", dtype="bfloat16", block_size=16, max_model_len=512,
+           gpu_memory_utilization=0.5)
+
+
+def _model(name: str, num_layers: int):
+    from models.weights import init_random_weights
+
+    config = NAMED_CONFIGS[name].with_layers(num_layers)
+    model = create_model(config, dtype=torch.bfloat16, device="cuda")
+    init_random_weights(model, config.num_hidden_layers, 0)
+    model.process_weights_after_loading()
+    return model, config
+
+
+def _fingerprints(runner: ModelRunner, config: EngineConfig, requests) -> dict[str, str]:
+    engine = LLMEngine(config, model_runner=runner)
+    for request_id, prompt, params in requests:
+        engine.add_request(prompt, params, request_id)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.fingerprint
+    return finals
+
+
+def _walking_workload(num: int) -> list:
+    """``num`` requests of mixed lengths whose outputs end one after another, so the decode live
+    count passes every bucket below ``num``."""
+    gen = torch.Generator().manual_seed(0)
+    return [(f"r{i}", torch.randint(1, 1000, (int(torch.randint(3, 200, (1,), generator=gen)),),
+                                    generator=gen).tolist(),
+             SamplingParams(max_tokens=2 + 3 * i, temperature=1.0, seed=i)) for i in range(num)]
+
+
+@pytest.mark.parametrize("variant", [
+    dict(mode="corun"), dict(mode="corun", prefill_policy="isolated"),
+    dict(mode="corun", overlap_prefill_decode=True),
+    dict(mode="batch_invariant"), dict(mode="batch_invariant_tuned"), dict(mode="default"),
+], ids=["corun", "corun_isolated", "corun_overlap", "bi", "bi_tuned", "default"])
+def test_graph_replay_matches_eager_at_every_shape(variant):
+    model = _model("qwen3-0.6b", 4)
+    base = dict(GPU, model="qwen3-0.6b", max_num_seqs=16, max_num_batched_tokens=512,
+                prefill_chunk_size=128, prefill_step_tokens=256, max_prefill_seqs_per_step=8,
+                prefill_token_budget=256, **variant)
+    requests = _walking_workload(16)
+    results, replayed = {}, set()
+    for graphs in (False, True):
+        config = EngineConfig(cuda_graphs=graphs, **base)
+        runner = ModelRunner(config, model=model)
+        if graphs:
+            replay = runner.graph_runner.replay
+
+            def counting(key, replay=replay):
+                replayed.add(key)
+                return replay(key)
+
+            runner.graph_runner.replay = counting
+        results[graphs] = _fingerprints(runner, config, requests)
+        graphed = {s for s in runner.fixed_shapes() if runner.graphable(s)}
+        runner.destroy()
+    assert results[True] == results[False]
+    missing = {s for s in graphed if s not in replayed and not s.is_prefill}
+    assert not missing, f"decode shapes never replayed: {missing}"
+    if base["mode"] == "corun":
+        assert any(s.is_prefill for s in replayed), "no prefill step replayed from a graph"
+
+
+def _target_first_token(runner: ModelRunner, config: EngineConfig, corunners) -> str:
+    # A short prompt: unpadded, its step's M would range from 24 (alone; the H200 policy splits
+    # K there) to hundreds (beside co-runners, no split-K).
+    target = ("target", list(range(100, 124)), SamplingParams(max_tokens=1, seed=7))
+    return _fingerprints(runner, config, [*corunners, target])["target"]
+
+
+def _corunner_sets(seed: int = 0) -> list[list]:
+    gen = torch.Generator().manual_seed(seed)
+    sets = [[]]
+    for size in (1, 2, 3, 4):
+        sets.append([(f"c{size}-{j}", torch.randint(1, 1000, (int(torch.randint(
+            5, 400, (1,), generator=gen)),), generator=gen).tolist(),
+            SamplingParams(max_tokens=1, seed=j)) for j in range(size)])
+    return sets
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-30b-a3b"])
+def test_packed_prefill_keeps_bits_at_real_shapes(name, monkeypatch):
+    model = _model(name, 4)
+    config = EngineConfig(model=name, mode="corun", max_num_seqs=8, prefill_chunk_size=512,
+                          prefill_step_tokens=1024, max_prefill_seqs_per_step=8,
+                          cuda_graphs=True, **dict(GPU, max_model_len=1536))
+    runner = ModelRunner(config, model=model)
+    packed = {_target_first_token(runner, config, s) for s in _corunner_sets()}
+    assert len(packed) == 1, f"{len(packed)} different fingerprints across co-runner sets"
+
+    # Negative control: the step's shape follows its contents (no padding).
+    schedule = CoRunPolicy._schedule_prefill
+
+    def unpadded(self, sched, out, main, room):
+        ok = schedule(self, sched, out, main, room)
+        if ok and main:
+            out.shape = StepShape.dynamic(out.chunks)
+        return ok
+
+    monkeypatch.setattr(CoRunPolicy, "_schedule_prefill", unpadded)
+    eager = dataclasses.replace(config, cuda_graphs=False)
+    runner.destroy()
+    runner = ModelRunner(eager, model=model)
+    unpadded_prints = {_target_first_token(runner, eager, s) for s in _corunner_sets()}
+    runner.destroy()
+    assert len(unpadded_prints) > 1, "unpadded packing kept the bits: the check is vacuous"
+
+
+def _real_gemm_shapes() -> list[tuple[int, int]]:
+    shapes = []
+    for name in ("qwen3-8b", "qwen3-30b-a3b", "deepseek-v3"):
+        c = NAMED_CONFIGS[name]
+        if c.is_mla:
+            shapes += [(c.q_lora_rank, c.hidden_size), (c.hidden_size,
+                                                        c.num_attention_heads * c.v_head_dim)]
+        else:
+            q = c.num_attention_heads * c.head_dim
+            shapes += [(q + 2 * c.num_key_value_heads * c.head_dim, c.hidden_size),
+                       (c.hidden_size, q)]
+            if not c.num_experts:
+                shapes += [(2 * c.intermediate_size, c.hidden_size),
+                           (c.hidden_size, c.intermediate_size)]
+    return shapes
+
+
+M_VALUES = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
+
+
+@pytest.mark.parametrize("n, k", _real_gemm_shapes())
+def test_batch_invariant_tuned_gemm_rows_equal_across_m(n, k):
+    from kernels.gemm import gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(n * 7 + k)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k**0.5
+    x = torch.randn(max(M_VALUES), k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    rows = {m: gemm(x[:m], w, mode=Mode.BATCH_INVARIANT_TUNED)[:1] for m in M_VALUES}
+    assert all(torch.equal(rows[m], rows[1]) for m in M_VALUES), \
+        [m for m in M_VALUES if not torch.equal(rows[m], rows[1])]
+
+
+def test_corun_gemm_rows_change_across_m_negative_control():
+    """corun may split K at small M: some real shape changes a row's bits across M."""
+    from kernels.gemm import gemm
+
+    changed = 0
+    for n, k in _real_gemm_shapes():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        x = torch.randn(512, k, device="cuda", dtype=torch.bfloat16)
+        ref = gemm(x[:512], w, mode=Mode.CORUN)[:1]
+        changed += any(not torch.equal(gemm(x[:m], w, mode=Mode.CORUN)[:1], ref)
+                       for m in (1, 8, 32, 64))
+    assert changed, "corun never changed a row across M: the invariance check is vacuous"
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_batch_invariant_tuned_moe_tokens_equal_across_t(name):
+    from kernels.moe import fused_moe, softmax_topk
+
+    c = NAMED_CONFIGS[name]
+    e, h, inter, top_k = c.num_experts, c.hidden_size, c.moe_intermediate_size, \
+        c.num_experts_per_tok
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    w13 = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16, generator=gen) / h**.5
+    w2 = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16, generator=gen) / inter**.5
+    x = torch.randn(2048, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(2048, e, device="cuda", dtype=torch.float32, generator=gen)
+    weights, ids = softmax_topk(logits, top_k, True)
+    outs = {t: fused_moe(x[:t], w13, w2, weights[:t], ids[:t],
+                         mode=Mode.BATCH_INVARIANT_TUNED)[:1]
+            for t in (1, 8, 32, 64, 128, 256, 512, 2048)}
+    assert all(torch.equal(o, outs[1]) for o in outs.values())
