@@ -411,3 +411,25 @@ def fused_moe_reference(
             expert_out = gemm_reference(hidden, w2[e]).to(acc)
             out[t] += topk_weights[t, r].to(acc) * expert_out[0]
     return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# logits digest (corun/fingerprint.py's LogitsDigest)
+# ----------------------------------------------------------------------------------------------
+
+_DIGEST_GOLDEN_INT64 = 0x9E3779B97F4A7C15 - (1 << 64)  # signed int64 with the golden-ratio bits
+
+
+def logits_digest_reference(logits: torch.Tensor) -> torch.Tensor:
+    """[N, 2] int64 digest of fp32 logits [N, V]: with ``b_v`` the int32 bits of logit v widened
+    to int64, d1 = sum_v b_v * (2v + 1) and d2 = sum_v b_v * h(v), h(v) = (v * golden + 1) | 1,
+    all wrapping mod 2**64 (integer sums, so the order does not matter)."""
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        raise ValueError(f"logits: expected fp32 [N, V], got {logits.dtype} {tuple(logits.shape)}")
+    v = torch.arange(logits.shape[1], dtype=torch.int64, device=logits.device)
+    golden = torch.tensor(_DIGEST_GOLDEN_INT64, dtype=torch.int64, device=logits.device)
+    weights = torch.stack([2 * v + 1, (v * golden + 1) | 1], dim=1)  # [V, 2]
+    bits = logits.contiguous().view(torch.int32).to(torch.int64)  # [N, V]
+    d1 = (bits * weights[:, 0]).sum(dim=1)
+    d2 = (bits * weights[:, 1]).sum(dim=1)
+    return torch.stack([d1, d2], dim=1)
