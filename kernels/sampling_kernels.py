@@ -39,9 +39,15 @@ def _philox_uniform(offs, position, sample_index, seed):
 
 
 @triton.jit
+def _minus_max(s, s_max):
+    """s - s_max, with a -inf max read as 0 (an all -inf row or piece: -inf, never NaN)."""
+    return s - tl.where(s_max > float("-inf"), s_max, 0.0)
+
+
+@triton.jit
 def _fixed_mass(s, s_max):
     """int64(exp(s - s_max) * 2**40), 0 for -inf and NaN, 2**40 at the max (also when it is inf)."""
-    e = tl.exp(s - s_max)
+    e = tl.exp(_minus_max(s, s_max))
     e = tl.minimum(tl.where(e == e, e, 0.0), 1.0)
     e = tl.where(s == s_max, 1.0, e)
     return (e * MASS_ONE).to(tl.int64)
@@ -125,7 +131,7 @@ def _sample_partial_kernel(
             rest = mask & ~in_list
             # Completeness bound: the list holds every element with key >= bound.
             bound = tl.max(tl.where(rest, key64, KEY_FLOOR - 1), axis=0) + 1
-            e = tl.exp(s - s_max_c)
+            e = tl.exp(_minus_max(s, s_max_c))
             e = tl.where(rest & (e == e), e, 0.0)
             slot = tl.cumsum(in_list.to(tl.int32), axis=0) - 1
             n_list = tl.sum(in_list.to(tl.int32), axis=0)
@@ -228,7 +234,7 @@ def _sample_combine_kernel(
             # The whole row's mass: the listed tokens exactly plus each chunk's rest.
             c_max = tl.load(ws_f32_ptr + num_parts + parts, mask=mask_c, other=float("-inf"))
             c_rest = tl.load(ws_f32_ptr + 2 * num_parts + parts, mask=mask_c, other=0.0)
-            scale = tl.exp(c_max - s_max)
+            scale = tl.exp(_minus_max(c_max, s_max))
             scale = tl.minimum(tl.where(scale == scale, scale, 0.0), 1.0)
             z_rest = tl.sum((c_rest * scale * MASS_ONE).to(tl.int64), axis=0)
             s_cand = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.int32).to(tl.float32, bitcast=True)
@@ -323,7 +329,7 @@ def _sample_row_exact(
             n_above_lo += tl.sum(in_k.to(tl.int64), axis=0)
             n_from_hi += tl.sum((in_k & (key >= key_max)).to(tl.int64), axis=0)
         target = (top_p.to(tl.float64) * z.to(tl.float64)).to(tl.int64)
-        lo = t_k - 1
+        lo = tl.maximum(t_k, -2147483648) - 1  # every int32 key is above
         hi = key_max
         while (hi - lo > 1) & (n_above_lo != n_from_hi):
             mid = lo + (hi - lo) // 2
