@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import check_tensor, next_power_of_2
+from kernels.utils import cdiv, check_tensor, next_power_of_2
 
 # The golden-ratio multiplier of h(v), as the signed int64 with the same bits as 0x9E3779B97F4A7C15.
 GOLDEN_INT64 = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -85,7 +85,7 @@ def logits_digest(
     if num_rows == 0 or vocab == 0:
         return out
     cfg = config or logits_digest_config(vocab)
-    _logits_digest_kernel[(num_rows, triton.cdiv(vocab, cfg.BLOCK_V))](
+    _logits_digest_kernel[(num_rows, cdiv(vocab, cfg.BLOCK_V))](
         logits,
         out,
         vocab,

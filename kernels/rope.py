@@ -238,8 +238,8 @@ def rope(
     if num_tokens == 0:
         return q_out, k_out
     cfg = config or rope_config(num_tokens, num_q_heads, num_k_heads, rotary_dim, q.dtype, mode)
-    n_q_tiles = triton.cdiv(num_q_heads, cfg.BLOCK_H)
-    grid = (triton.cdiv(num_tokens, cfg.BLOCK_T), n_q_tiles + triton.cdiv(num_k_heads, cfg.BLOCK_H))
+    n_q_tiles = cdiv(num_q_heads, cfg.BLOCK_H)
+    grid = (cdiv(num_tokens, cfg.BLOCK_T), n_q_tiles + cdiv(num_k_heads, cfg.BLOCK_H))
     _rope_kernel[grid](
         q,
         k,

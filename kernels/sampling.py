@@ -40,7 +40,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from kernels.mode import Mode
 from kernels.sampling_kernels import (
@@ -202,7 +201,7 @@ def sampling_uniform(
     if batch == 0:
         return out
     cfg = sampling_config(vocab_size, torch.float32)
-    _uniform_kernel[(batch, triton.cdiv(vocab_size, cfg.BLOCK_V))](
+    _uniform_kernel[(batch, cdiv(vocab_size, cfg.BLOCK_V))](
         seeds,
         sample_indices,
         positions,
