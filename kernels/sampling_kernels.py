@@ -102,7 +102,8 @@ def _sample_partial_kernel(
         val = tl.where(mask, x, float("-inf"))
         best, at = tl.max(val, axis=0, return_indices=True, return_indices_tie_break_left=True)
         tl.store(ws_f32_ptr + part, best)
-        tl.store(ws_i32_ptr + part, (chunk * CHUNK + at).to(tl.int32))
+        # (NaN logits make the argmax arbitrary: keep the id inside the vocab at least)
+        tl.store(ws_i32_ptr + part, tl.minimum(chunk * CHUNK + at, vocab - 1).to(tl.int32))
     else:
         s = tl.math.div_rn(x, tl.zeros([CHUNK], tl.float32) + tl.maximum(temperature, 1e-6))
         position = tl.load(positions_ptr + row)
@@ -160,7 +161,7 @@ def _sample_partial_kernel(
             val = tl.where(mask, s - tl.log(-tl.log(u)), float("-inf"))
             best, at = tl.max(val, axis=0, return_indices=True, return_indices_tie_break_left=True)
             tl.store(ws_f32_ptr + part, best)
-            tl.store(ws_i32_ptr + part, (chunk * CHUNK + at).to(tl.int32))
+            tl.store(ws_i32_ptr + part, tl.minimum(chunk * CHUNK + at, vocab - 1).to(tl.int32))
 
 
 @triton.jit
@@ -267,8 +268,10 @@ def _sample_combine_kernel(
             noisy = tl.load(ws_f32_ptr + 3 * num_parts + cand, mask=kept, other=float("-inf"))
             _, at = tl.max(tl.where(kept, noisy, float("-inf")), axis=0, return_indices=True,
                            return_indices_tie_break_left=True)
+            at_chunk = tl.minimum(at // R, num_chunks - 1)  # NaN values: stay in this row
+            at_valid = at % R < tl.load(ws_i32_ptr + num_parts + row * num_chunks + at_chunk)
             token = tl.load(ws_i32_ptr + 3 * num_parts + num_parts * R
-                            + (row * num_chunks + at // R) * R + at % R)
+                            + (row * num_chunks + at_chunk) * R + at % R, mask=at_valid, other=0)
             tl.store(out_ptr + row, token.to(tl.int64))
         else:
             _sample_row_exact(
@@ -282,7 +285,7 @@ def _sample_combine_kernel(
     else:
         vals = tl.load(ws_f32_ptr + parts, mask=mask_c, other=float("-inf"))
         _, at = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        token = tl.load(ws_i32_ptr + row * num_chunks + at)
+        token = tl.load(ws_i32_ptr + row * num_chunks + tl.minimum(at, num_chunks - 1))
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
