@@ -26,7 +26,13 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 
 from experiments.harness import bench_us, family_main, kernel_record, memory_bound_us  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
-from kernels.sampling import _sample_launch, sample, sampling_config, token_logprobs  # noqa: E402
+from kernels.sampling import (  # noqa: E402
+    SamplingConfig,
+    _sample_launch,
+    sample,
+    sampling_config,
+    token_logprobs,
+)
 
 VOCABS = (151936, 129280)  # Qwen3, DeepSeek-V3
 BATCH_SIZES = (1, 8, 32, 64, 128, 256)
@@ -40,6 +46,11 @@ CONFIGS = (
     ("top-k-50-top-p-0.9", 0.8, 50, 0.9),
 )
 FLAT = ("top-p-0.9-flat", 1.0, 0, 0.9)  # diagnostic: the fallback path
+# Other piece sizes (CHUNK, R, warps, combine warps) timed beside the policy's at V = 151936:
+# larger pieces trade B = 1 parallelism for bytes in flight at B = 256 (same tokens, tie-free).
+VARIANTS = ((2048, 32, 4, 8), (2048, 64, 8, 16), (4096, 64, 8, 8))
+VARIANT_CONFIGS = ("greedy", "plain", "top-k-50-top-p-0.9")
+VARIANT_BATCHES = (1, 256)
 DEVICE = "cuda"
 
 
@@ -121,6 +132,25 @@ def collect(quick: bool = False) -> list[dict]:
                         bw_fraction=round(bound / us, 4),
                     )
                 )
+    if not quick:
+        vocab = VOCABS[0]
+        base = sampling_config(vocab, torch.float32)
+        for label, temperature, top_k, top_p in CONFIGS:
+            if label not in VARIANT_CONFIGS:
+                continue
+            for batch in VARIANT_BATCHES:
+                args = _args(batch, vocab, temperature, top_k, top_p)
+                policy_us = bench_us(partial(sample, *args), warmup_ms=warmup_ms, rep_ms=rep_ms)
+                for chunk, r, warps, combine_warps in VARIANTS:
+                    cfg = SamplingConfig(CHUNK=chunk, R=r, BLOCK_V=base.BLOCK_V,
+                                         sweep_warps=base.sweep_warps, num_warps=warps,
+                                         combine_warps=combine_warps)
+                    us = bench_us(partial(sample, *args, config=cfg), warmup_ms=warmup_ms,
+                                  rep_ms=rep_ms)
+                    records.append(kernel_record(
+                        "sample_variant", str(Mode.CORUN), batch, vocab, 0, torch.float32, us,
+                        "policy config", policy_us, config=label,
+                        variant=[chunk, r, warps, combine_warps]))
     for batch in batches:
         vocab = VOCABS[0]
         args = _args(batch, vocab, 1.0, 0, 1.0)
