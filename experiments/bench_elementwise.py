@@ -25,7 +25,7 @@ from kernels.activation import silu_mul  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
 from kernels.norm import RmsNormConfig, rmsnorm  # noqa: E402
 from kernels.reference import rmsnorm_reference, rope_reference, silu_mul_reference  # noqa: E402
-from kernels.rope import build_rope_cache, rope  # noqa: E402
+from kernels.rope import RopeConfig, build_rope_cache, rope, rope_config  # noqa: E402
 
 M_VALUES = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
 QUICK_M = (1, 256, 8192)
@@ -33,6 +33,14 @@ HIDDEN_SIZES = (4096, 2048, 7168)  # Qwen3-8B, Qwen3-30B-A3B, DeepSeek-V3
 INTERMEDIATE_SIZES = (12288, 768, 18432)  # Qwen3-8B dense, Qwen3-MoE expert, DeepSeek-V3 dense
 # (label, q heads, k heads, rotary dim, q head width (rope part is the tail), is_neox)
 ROPE_SHAPES = (("qwen3-8b", 32, 8, 128, 128, True), ("deepseek-v3", 128, 1, 64, 192, False))
+# Other tilings timed beside the policy's at a decode and a prefill token count, so one run shows
+# whether the policy picked the best (BLOCK_D, BLOCK_H, BLOCK_T, num_warps); same bits for all.
+ROPE_VARIANTS = {
+    "deepseek-v3": ((32, 32, 1, 4), (32, 32, 4, 4), (32, 64, 1, 8), (32, 64, 8, 8),
+                    (32, 128, 1, 8), (32, 128, 2, 8)),
+    "qwen3-8b": ((64, 16, 1, 4), (64, 32, 1, 8), (64, 32, 4, 8)),
+}
+ROPE_VARIANT_M = (128, 8192)
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 ELEM = 2  # bytes per bf16 element
@@ -95,6 +103,7 @@ def collect(quick: bool = False) -> list[dict]:
             us = bench(partial(rope, q, k, positions, cache, is_neox, inplace=True))
             peer = bench(partial(rope_reference, q, k, positions, cache, is_neox))
             num_bytes = 2 * m * (q_heads + k_heads) * rotary_dim * ELEM + m * rotary_dim * 4
+            policy = rope_config(m, q_heads, k_heads, rotary_dim, DTYPE)
             records.append(
                 _record(
                     "rope",
@@ -106,8 +115,20 @@ def collect(quick: bool = False) -> list[dict]:
                     num_bytes,
                     shape=label,
                     is_neox=is_neox,
+                    config=list(policy.__dict__.values()),
                 )
             )
+            if quick or m not in ROPE_VARIANT_M:
+                continue
+            for variant in ROPE_VARIANTS[label]:
+                cfg = RopeConfig(*variant)
+                v_us = bench(partial(rope, q, k, positions, cache, is_neox, inplace=True,
+                                     config=cfg))
+                records.append(
+                    _record("rope_variant", m, q_heads * rotary_dim, k_heads * rotary_dim, v_us,
+                            peer, num_bytes, shape=label, is_neox=is_neox,
+                            config=list(variant), policy_us=round(us, 3))
+                )
     for inter in INTERMEDIATE_SIZES[:1] if quick else INTERMEDIATE_SIZES:
         for m in m_values:
             x = _randn(m, 2 * inter)

@@ -6,11 +6,11 @@ seeded by the drawn seed. Comparisons are exact (token ids, logprob bits).
 """
 
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.mode import Mode
-from kernels.sampling import sample, token_logprobs
+from kernels.sampling import SamplingConfig, _sample_launch, sample, token_logprobs
 from tests.utils import assert_bitwise_equal
 
 VOCAB = 67
@@ -56,6 +56,36 @@ def test_sampled_token_independent_of_batch(rows, row, slot, mode, seed):
     lp_full = token_logprobs(args[0], full, mode=mode)
     lp_alone = token_logprobs(args[0][row : row + 1], full[row : row + 1], mode=mode)
     assert_bitwise_equal(lp_alone[0], lp_full[row], "logprob alone vs in batch")
+
+
+# Pieces of 8 columns with lists of 2: most top-k/top-p rows take the whole-row fallback.
+TINY = SamplingConfig(CHUNK=8, R=2, BLOCK_V=16, sweep_warps=1, num_warps=1, combine_warps=1)
+
+
+@settings(max_examples=4)
+@given(rows=st.integers(2, 3), row=st.integers(1, 2), slot=st.integers(0, 3),
+       seed=st.integers(0, 2**63 - 1))
+def test_fallback_rows_independent_of_batch(rows, row, slot, seed):
+    """The same property for rows decided by the whole-row fallback and by the lists, mixed in
+    one batch (small pieces), and the path a row takes is its own too."""
+    row = 1 + (row - 1) % (rows - 1)  # row 0 of every batch is greedy (no path)
+    gen = torch.Generator().manual_seed(seed)
+    args = _batch(gen, rows)
+    args[0] = args[0][:, :16].contiguous()
+    args[2] = args[2] % 8
+    full, full_path = _sample_launch(*args, TINY)
+    alone, alone_path = _sample_launch(*[a[row : row + 1] for a in args], TINY)
+    assert alone[0] == full[row]
+    if (0 < args[2][row] < 16) or args[3][row] < 1:
+        assert alone_path[0] == full_path[row]
+    slot = slot % (rows + 1)
+    others = _batch(gen, rows + 1)
+    others[0] = others[0][:, :16].contiguous()
+    moved = [
+        torch.cat([o[:slot], a[row : row + 1], o[slot + 1 :]])
+        for o, a in zip(others, args, strict=True)
+    ]
+    assert _sample_launch(*moved, TINY)[0][slot] == full[row]
 
 
 @given(seed=st.integers(0, 2**63 - 1))

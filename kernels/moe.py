@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from kernels.mode import Mode
+from kernels.moe_align import moe_align
 from kernels.moe_kernels import (
     _moe_combine_kernel,
     _moe_down_kernel,
@@ -281,43 +282,12 @@ def moe_align_block_size(
 
     Returns ``sorted_pair_ids`` int32 [num_blocks * BLOCK_M] (pair = t * k + r; padding holds
     T * k) and ``block_expert_ids`` int32 [num_blocks] (-1 past the last used block). Within an
-    expert, pairs keep token-major order (torch.sort stable). Masked tokens and ids outside
-    [0, E) count toward no expert. num_blocks bounds every routing, T*k + min(E, T*k)*(BLOCK_M-1)
-    rows, so no size depends on the data (no host sync; graph capturable).
+    expert, pairs keep token-major order. Masked tokens and ids outside [0, E) count toward no
+    expert. num_blocks bounds every routing, T*k + min(E, T*k)*(BLOCK_M-1) rows, so no size
+    depends on the data (no host sync; graph capturable). Two Triton launches
+    (``kernels/moe_align.py``), bit for bit ``moe_align_block_size_reference``.
     """
-    num_tokens, top_k = topk_ids.shape
-    num_pairs = num_tokens * top_k
-    device = topk_ids.device
-    num_blocks = cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
-    max_rows = num_blocks * block_m
-
-    expert = topk_ids.reshape(-1).to(torch.int64)
-    dropped = (expert < 0) | (expert >= num_experts)
-    if token_mask is not None:
-        dropped = dropped | ~token_mask.view(-1, 1).expand(num_tokens, top_k).reshape(-1)
-    expert = torch.where(dropped, torch.full_like(expert, num_experts), expert)  # sentinel E
-
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, expert, torch.ones_like(expert))  # integer adds: order-free
-    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = torch.cat([padded_end.new_zeros(1), padded_end])  # [E + 1]
-    count_start = torch.cumsum(counts, 0) - counts  # [E + 1]
-
-    sorted_expert, pair = torch.sort(expert, stable=True)
-    rank_in_expert = torch.arange(num_pairs, device=device) - count_start[sorted_expert]
-    # dropped pairs go to distinct slots past max_rows, which are cut off below
-    trash = max_rows + torch.arange(num_pairs, device=device)
-    dest = torch.where(sorted_expert < num_experts,
-                       padded_start[sorted_expert] + rank_in_expert, trash)
-    sorted_pair_ids = torch.full((max_rows + num_pairs,), num_pairs, dtype=torch.int32,
-                                 device=device)
-    sorted_pair_ids.scatter_(0, dest, pair.to(torch.int32))
-
-    block_start = torch.arange(num_blocks, device=device) * block_m
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_pair_ids[:max_rows], block_expert_ids
+    return moe_align(topk_ids, num_experts, block_m, token_mask)
 
 
 def _check_moe_args(

@@ -411,3 +411,72 @@ def fused_moe_reference(
             expert_out = gemm_reference(hidden, w2[e]).to(acc)
             out[t] += topk_weights[t, r].to(acc) * expert_out[0]
     return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# logits digest (corun/fingerprint.py's LogitsDigest)
+# ----------------------------------------------------------------------------------------------
+
+_DIGEST_GOLDEN_INT64 = 0x9E3779B97F4A7C15 - (1 << 64)  # signed int64 with the golden-ratio bits
+
+
+def logits_digest_reference(logits: torch.Tensor) -> torch.Tensor:
+    """[N, 2] int64 digest of fp32 logits [N, V]: with ``b_v`` the int32 bits of logit v widened
+    to int64, d1 = sum_v b_v * (2v + 1) and d2 = sum_v b_v * h(v), h(v) = (v * golden + 1) | 1,
+    all wrapping mod 2**64 (integer sums, so the order does not matter)."""
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        raise ValueError(f"logits: expected fp32 [N, V], got {logits.dtype} {tuple(logits.shape)}")
+    v = torch.arange(logits.shape[1], dtype=torch.int64, device=logits.device)
+    golden = torch.tensor(_DIGEST_GOLDEN_INT64, dtype=torch.int64, device=logits.device)
+    weights = torch.stack([2 * v + 1, (v * golden + 1) | 1], dim=1)  # [V, 2]
+    bits = logits.contiguous().view(torch.int32).to(torch.int64)  # [N, V]
+    d1 = (bits * weights[:, 0]).sum(dim=1)
+    d2 = (bits * weights[:, 1]).sum(dim=1)
+    return torch.stack([d1, d2], dim=1)
+
+
+def moe_align_block_size_reference(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, token_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the (token, rank) pairs by expert, stably, and pad each expert to BLOCK_M rows.
+
+    Returns ``sorted_pair_ids`` int32 [num_blocks * BLOCK_M] (pair = t * k + r; padding holds
+    T * k) and ``block_expert_ids`` int32 [num_blocks] (-1 past the last used block). Within an
+    expert, pairs keep token-major order (torch.sort stable). Masked tokens and ids outside
+    [0, E) count toward no expert. num_blocks bounds every routing, T*k + min(E, T*k)*(BLOCK_M-1)
+    rows, so no size depends on the data. (The torch version ``kernels.moe`` ran before
+    ``kernels/moe_align.py``: ~25 small ops.)
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    device = topk_ids.device
+    num_blocks = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m)
+    max_rows = num_blocks * block_m
+
+    expert = topk_ids.reshape(-1).to(torch.int64)
+    dropped = (expert < 0) | (expert >= num_experts)
+    if token_mask is not None:
+        dropped = dropped | ~token_mask.view(-1, 1).expand(num_tokens, top_k).reshape(-1)
+    expert = torch.where(dropped, torch.full_like(expert, num_experts), expert)  # sentinel E
+
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))  # integer adds: order-free
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = torch.cat([padded_end.new_zeros(1), padded_end])  # [E + 1]
+    count_start = torch.cumsum(counts, 0) - counts  # [E + 1]
+
+    sorted_expert, pair = torch.sort(expert, stable=True)
+    rank_in_expert = torch.arange(num_pairs, device=device) - count_start[sorted_expert]
+    # dropped pairs go to distinct slots past max_rows, which are cut off below
+    trash = max_rows + torch.arange(num_pairs, device=device)
+    dest = torch.where(sorted_expert < num_experts,
+                       padded_start[sorted_expert] + rank_in_expert, trash)
+    sorted_pair_ids = torch.full((max_rows + num_pairs,), num_pairs, dtype=torch.int32,
+                                 device=device)
+    sorted_pair_ids.scatter_(0, dest, pair.to(torch.int32))
+
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pair_ids[:max_rows], block_expert_ids

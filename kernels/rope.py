@@ -10,13 +10,20 @@ out of place (new contiguous tensors) or in place.
 included with its attention factor folded into cos/sin, following transformers'
 ``_compute_yarn_parameters`` (correction range from ``original_max_position_embeddings``).
 
-Invariance: one program rotates one token, elementwise, with no reduction; the config reads only
-head counts and R. A token's bits depend only on its own q/k and position under every mode:
-position- and batch-invariant in ``default``, ``batch_invariant`` and ``corun``.
+A program rotates a [heads, R] tile (BLOCK_H heads; the full rotary dim, loaded contiguously and
+split into even/odd lanes for GPT-J pairs, or as two contiguous halves for neox) for each of
+BLOCK_T tokens; the grid is (token blocks, head tiles of q then of k), so DeepSeek's 128 heads
+spread over several programs and a program moves several tokens.
+
+Invariance: elementwise, with no reduction: every element of a token gets the same instructions
+whatever tile or token block holds it, so its bits depend only on its own q/k and position under
+every mode and every config: position- and batch-invariant in ``default``, ``batch_invariant``
+and ``corun``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -27,6 +34,7 @@ import triton.language as tl
 from kernels.mode import Mode
 from kernels.utils import (
     FLOAT_DTYPES,
+    cdiv,
     check_same_device,
     check_shape,
     check_tensor,
@@ -35,36 +43,68 @@ from kernels.utils import (
 
 
 @triton.jit
-def _rope_rotate_heads(
+def _rope_rotate_tile(
     in_ptr,
     out_ptr,
-    cos,
-    sin,
-    offs_d,
+    positions_ptr,
+    cache_ptr,
+    token0,
+    num_tokens,
     n_heads,
     half,
+    stride_in_t,
     stride_in_h,
+    stride_out_t,
     stride_out_h,
+    stride_cache_p,
     IS_NEOX: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """Rotate all heads of one token, BLOCK_H heads per step (pointers are at the token)."""
-    if IS_NEOX:
-        offs_x1, offs_x2 = offs_d, offs_d + half
-    else:
-        offs_x1, offs_x2 = 2 * offs_d, 2 * offs_d + 1
+    """Rotate a [BLOCK_H heads, rotary dim] tile of each of BLOCK_T tokens from ``token0``
+    (``in_ptr``/``out_ptr`` already point at the tile's first head)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)  # pair index i < R/2
+    mask_h = offs_h < n_heads
     mask_d = offs_d < half
-    for h0 in range(0, n_heads, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        mask = (offs_h[:, None] < n_heads) & mask_d[None, :]
-        in_rows = in_ptr + offs_h[:, None] * stride_in_h
-        out_rows = out_ptr + offs_h[:, None] * stride_out_h
-        x1 = tl.load(in_rows + offs_x1[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(in_rows + offs_x2[None, :], mask=mask, other=0.0).to(tl.float32)
-        o1 = x1 * cos[None, :] - x2 * sin[None, :]
-        o2 = x2 * cos[None, :] + x1 * sin[None, :]
-        tl.store(out_rows + offs_x1[None, :], o1.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_rows + offs_x2[None, :], o2.to(out_ptr.dtype.element_ty), mask=mask)
+    if IS_NEOX:
+        # pairs (i, i + R/2): two contiguous half tiles
+        mask_cols = mask_d
+        offs_1 = offs_h[:, None] * stride_in_h + offs_d[None, :]
+        offs_out_1 = offs_h[:, None] * stride_out_h + offs_d[None, :]
+    else:
+        # pairs (2i, 2i + 1): one contiguous [heads, R] tile, split into even/odd lanes
+        offs_r = tl.arange(0, 2 * BLOCK_D)
+        mask_cols = offs_r < 2 * half
+        offs_1 = offs_h[:, None] * stride_in_h + offs_r[None, :]
+        offs_out_1 = offs_h[:, None] * stride_out_h + offs_r[None, :]
+    for t in range(BLOCK_T):
+        token = token0 + t
+        # Past-the-end tokens of the last block: a clamped (valid) position and a row mask (the
+        # interpreter cannot AND a tile with a scalar).
+        pos = tl.load(positions_ptr + tl.minimum(token, num_tokens - 1)).to(tl.int64)
+        cache_row = cache_ptr + pos * stride_cache_p
+        cos = tl.load(cache_row + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        sin = tl.load(cache_row + half + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        src = in_ptr + token * stride_in_t
+        dst = out_ptr + token * stride_out_t
+        rows = mask_h & (offs_h * 0 + token < num_tokens)
+        m = rows[:, None] & mask_cols[None, :]
+        if IS_NEOX:
+            x1 = tl.load(src + offs_1, mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(src + offs_1 + half, mask=m, other=0.0).to(tl.float32)
+            o1 = x1 * cos[None, :] - x2 * sin[None, :]
+            o2 = x2 * cos[None, :] + x1 * sin[None, :]
+            tl.store(dst + offs_out_1, o1.to(out_ptr.dtype.element_ty), mask=m)
+            tl.store(dst + offs_out_1 + half, o2.to(out_ptr.dtype.element_ty), mask=m)
+        else:
+            x = tl.load(src + offs_1, mask=m, other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(x, [BLOCK_H, BLOCK_D, 2]))
+            o1 = x1 * cos[None, :] - x2 * sin[None, :]
+            o2 = x2 * cos[None, :] + x1 * sin[None, :]
+            o = tl.reshape(tl.join(o1, o2), [BLOCK_H, 2 * BLOCK_D])
+            tl.store(dst + offs_out_1, o.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -77,9 +117,11 @@ def _rope_kernel(
     positions_ptr,
     cache_ptr,
     # sizes
+    num_tokens,
     n_q_heads,
     n_k_heads,
     half,
+    n_q_tiles,
     # strides
     stride_q_t,
     stride_q_h,
@@ -92,64 +134,67 @@ def _rope_kernel(
     stride_cache_p,
     # meta
     IS_NEOX: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < half
-    cache_row = cache_ptr + pos * stride_cache_p
-    cos = tl.load(cache_row + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    sin = tl.load(cache_row + half + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    _rope_rotate_heads(
-        q_ptr + token * stride_q_t,
-        q_out_ptr + token * stride_qo_t,
-        cos,
-        sin,
-        offs_d,
-        n_q_heads,
-        half,
-        stride_q_h,
-        stride_qo_h,
-        IS_NEOX,
-        BLOCK_H,
-    )
-    _rope_rotate_heads(
-        k_ptr + token * stride_k_t,
-        k_out_ptr + token * stride_ko_t,
-        cos,
-        sin,
-        offs_d,
-        n_k_heads,
-        half,
-        stride_k_h,
-        stride_ko_h,
-        IS_NEOX,
-        BLOCK_H,
-    )
+    # Axis 0: a block of BLOCK_T tokens; axis 1: a tile of BLOCK_H heads, q's tiles then k's.
+    token0 = tl.program_id(0).to(tl.int64) * BLOCK_T
+    tile = tl.program_id(1)
+    if tile < n_q_tiles:
+        h0 = tile * BLOCK_H
+        _rope_rotate_tile(
+            q_ptr + h0 * stride_q_h, q_out_ptr + h0 * stride_qo_h, positions_ptr, cache_ptr,
+            token0, num_tokens, n_q_heads - h0, half,
+            stride_q_t, stride_q_h, stride_qo_t, stride_qo_h, stride_cache_p,
+            IS_NEOX, BLOCK_T, BLOCK_H, BLOCK_D,
+        )
+    else:
+        h0 = (tile - n_q_tiles) * BLOCK_H
+        _rope_rotate_tile(
+            k_ptr + h0 * stride_k_h, k_out_ptr + h0 * stride_ko_h, positions_ptr, cache_ptr,
+            token0, num_tokens, n_k_heads - h0, half,
+            stride_k_t, stride_k_h, stride_ko_t, stride_ko_h, stride_cache_p,
+            IS_NEOX, BLOCK_T, BLOCK_H, BLOCK_D,
+        )
 
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Half the rotary dim padded to a power of two, heads per tile, warps per token."""
+    """Half the rotary dim padded to a power of two, heads per tile, tokens per program, warps."""
 
     BLOCK_D: int
     BLOCK_H: int
+    BLOCK_T: int
     num_warps: int
 
 
+@functools.lru_cache(maxsize=256)
 def rope_config(
-    num_q_heads: int, num_k_heads: int, rotary_dim: int, dtype: torch.dtype, mode: Mode = Mode.CORUN
+    num_tokens: int,
+    num_q_heads: int,
+    num_k_heads: int,
+    rotary_dim: int,
+    dtype: torch.dtype,
+    mode: Mode = Mode.CORUN,
 ) -> RopeConfig:
-    """Pure policy of head counts and rotary dim; never the number of tokens. Same for all modes
-    (the op is elementwise, so any tiling gives the same bits)."""
+    """Pure policy of the token count, head counts and rotary dim; the same for every mode.
+
+    May read the token count because the op is elementwise: every element gets the same
+    instructions whatever tile or token block it sits in, so any config gives the same bits (the
+    invariance tests compare a token alone, i.e. another config, with the token in a batch).
+    A program rotates tiles of up to 4096 elements ([64 heads, 64] at DeepSeek's rope, [32, 64
+    pairs] at Qwen3's neox halves, as before) for 4 tokens once that still leaves >= 512
+    programs (about 4 per SM of an H200), else for 1.
+    """
     del dtype, mode
     block_d = next_power_of_2(max(rotary_dim // 2, 1))
-    # ~4096 elements per half-tile keeps registers bounded for DeepSeek's 128 heads.
-    block_h = min(next_power_of_2(max(num_q_heads, num_k_heads)), max(1, 4096 // block_d))
-    num_warps = 4 if block_h * block_d <= 2048 else 8
-    return RopeConfig(BLOCK_D=block_d, BLOCK_H=block_h, num_warps=num_warps)
+    tile_rows = max(1, 4096 // (2 * block_d))
+    block_h = min(next_power_of_2(max(num_q_heads, num_k_heads)), tile_rows)
+    tiles = cdiv(num_q_heads, block_h) + cdiv(num_k_heads, block_h)
+    block_t = 4 if cdiv(num_tokens, 4) * tiles >= 512 else 1
+    num_warps = 4 if block_h * block_d <= 1024 else 8
+    return RopeConfig(BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=num_warps)
 
 
 def rope(
@@ -161,12 +206,14 @@ def rope(
     *,
     inplace: bool = False,
     mode: Mode = Mode.CORUN,
+    config: RopeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, R] and k [T, Hk, R] by ``positions`` [T] (int32/int64, < P).
 
     Returns (q, k) themselves when ``inplace``, else new contiguous tensors. Position- and
     batch-invariant under every mode. Positions are not range-checked on the device (that would
-    synchronise); an out-of-range position reads outside the cache.
+    synchronise); an out-of-range position reads outside the cache. ``config`` overrides the
+    policy (tests, benchmarks).
     """
     mode = Mode.parse(mode)
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
@@ -190,17 +237,21 @@ def rope(
     k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
         return q_out, k_out
-    cfg = rope_config(num_q_heads, num_k_heads, rotary_dim, q.dtype, mode)
-    _rope_kernel[(num_tokens,)](
+    cfg = config or rope_config(num_tokens, num_q_heads, num_k_heads, rotary_dim, q.dtype, mode)
+    n_q_tiles = cdiv(num_q_heads, cfg.BLOCK_H)
+    grid = (cdiv(num_tokens, cfg.BLOCK_T), n_q_tiles + cdiv(num_k_heads, cfg.BLOCK_H))
+    _rope_kernel[grid](
         q,
         k,
         q_out,
         k_out,
         positions,
         cos_sin_cache,
+        num_tokens,
         num_q_heads,
         num_k_heads,
         rotary_dim // 2,
+        n_q_tiles,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -211,8 +262,9 @@ def rope(
         k_out.stride(1),
         cos_sin_cache.stride(0),
         IS_NEOX=is_neox,
-        BLOCK_D=cfg.BLOCK_D,
+        BLOCK_T=cfg.BLOCK_T,
         BLOCK_H=cfg.BLOCK_H,
+        BLOCK_D=cfg.BLOCK_D,
         num_warps=cfg.num_warps,
     )
     return q_out, k_out

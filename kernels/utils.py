@@ -55,10 +55,14 @@ def check_tensor(
     contiguous: bool = False,
     last_dim_contiguous: bool = False,
 ) -> torch.Tensor:
-    """Validate one launcher argument; raise ValueError naming it and what was expected."""
+    """Validate one launcher argument; raise ValueError naming it and what was expected.
+
+    On every launch path (about a microsecond a call, ~1,200 calls an eager forward): the
+    passing case does one attribute read per requested check and builds no message.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if ndim is not None and tensor.dim() != ndim:
+    if ndim is not None and tensor.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(tensor.shape)}")
     if dtypes is not None and tensor.dtype not in dtypes:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -67,7 +71,7 @@ def check_tensor(
         raise ValueError(f"{name}: expected device {device}, got {tensor.device}")
     if contiguous and not tensor.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (strides {tensor.stride()})")
-    if last_dim_contiguous and tensor.dim() > 0 and tensor.stride(-1) != 1:
+    if last_dim_contiguous and tensor.ndim and tensor.stride(-1) != 1:
         raise ValueError(
             f"{name}: expected stride 1 in the last dim, got strides {tensor.stride()}"
         )
@@ -76,25 +80,28 @@ def check_tensor(
 
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
     """All tensors on one device; returns it. ValueError names the odd one out."""
-    items = list(tensors.items())
-    first_name, first = items[0]
-    for name, tensor in items[1:]:
-        if tensor.device != first.device:
+    items = iter(tensors.items())
+    first_name, first = next(items)
+    device = first.device
+    for name, tensor in items:
+        if tensor.device != device:
             raise ValueError(
-                f"{name}: expected device {first.device} (as {first_name}), got {tensor.device}"
+                f"{name}: expected device {device} (as {first_name}), got {tensor.device}"
             )
-    return first.device
+    return device
 
 
 def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int]) -> None:
     """Exact shape check; -1 in ``expected`` matches any size."""
-    shape = tuple(tensor.shape)
-    ok = len(shape) == len(expected) and all(
-        e in (-1, s) for s, e in zip(shape, expected, strict=True)
-    )
-    if not ok:
-        want = tuple("*" if e == -1 else e for e in expected)
-        raise ValueError(f"{name}: expected shape {want}, got {shape}")
+    shape = tensor.shape
+    if len(shape) == len(expected):
+        for size, want in zip(shape, expected, strict=True):
+            if want != size and want != -1:
+                break
+        else:
+            return
+    want = tuple("*" if e == -1 else e for e in expected)
+    raise ValueError(f"{name}: expected shape {want}, got {tuple(shape)}")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from kernels.reference import rope_reference
-from kernels.rope import build_rope_cache, rope, rope_inv_freq, yarn_attention_scale
+from kernels.rope import (
+    RopeConfig,
+    build_rope_cache,
+    rope,
+    rope_config,
+    rope_inv_freq,
+    yarn_attention_scale,
+)
 from tests.utils import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -70,6 +77,35 @@ def test_rope_strided_views_deepseek_layout():
     assert_close(k_out, k_ref, torch.float32)
     rope(q_pe, k_pe, positions, cache, False, inplace=True)
     assert torch.equal(q_full[..., 8:], q_out) and torch.equal(ckv[:, 12:], k_out[:, 0])
+
+
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize(
+    "block_h, block_t", [(2, 3), (16, 1), (4, 4)], ids=["2h-3t", "16h-1t", "4h-4t"]
+)
+def test_rope_any_config_same_bits(is_neox, block_h, block_t):
+    """Head tiles (a partial last one) and token blocks (a partial last one) change nothing:
+    the op is elementwise, which is what lets the policy read the token count."""
+    q_full, k, gen = _qk(7, 11, 3, 32 + 16, torch.bfloat16, seed=block_h * 10 + block_t)
+    q = q_full[..., 16:]  # strided rope view, DeepSeek-style
+    k = k[..., :32]
+    cache = build_rope_cache(32, 64, 10000.0)
+    positions = torch.randint(0, 64, (7,), generator=gen)
+    default = rope(q, k, positions, cache, is_neox)
+    cfg = RopeConfig(BLOCK_D=16, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=1)
+    tiled = rope(q, k, positions, cache, is_neox, config=cfg)
+    assert torch.equal(default[0], tiled[0]) and torch.equal(default[1], tiled[1])
+    q_ref, k_ref = rope_reference(q.double(), k.double(), positions, cache.double(), is_neox)
+    assert_close(tiled[0], q_ref, torch.bfloat16)
+    assert_close(tiled[1], k_ref, torch.bfloat16)
+
+
+def test_rope_config_deepseek_tiles():
+    """DeepSeek-V3's rope (128 q heads, 1 k head, R = 64): 64-head tiles, 4 tokens a program
+    past ~700 tokens; Qwen3-8B (32 + 8 heads, R = 128): all q heads in one tile."""
+    assert rope_config(8192, 128, 1, 64, torch.bfloat16) == RopeConfig(32, 64, 4, 8)
+    assert rope_config(256, 128, 1, 64, torch.bfloat16).BLOCK_T == 1
+    assert rope_config(8192, 32, 8, 128, torch.bfloat16).BLOCK_H == 32
 
 
 def _hf_inv_freq(scaling: dict | None, rotary_dim: int, theta: float, max_pos: int):

@@ -1,5 +1,6 @@
 """Sampling kernels vs the references: Philox noise bit for bit, token ids equal to
-``sample_reference`` on tie-free logits, greedy ties, the empirical distribution of many seeded
+``sample_reference`` on tie-free logits through both paths of the top-k/top-p search (candidate
+lists, whole-row fallback), greedy ties, edge rows, the empirical distribution of many seeded
 draws (chi-square), and ``token_logprobs`` vs an fp64 log-softmax."""
 
 import pytest
@@ -10,7 +11,14 @@ from kernels.reference import (
     sampling_uniform_reference,
     top_k_top_p_mask_reference,
 )
-from kernels.sampling import sample, sampling_uniform, token_logprobs
+from kernels.sampling import (
+    SamplingConfig,
+    _sample_launch,
+    sample,
+    sampling_config,
+    sampling_uniform,
+    token_logprobs,
+)
 from tests.utils import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -69,6 +77,103 @@ def test_sample_equals_reference_multi_block_vocab():
         positions,
     )
     assert torch.equal(sample(*args), sample_reference(*args))
+
+
+# Pieces of 16 columns with lists of 4: rows keeping more than ~4 tokens of a piece take the
+# whole-row fallback, the others the candidate lists.
+SMALL = SamplingConfig(CHUNK=16, R=4, BLOCK_V=256, sweep_warps=1, num_warps=1, combine_warps=1)
+
+
+def _random_rows(batch, vocab, seed):
+    """Tie-free rows at three logit scales (flat to peaked) with mixed sampling parameters."""
+    _, seeds, sample_indices, positions = _rows(batch, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    scale = torch.tensor([3.0, 20.0, 120.0])[torch.arange(batch) % 3].view(-1, 1)
+    logits = _distinct_logits(batch, vocab, gen, torch.float32) * scale / 6.0
+    temperature = torch.rand(batch, generator=gen) + 0.4
+    top_k = torch.randint(1, vocab + 5, (batch,), generator=gen)
+    top_k = torch.where(torch.rand(batch, generator=gen) < 0.4, 0, top_k)
+    top_p = torch.rand(batch, generator=gen)
+    top_p = torch.where(torch.rand(batch, generator=gen) < 0.6, top_p, 1.0)
+    return (logits, temperature, top_k, top_p, seeds, sample_indices, positions)
+
+
+@pytest.mark.parametrize("config", [None, SMALL], ids=["policy", "small-pieces"])
+@pytest.mark.parametrize("vocab", [67, 150], ids=lambda v: f"V{v}")
+def test_sample_equals_reference_both_paths(vocab, config):
+    """Random top-k/top-p rows: the same token as the reference whichever path decides; with
+    small pieces both paths run in the same batch."""
+    args = _random_rows(9, vocab, seed=vocab)
+    cfg = config or sampling_config(vocab, torch.float32)
+    out, path = _sample_launch(*args, cfg)
+    assert torch.equal(out, sample_reference(*args))
+    truncated = ((args[2] > 0) & (args[2] < vocab)) | (args[3] < 1.0)
+    if config is SMALL:
+        assert {0, 1} <= set(path[truncated].tolist()), "both paths must run"
+    assert torch.equal(sample(*args, config=config), out)
+
+
+def test_fallback_and_lists_give_the_same_thresholds():
+    """The same rows through the policy (lists hold every kept set) and through 8-column pieces
+    with lists of 2 (most rows fall back): the same tokens."""
+    args = _random_rows(6, 120, seed=5)
+    tiny = SamplingConfig(CHUNK=8, R=2, BLOCK_V=128, sweep_warps=1, num_warps=1, combine_warps=1)
+    out_policy, _ = _sample_launch(*args, sampling_config(120, torch.float32))
+    out_tiny, path = _sample_launch(*args, tiny)
+    assert int(path[(args[2] > 0) | (args[3] < 1)].sum()) >= 3
+    assert torch.equal(out_policy, out_tiny)
+
+
+def test_fallback_top_p_keeps_the_whole_top_k_set():
+    """Rows whose three best tokens share a piece (lists of 2: the fallback decides), top_k = 3
+    and a top_p the three reach only together: every one of the three is drawn by some seed, as
+    in the reference (a search that started above the k-th key would never draw the third)."""
+    n, vocab = 12, 16
+    row = torch.full((vocab,), -6.0) - torch.arange(vocab) * 0.01
+    row[:3] = torch.tensor([1.0, 0.99, 0.98])
+    args = (
+        row.repeat(n, 1),
+        torch.ones(n),
+        torch.full((n,), 3),
+        torch.full((n,), 0.9999),
+        torch.arange(n, dtype=torch.int64) * 7919 + 1,
+        torch.zeros(n, dtype=torch.int64),
+        torch.full((n,), 4),
+    )
+    out, path = _sample_launch(*args, SamplingConfig(CHUNK=8, R=2, BLOCK_V=16, sweep_warps=1,
+                                                     num_warps=1, combine_warps=1))
+    assert path.tolist() == [1] * n
+    assert set(out.tolist()) == {0, 1, 2}
+    assert torch.equal(out, sample_reference(*args))
+
+
+@pytest.mark.parametrize("config", [None, SMALL], ids=["policy", "small-pieces"])
+def test_edge_rows(config):
+    """All -inf rows give id 0 (as torch's argmax); -inf entries are never drawn; top_p = 0 and
+    top_k = 1 keep the argmax of logits / T; a vocab that is not a multiple of the piece."""
+    vocab = 37
+    gen = torch.Generator().manual_seed(9)
+    logits = _distinct_logits(6, vocab, gen, torch.float32)
+    logits[0] = float("-inf")
+    logits[1] = float("-inf")
+    logits[2, ::2] = float("-inf")
+    temperature = torch.tensor([0.0, 1.0, 1.0, 0.9, 0.9, 1.1])
+    top_k = torch.tensor([0, 3, 0, 1, 0, 0])
+    top_p = torch.tensor([1.0, 0.5, 1.0, 1.0, 0.0, 0.3])
+    _, seeds, sample_indices, positions = _rows(6, seed=9)
+    args = (logits, temperature, top_k, top_p, seeds, sample_indices, positions)
+    out = sample(*args, config=config)
+    assert out[:2].tolist() == [0, 0]
+    assert int(out[2]) % 2 == 1
+    assert out[3] == logits[3].argmax() and out[4] == logits[4].argmax()
+    assert torch.equal(out[2:], sample_reference(*args)[2:])
+
+
+def test_sampling_config_pieces():
+    cfg = sampling_config(151936, torch.float32)
+    assert (cfg.CHUNK, cfg.R, cfg.combine_warps) == (1024, 32, 16)
+    assert sampling_config(129280, torch.bfloat16).combine_warps == 8
+    assert sampling_config(67, torch.float32).CHUNK == 128
 
 
 def test_temperature_zero_is_argmax_lowest_id_on_ties():

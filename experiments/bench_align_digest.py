@@ -1,0 +1,137 @@
+"""The MoE token sort and the logits digest on the H200 vs the torch versions they replace.
+
+- ``moe_align`` (kernels/moe_align.py, two launches) vs ``moe_align_block_size_reference`` (the
+  ~25-op torch sort), at Qwen3-30B-A3B (E = 128) and DeepSeek-V3 (E = 256) routings, k = 8,
+  T from decode to an 8192-token prefill, BLOCK_M 16 and 64.
+- ``logits_digest`` (kernels/logits_digest.py) vs corun's torch ``LogitsDigest`` (weights built
+  once, as the engine holds them), fp32 [N, 151936].
+Both sides are timed as CUDA-graph replays (harness.bench_us). The checks compare the kernels
+bit for bit with the torch versions at those shapes (with a token mask and out-of-range ids for
+the sort), and a negative control shows the comparison sees a one-token change.
+
+    python -m experiments.bench_align_digest [--quick]
+        -> experiments/results/align_digest-h200.json
+    (or inside bench_kernels: --families ...,align_digest)
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from corun.fingerprint import LogitsDigest  # noqa: E402
+from experiments.harness import bench_us, family_main, kernel_record, memory_bound_us  # noqa: E402
+from kernels.logits_digest import logits_digest  # noqa: E402
+from kernels.mode import Mode  # noqa: E402
+from kernels.moe_align import moe_align  # noqa: E402
+from kernels.reference import moe_align_block_size_reference  # noqa: E402
+
+ROUTINGS = (("qwen3-30b-a3b", 128, 8), ("deepseek-v3", 256, 8))  # (label, experts, top_k)
+TOKENS = (1, 32, 128, 256, 2048, 8192)
+QUICK_TOKENS = (128, 8192)
+BLOCK_MS = (16, 64)
+DIGEST_ROWS = (1, 64, 256)
+CHECK_TOKENS = (256, 8192)
+VOCAB = 151936
+DEVICE = "cuda"
+
+
+def _require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_align_digest needs a CUDA device (H200); none is available here")
+
+
+def _routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> torch.Tensor:
+    """Distinct experts per token, skewed toward low ids (uneven expert loads, some empty)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    scores = torch.rand(tokens, experts, device=DEVICE, generator=gen)
+    scores = scores * torch.linspace(2.0, 0.5, experts, device=DEVICE)
+    return scores.topk(top_k, dim=1).indices.to(torch.int32)
+
+
+def collect(quick: bool = False) -> list[dict]:
+    _require_cuda()
+    warmup_ms, rep_ms = (5, 20) if quick else (10, 30)
+    bench = lambda fn: bench_us(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)  # noqa: E731
+    records = []
+    for label, experts, top_k in ROUTINGS:
+        for tokens in QUICK_TOKENS if quick else TOKENS:
+            ids = _routing(tokens, experts, top_k)
+            for block_m in BLOCK_MS[:1] if quick else BLOCK_MS:
+                us = bench(partial(moe_align, ids, experts, block_m))
+                peer = bench(partial(moe_align_block_size_reference, ids, experts, block_m))
+                records.append(kernel_record(
+                    "moe_align", str(Mode.CORUN), tokens, experts, top_k, torch.int32, us,
+                    "torch-sort (moe_align_block_size_reference)", peer,
+                    shape=label, block_m=block_m))
+    digest = LogitsDigest(VOCAB, DEVICE)
+    for rows in DIGEST_ROWS:
+        logits = torch.randn(rows, VOCAB, device=DEVICE)
+        us = bench(partial(logits_digest, logits))
+        peer = bench(partial(digest, logits))
+        bound = memory_bound_us(rows * VOCAB * 4)
+        records.append(kernel_record(
+            "logits_digest", str(Mode.CORUN), rows, VOCAB, 0, torch.float32, us,
+            "torch LogitsDigest", peer, bound_us=round(bound, 3),
+            bw_fraction=round(bound / us, 4)))
+    return records
+
+
+def _check(op: str, check: str, shape: list, passed: bool, detail: str = "") -> dict:
+    return {"op": op, "check": check, "mode": str(Mode.CORUN), "shape": shape,
+            "passed": bool(passed), "detail": detail}
+
+
+def check_invariance_gpu() -> list[dict]:
+    """Bitwise equality with the torch versions at the real shapes; a negative control each."""
+    _require_cuda()
+    out = []
+    for label, experts, top_k in ROUTINGS:
+        for tokens in CHECK_TOKENS:
+            ids = _routing(tokens, experts, top_k, seed=1)
+            ids[::17, 0] = experts  # out of range: dropped
+            mask = torch.rand(tokens, device=DEVICE) < 0.9
+            for block_m in BLOCK_MS:
+                got = moe_align(ids, experts, block_m, mask)
+                ref = moe_align_block_size_reference(ids, experts, block_m, mask)
+                same = torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+                out.append(_check("moe_align", "equals_torch_reference",
+                                  [tokens, experts, top_k, block_m], same, label))
+        ids = _routing(256, experts, top_k, seed=2)
+        moved = ids.clone()
+        moved[[0, 1]] = ids[[1, 0]]
+        out.append(_check("moe_align", "negative_control_token_order_changes_layout",
+                          [256, experts, top_k, 16],
+                          not torch.equal(moe_align(ids, experts, 16)[0],
+                                          moe_align(moved, experts, 16)[0]),
+                          "passed = swapping two tokens' routings moves pairs"))
+    digest = LogitsDigest(VOCAB, DEVICE)
+    logits = torch.randn(256, VOCAB, device=DEVICE)
+    logits.view(torch.int32)[0, :1000] = torch.randint(
+        -(2**31), 2**31 - 1, (1000,), device=DEVICE, dtype=torch.int32)  # NaNs, infs, negatives
+    out.append(_check("logits_digest", "equals_torch_digest", [256, VOCAB],
+                      torch.equal(logits_digest(logits), digest(logits))))
+    alone = logits_digest(logits[5:6])
+    out.append(_check("logits_digest", "batch", [256, VOCAB],
+                      torch.equal(alone[0], logits_digest(logits)[5])))
+    flipped = logits.clone()
+    flipped.view(torch.int32)[5, 77] ^= 1
+    out.append(_check("logits_digest", "negative_control_one_bit_changes_digest", [256, VOCAB],
+                      not torch.equal(logits_digest(flipped)[5], logits_digest(logits)[5]),
+                      "passed = a one-bit change of one logit changes its row's digest"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    return family_main("align_digest", collect, check_invariance_gpu, argv,
+                       __doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""``moe_align`` (two Triton launches) vs ``moe_align_block_size_reference`` (the torch sort it
+replaces), bitwise, over many random routings: token masks, empty experts, out-of-range ids,
+int32/int64 ids, block sizes, and piece sizes that split the pairs over many programs."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from kernels.moe import moe_align_block_size
+from kernels.moe_align import MoEAlignConfig, moe_align, moe_align_config, moe_num_blocks
+from kernels.reference import moe_align_block_size_reference
+
+
+def _routing(num_tokens, top_k, num_experts, used_experts, seed, out_of_range, masked, dtype):
+    """Ids drawn from the first ``used_experts`` experts (the rest stay empty), some replaced by
+    out-of-range ids, and a token mask with some tokens off."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, used_experts, (num_tokens, top_k), generator=gen)
+    if out_of_range:
+        bad = torch.rand(num_tokens, top_k, generator=gen) < 0.2
+        wild = torch.where(torch.rand(num_tokens, top_k, generator=gen) < 0.5, -1, num_experts)
+        ids = torch.where(bad, wild + torch.randint(0, 3, ids.shape, generator=gen) * wild, ids)
+    mask = None
+    if masked:
+        mask = torch.rand(num_tokens, generator=gen) < 0.7
+    return ids.to(dtype), mask
+
+
+def _assert_same(ids, num_experts, block_m, mask, config=None):
+    out = moe_align(ids, num_experts, block_m, mask, config=config)
+    ref = moe_align_block_size_reference(ids, num_experts, block_m, mask)
+    assert out[0].dtype == torch.int32 and out[1].dtype == torch.int32
+    assert torch.equal(out[0], ref[0]), "sorted_pair_ids"
+    assert torch.equal(out[1], ref[1]), "block_expert_ids"
+
+
+@settings(max_examples=40, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_tokens=st.integers(1, 70),
+    top_k=st.integers(1, 8),
+    num_experts=st.sampled_from([1, 3, 8, 16, 63, 128, 256]),
+    empty_fraction=st.sampled_from([0.0, 0.5, 0.9]),
+    block_m=st.sampled_from([1, 3, 16, 32, 64]),
+    out_of_range=st.booleans(),
+    masked=st.booleans(),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+    piece=st.sampled_from([None, 16, 32]),
+    seed=st.integers(0, 2**32),
+)
+@example(num_tokens=64, top_k=8, num_experts=256, empty_fraction=0.0, block_m=16,
+         out_of_range=False, masked=True, dtype=torch.int32, piece=None, seed=0)
+def test_moe_align_equals_reference(num_tokens, top_k, num_experts, empty_fraction, block_m,
+                                    out_of_range, masked, dtype, piece, seed):
+    """For any routing, the kernel's layout is the reference's, bit for bit, whatever the piece
+    size (one program or many)."""
+    used = max(1, round(num_experts * (1 - empty_fraction)))
+    ids, mask = _routing(num_tokens, top_k, num_experts, used, seed, out_of_range, masked, dtype)
+    config = None
+    if piece is not None:
+        base = moe_align_config(num_tokens * top_k, num_experts, block_m)
+        config = MoEAlignConfig(BLOCK_P=piece, BINS=base.BINS, ROWS=2, FILL=16, QB=8,
+                                num_warps=1)
+    _assert_same(ids, num_experts, block_m, mask, config)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["all-masked", "all-out-of-range", "one-expert", "single-pair", "row-strided-ids"],
+)
+def test_moe_align_edge_cases(case):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 8, (13, 3), generator=gen)
+    mask = None
+    if case == "all-masked":
+        mask = torch.zeros(13, dtype=torch.bool)
+    elif case == "all-out-of-range":
+        ids = ids + 8
+    elif case == "one-expert":
+        ids = torch.full_like(ids, 5)
+    elif case == "single-pair":
+        ids = ids[:1, :1]
+    elif case == "row-strided-ids":
+        ids = torch.randint(0, 8, (13, 6), generator=gen)[:, ::2].contiguous()[:, :2]
+        ids = torch.randint(0, 8, (13, 5), generator=gen)[:, :3]  # stride(0) = 5
+    _assert_same(ids, 8, 4, mask)
+    _assert_same(ids, 8, 4, mask, MoEAlignConfig(BLOCK_P=16, BINS=16, ROWS=1, FILL=16, QB=4,
+                                                 num_warps=1))
+
+
+def test_moe_align_block_size_calls_the_kernel_and_sizes():
+    ids = torch.randint(0, 6, (10, 2), generator=torch.Generator().manual_seed(2))
+    out = moe_align_block_size(ids, 6, 16)
+    ref = moe_align_block_size_reference(ids, 6, 16)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert out[1].numel() == moe_num_blocks(20, 6, 16)
+    empty = moe_align(torch.zeros(0, 2, dtype=torch.int32), 6, 16)
+    assert empty[0].numel() == 0 and empty[1].numel() == 0
+
+
+def test_moe_align_negative_control_order_matters():
+    """The bitwise comparison sees a layout change: swapping two tokens' routings (the same
+    multiset of experts) moves pairs, so a kernel that lost token-major order would fail."""
+    ids = torch.tensor([[0, 1], [1, 0], [0, 2]], dtype=torch.int32)
+    a = moe_align(ids, 3, 4)[0]
+    b = moe_align(ids[[1, 0, 2]], 3, 4)[0]
+    assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"topk_ids": torch.zeros(3, 2)}, "topk_ids"),
+        ({"topk_ids": torch.zeros(3, dtype=torch.int32)}, "topk_ids"),
+        ({"num_experts": 0}, "num_experts"),
+        ({"block_m": 0}, "block_m"),
+        ({"token_mask": torch.ones(2, dtype=torch.bool)}, "token_mask"),
+        ({"token_mask": torch.ones(3)}, "token_mask"),
+    ],
+)
+def test_moe_align_bad_input_names_argument(kwargs, field):
+    args = {"topk_ids": torch.zeros(3, 2, dtype=torch.int32), "num_experts": 4, "block_m": 16,
+            "token_mask": None}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=f"^{field}"):
+        moe_align(**args)
