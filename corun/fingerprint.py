@@ -30,11 +30,15 @@ def _as_int64(value: int) -> int:
 
 
 class LogitsDigest:
-    """Device-side digest of fp32 logits rows -> [N, 2] int64; weights built once per vocab."""
+    """Device-side digest of fp32 logits rows -> [N, 2] int64; weights built once per vocab.
+
+    On CUDA one pass of ``kernels.logits_digest`` (the same integers: exact arithmetic); on the
+    CPU the torch form below, which materialises the int64 bits of the whole row."""
 
     def __init__(self, vocab_size: int, device: torch.device | str) -> None:
         import torch
 
+        self.on_cuda = torch.device(device).type == "cuda"
         v = torch.arange(vocab_size, dtype=torch.int64, device=device)
         # h(v) = (v * golden + 1) | 1, computed with wrapping int64 arithmetic.
         golden = torch.tensor(_as_int64(_GOLDEN), dtype=torch.int64, device=device)
@@ -47,6 +51,10 @@ class LogitsDigest:
             raise ValueError(
                 f"logits: expected fp32 [N, V], got {logits.dtype} {tuple(logits.shape)}"
             )
+        if self.on_cuda:
+            from kernels.logits_digest import logits_digest
+
+            return logits_digest(logits)
         bits = logits.contiguous().view(torch.int32).to(torch.int64)  # [N, V]
         # Elementwise multiply then integer sum: both wrap mod 2**64 and are order-independent.
         d1 = (bits * self.weights[:, 0]).sum(dim=1)

@@ -18,8 +18,9 @@ Two ways to run it:
 - as the driver that starts ``python -m corun.serve`` itself once per mode and writes
   ``experiments/results/<--result-name>.json`` (header from ``experiments.harness``) plus one
   latency-vs-rate PNG per mode: ``python experiments/bench_serving.py --launch --modes
-  corun,batch_invariant,default --model qwen3-8b --request-rate 2,8,32 --max-concurrency 64
-  --time-budget-s 480``. ``--time-budget-s`` splits the budget over the modes and the runs and cuts
+  corun,batch_invariant_tuned,batch_invariant,default --model qwen3-8b --request-rate 2,8,32
+  --max-concurrency 64 --time-budget-s 480``. ``--time-budget-s`` splits the budget over the modes
+  and the runs and cuts
   each run's request count to fit it.
 """
 
@@ -277,9 +278,30 @@ def served_model(base_url: str) -> str:
     return httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
+def warm_up(args: argparse.Namespace, base_url: str, model: str) -> float:
+    """Untimed requests first, so no timed run pays for JIT compilation or a first-shape
+    allocation: single prompts at every GEMM bucket length up to the longest the runs send,
+    then a burst of ``--warmup-requests`` at the workload's lengths, all at once. Returns seconds.
+    """
+    start = time.perf_counter()
+    longest = int(args.random_input_len * (1 + args.random_range_ratio))
+    singles = [([i % args.vocab_range] * n, 2, i) for i, n in enumerate(
+        (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096)) if n <= longest]
+    for request in singles:
+        asyncio.run(run_benchmark(base_url, model, [request], math.inf, None, 1.0,
+                                  args.temperature, args.seed))
+    burst = make_requests(args.warmup_requests, args.random_input_len, 4,
+                          args.random_range_ratio, args.vocab_range, args.seed + 999)
+    asyncio.run(run_benchmark(base_url, model, burst, math.inf, None, 1.0, args.temperature,
+                              args.seed))
+    return time.perf_counter() - start
+
+
 def sweep(args: argparse.Namespace, base_url: str, mode: str, budget_s: float | None) -> list[dict]:
-    """Every rate of ``--request-rate`` (plus the max-concurrency run) against one server."""
+    """Every rate of ``--request-rate`` (plus the max-concurrency run) against one server,
+    after a warm-up."""
     model = args.served_model or served_model(base_url)
+    warmup_s = warm_up(args, base_url, model) if args.warmup_requests else 0.0
     runs = [
         (rate, args.max_concurrency if rate == math.inf else None) for rate in args.request_rate
     ]
@@ -321,6 +343,7 @@ def sweep(args: argparse.Namespace, base_url: str, mode: str, budget_s: float | 
             "num_prompts": num,
             "random_input_len": args.random_input_len,
             "random_output_len": args.random_output_len,
+            "warmup_s": round(warmup_s, 1),
             **summarize(results, duration),
         }
         print(f"\nmode={mode} rate={record['request_rate']} max_concurrency={concurrency}")
@@ -418,7 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start python -m corun.serve per --modes instead of using --base-url",
     )
-    p.add_argument("--modes", default="corun,batch_invariant,default", help="with --launch")
+    p.add_argument("--modes", default="corun,batch_invariant_tuned,batch_invariant,default",
+                   help="with --launch")
+    p.add_argument("--warmup-requests", type=int, default=64,
+                   help="untimed requests sent to each server before its timed runs (0: none)")
     p.add_argument("--model", default=None, help="with --launch: --model of the server")
     p.add_argument("--server-args", default="", help="with --launch: more corun.serve flags")
     p.add_argument(

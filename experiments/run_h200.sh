@@ -5,7 +5,9 @@
 #   tune_moe / tune_mla  experiments/tune_moe.py / tune_mla.py -> kernels/tuned/{moe,mla}_h200.json
 #   kernels  experiments/bench_kernels.py -> kernels-h200.json (+ png)
 #   models   experiments/bench_models.py -> models-h200.json
-#   offline  experiments/bench_offline.py -> offline-h200.json (+ png)
+#   offline  experiments/bench_offline.py -> offline-h200.json (+ png); OFFLINE_ARGS adds flags
+#   sweep    experiments/sweep_offline.py -> sweep-offline-h200.json (+ png)
+#   gpuengine  tests/engine/test_gpu_engine.py (graph replay == eager, packed bits, BI-tuned)
 #   serving  experiments/bench_serving.py --launch -> serving-h200.json (+ png per mode)
 # Results land in $OUT/results (bundled as results.tgz), logs in $OUT/*.log. The image's python3
 # holds torch/triton; packages it lacks travel as wheels in .whl (carry it).
@@ -41,7 +43,11 @@ for stage in "$@"; do
                && cp kernels/tuned/mla_h200.json "$OUT/results/" ;;
     kernels) run kernels ${KERNELS_LIMIT:-330} python3 -m experiments.bench_kernels ${KERNELS_ARGS:-} ;;
     models)  run models ${MODELS_LIMIT:-150} python3 -m experiments.bench_models ;;
-    offline) run offline ${OFFLINE_LIMIT:-300} python3 -m experiments.bench_offline --time-budget-s ${OFFLINE_BUDGET:-250} ${OFFLINE_ARGS:-} ;;
+    offline) run offline ${OFFLINE_LIMIT:-300} python3 -m experiments.bench_offline ${OFFLINE_ARGS:-} ;;
+    sweep)   run sweep ${SWEEP_LIMIT:-330} python3 -m experiments.sweep_offline --time-budget-s ${SWEEP_BUDGET:-300} ${SWEEP_ARGS:-} ;;
+    gpuengine) run gpuengine ${GPUENGINE_LIMIT:-150} python3 -m pytest -v --tb=short -p no:cacheprovider \
+               tests/engine/test_gpu_engine.py \
+               invariance_tests/test_engine_determinism.py::test_corun_graph_replay_matches_eager_on_gpu --timeout=140 ;;
     serving) run serving ${SERVING_LIMIT:-170} python3 -m experiments.bench_serving --launch \
                --model qwen3-8b --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
                --request-rate 4,16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \

@@ -3,7 +3,9 @@
 For every real (N, K) GEMM of the named models and M in ``M_VALUES`` it times a bounded candidate
 set (~8-12 configs per M bucket, fixed pools so the number of compiled kernels stays small),
 keeps the median-fastest config that also matches cuBLAS numerically, and records cuBLAS's time
-beside it. The batch-invariant baseline gets ONE config: the candidate of ``BATCH_INVARIANT_POOL``
+beside it, and the fastest candidate without split-K (``no_split_config``: what the
+``batch_invariant_tuned`` policy runs at that point). The batch-invariant baseline gets ONE config:
+the candidate of ``BATCH_INVARIANT_POOL``
 with the lowest geometric-mean time over every swept point (they are timed at every point).
 
 A wall-clock budget (default 200 s) bounds the sweep; points past it are left to the policy's
@@ -137,8 +139,14 @@ def tune(budget_s: float = 200.0, rep_ms: int = 15) -> tuple[list[dict], GemmCon
                 for c in BATCH_INVARIANT_POOL:
                     bi_times[c].append(timed[c])
             best = min(timed, key=timed.get)
+            # batch_invariant_tuned's entry: the fastest candidate that does not split K.
+            no_split = {c: t for c, t in timed.items() if c.split_k == 1}
+            best_no_split = min(no_split, key=no_split.get) if no_split else None
             entries.append({"m": m, "n": n, "k": k, "layer": label, "dtype": "bfloat16",
                             "config": best.to_dict(), "us": round(timed[best], 3),
+                            **({"no_split_config": best_no_split.to_dict(),
+                                "no_split_us": round(no_split[best_no_split], 3)}
+                               if best_no_split else {}),
                             "cublas_us": round(cublas_us, 3),
                             "ratio_vs_cublas": round(cublas_us / timed[best], 4)})
             print(f"  {label:28s} M={m:5d} best {timed[best]:9.2f} us  cuBLAS {cublas_us:9.2f} us"

@@ -43,7 +43,7 @@ def _drain(engine: LLMEngine) -> dict:
 def test_generate_outputs_in_input_order_with_seed_and_fingerprint(llm):
     prompts = [[3, 4, 5], {"prompt_token_ids": [9] * 11}, [7]]
     params = [SamplingParams(max_tokens=4, seed=11), SamplingParams(max_tokens=2, temperature=0),
-              SamplingParams(max_tokens=3)]
+              SamplingParams(max_tokens=3, ignore_eos=True)]  # unseeded: EOS must not end it
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == [[3, 4, 5], [9] * 11, [7]]
     assert [len(o.token_ids) for o in outs] == [4, 2, 3]
@@ -52,7 +52,8 @@ def test_generate_outputs_in_input_order_with_seed_and_fingerprint(llm):
     again = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, seed=11), use_tqdm=False)[0]
     assert again.token_ids == outs[0].token_ids and again.fingerprint == outs[0].fingerprint
     # An unseeded request draws its own seed; replaying it with that seed gives the same bits.
-    replay = llm.generate([[7]], SamplingParams(max_tokens=3, seed=outs[2].seed), use_tqdm=False)[0]
+    replay = llm.generate([[7]], SamplingParams(max_tokens=3, seed=outs[2].seed, ignore_eos=True),
+                          use_tqdm=False)[0]
     assert replay.fingerprint == outs[2].fingerprint
 
 
