@@ -208,6 +208,11 @@ def prefill_attention(
     already be stored; query i of sequence b sits at position context_lens[b] - q_len_b + i.
     Chunk- and batch-invariant in every mode (module docstring). ``config`` overrides the policy
     (tests use small tiles to exercise many tiles cheaply).
+
+    Packed steps (several requests' chunks in one fixed-shape step): a row of length 0
+    (q_len 0, context_len 0) is a padding slot and contributes nothing; rows of q after
+    cu_seqlens_q[-1] belong to no sequence and their output rows are written as zeros. Neither
+    needs a host sync, so the launch stays capturable in a CUDA graph.
     """
     _check_paged_attention(q, k_cache, v_cache, block_tables)
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
@@ -227,8 +232,8 @@ def prefill_attention(
     if is_host_checkable(cu_seqlens_q):
         cu = cu_seqlens_q.tolist()
         q_lens = [cu[i + 1] - cu[i] for i in range(num_seqs)]
-        if cu[0] != 0 or cu[-1] != q.shape[0] or min(q_lens) < 0:
-            raise ValueError(f"cu_seqlens_q: expected non-decreasing offsets from 0 to "
+        if cu[0] != 0 or cu[-1] > q.shape[0] or min(q_lens) < 0:
+            raise ValueError(f"cu_seqlens_q: expected non-decreasing offsets from 0 to at most "
                              f"T={q.shape[0]}, got {cu}")
         if max(q_lens) > max_q_len:
             raise ValueError(f"max_q_len: {max_q_len} < the longest chunk {max(q_lens)}")
@@ -239,15 +244,19 @@ def prefill_attention(
         _check_block_ids(block_tables, context_lens, block_size, k_cache.shape[0])
 
     out = torch.empty_like(q)
-    if q.shape[0] == 0 or max_q_len == 0:
+    if q.shape[0] == 0:
         return out
     cfg = config or prefill_attention_config(q.shape[2], q.dtype, mode)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_m_tiles = cdiv(max_q_len, cfg.BLOCK_M)
-    grid = (num_q_heads, num_m_tiles, num_seqs)
+    # At least one tile lane: with max_q_len 0 (a step of padding only) the padding rows still
+    # need their zeros.
+    num_m_tiles = max(1, cdiv(max_q_len, cfg.BLOCK_M))
+    # Sequence index num_seqs is the padding program: it zeroes rows cu_seqlens_q[-1] .. T - 1.
+    grid = (num_q_heads, num_m_tiles, num_seqs + 1)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
-        num_m_tiles, num_q_heads // k_cache.shape[2], block_size, float(scale) * LOG2E,
+        q.shape[0], num_seqs, num_m_tiles, num_q_heads // k_cache.shape[2], block_size,
+        float(scale) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=head_dim,

@@ -62,6 +62,20 @@ def _paged_offsets(table_row_ptr, tokens, token_mask, block_size, stride_cb, str
 
 
 @triton.jit
+def _zero_padding_rows(o_ptr, first_row, num_tokens, lane, num_lanes, col_off, dim, stride_ot,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Write zeros to rows [first_row, num_tokens), columns [col_off, col_off + dim) of the
+    output: the padding rows of a packed step, which belong to no sequence (shared with
+    kernels/mla_kernels.py). Lane ``lane`` of ``num_lanes`` takes every num_lanes-th row tile."""
+    offs_d = tl.arange(0, BLOCK_D)
+    zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=o_ptr.dtype.element_ty)
+    for start in range(first_row + lane * BLOCK_M, num_tokens, num_lanes * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        tl.store(o_ptr + rows.to(tl.int64)[:, None] * stride_ot + col_off + offs_d[None, :],
+                 zeros, mask=(rows < num_tokens)[:, None] & (offs_d < dim)[None, :])
+
+
+@triton.jit
 def _prefill_tile(
     acc, m_i, l_i, q, q_pos,
     k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off, start_n, kv_len,
@@ -123,7 +137,7 @@ def _prefill_attention_kernel(
     # pointers
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     # sizes
-    num_m_tiles, group_size, block_size, qk_scale,
+    num_tokens, num_seqs, num_m_tiles, group_size, block_size, qk_scale,
     # strides
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_co, stride_ch,
@@ -131,11 +145,16 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (q head, query tile, sequence): causal flash attention over the cache."""
+    """One program per (q head, query tile, sequence): causal flash attention over the cache.
+    The extra sequence index ``num_seqs`` zeroes the padding rows after cu_seqlens_q[-1]."""
     pid_h = tl.program_id(0)
     # Heaviest (last) query tiles first: causal work grows with the tile index.
     pid_m = num_m_tiles - 1 - tl.program_id(1)
     pid_b = tl.program_id(2)
+    if pid_b == num_seqs:
+        _zero_padding_rows(o_ptr, tl.load(cu_seqlens_q_ptr + num_seqs), num_tokens, pid_m,
+                           num_m_tiles, pid_h * stride_oh, BLOCK_D, stride_ot, BLOCK_M, BLOCK_D)
+        return
     q_start = tl.load(cu_seqlens_q_ptr + pid_b)
     q_len = tl.load(cu_seqlens_q_ptr + pid_b + 1) - q_start
     if pid_m * BLOCK_M >= q_len:

@@ -193,7 +193,7 @@ def test_decode_attention_rejects_lengths_beyond_table():
 @VALUE_CHECKS_CPU_ONLY
 @pytest.mark.parametrize(
     "cu,ctx,name",
-    [([0, 5, 9], [8, 4], "cu_seqlens_q"),  # last offset != T
+    [([0, 5, 11], [8, 6], "cu_seqlens_q"),  # last offset past T (before T is padding)
      ([0, 6, 10], [5, 4], "context_lens"),  # context shorter than the chunk
      ([0, 6, 10], [6, 30], "context_lens")],  # beyond the table capacity (24)
     ids=["cu-last", "ctx-short", "ctx-capacity"],

@@ -263,9 +263,10 @@ def test_tuned_decode_lookup_fixed_split_ignores_batch(tuned_table: MLATunedTabl
                  (128, 512, 64, 3000, torch.float32, Mode.CORUN, 256),
                  (16, 512, 64, 3000, torch.bfloat16, Mode.CORUN, 256)):  # fmt: skip
         cfg = mla_decode_config(1, *args, table=tuned_table)
-        dtype = args[4]  # the literal tile halves BLOCK_N for 4-byte elements
-        assert (cfg.block_h, cfg.block_n) == (16, 32 if dtype.itemsize == 2 else 16)
-    assert (literal.block_h, literal.block_n) == (16, 32)
+        heads, dtype = args[0], args[4]  # the literal tile halves BLOCK_N for 4-byte elements
+        block_h = 64 if heads >= 64 else 16
+        assert (cfg.block_h, cfg.block_n) == (block_h, 32 if dtype.itemsize == 2 else 16)
+    assert (literal.block_h, literal.block_n, literal.num_warps) == (64, 32, 8)
 
 
 def test_tuned_decode_lookup_default_by_batch_bucket(tuned_table: MLATunedTable) -> None:
@@ -293,7 +294,7 @@ def test_tuned_table_missing_file_is_empty(tmp_path) -> None:
     table = load_mla_tuned(tmp_path / "absent.json")
     assert table == MLATunedTable({}, {}, {})
     cfg = mla_decode_config(64, 128, 512, 64, 4096, torch.bfloat16, Mode.CORUN, table=table)
-    assert (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages) == (16, 32, 4, 2)
+    assert (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 32, 8, 2)
 
 
 @pytest.mark.parametrize(
