@@ -63,6 +63,9 @@ NUM_SMS = 132
 DECODE_TARGET_PROGRAMS = 2 * NUM_SMS
 # Cap on the default mode's splits, bounding the partial-output buffer and the combine loop.
 DECODE_MAX_SPLITS_DEFAULT = 64
+# Splits the combine loads at once: a constant (never derived from max_seq_len), because it fixes
+# the order the splits are summed in.
+DECODE_COMBINE_BLOCK_S = 32
 
 
 def _is_pow2(n: int) -> bool:
@@ -346,9 +349,12 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query per sequence over its ``seq_lens[b]`` cached tokens -> [B, Hq, D] in q's dtype.
 
-    Split-KV flash decoding: stage 1 writes per-split fp32 partial outputs and log-sum-exps, each
-    program reading a KV tile once for all query heads of its kv head; stage 2 combines a
-    sequence's real splits in split order. ``max_seq_len`` (host int) bounds every seq_len:
+    Split-KV flash decoding: stage 1 reads each KV tile once for all query heads of its kv head
+    and writes per-split fp32 partial outputs and log-sum-exps; stage 2 combines a sequence's
+    splits in split order. A sequence of one split is written by stage 1 directly (no partials),
+    and when every sequence fits one split (max_seq_len <= the split size) stage 2 is not
+    launched at all: both are functions of the sequence's own length, so its bits are the same
+    whichever launch count the grid bound gives. ``max_seq_len`` (host int) bounds every seq_len:
     max_model_len under corun / batch_invariant (fixed launch shape), the batch's longest under
     default. seq_len 0 (a dummy slot) gives zeros. Invariance per mode: module docstring.
     """
@@ -377,27 +383,31 @@ def decode_attention(
     num_kv_heads = k_cache.shape[2]
     cfg = config or decode_attention_config(num_seqs, num_q_heads, num_kv_heads, head_dim,
                                             max_seq_len, q.dtype, mode, split_size)
-    mid_o = torch.empty((num_seqs, num_q_heads, cfg.max_num_splits, head_dim),
-                        dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((num_seqs, num_q_heads, cfg.max_num_splits),
-                          dtype=torch.float32, device=q.device)
+    if cfg.max_num_splits > 1:
+        mid_o = torch.empty((num_seqs, num_q_heads, cfg.max_num_splits, head_dim),
+                            dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((num_seqs, num_q_heads, cfg.max_num_splits),
+                              dtype=torch.float32, device=q.device)
+    else:  # every sequence is one split, written by stage 1: one launch, no partials
+        mid_o = mid_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
     _decode_split_kernel[(num_seqs, num_kv_heads, cfg.num_split_programs)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
         num_q_heads // num_kv_heads, block_size, cfg.split_size, cfg.num_split_programs,
         float(scale) * LOG2E,
-        q.stride(0), q.stride(1), block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         BLOCK_N=cfg.BLOCK_N, BLOCK_H=cfg.BLOCK_H, BLOCK_D=head_dim,
         UPCAST=upcast_dot_operands(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _decode_combine_kernel[(num_seqs, num_q_heads)](
-        mid_o, mid_lse, seq_lens, out,
-        head_dim, cfg.split_size,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        BLOCK_D=head_dim,
-        num_warps=1 if head_dim <= 64 else 2,
-    )
+    if cfg.max_num_splits > 1:
+        _decode_combine_kernel[(num_seqs, num_q_heads)](
+            mid_o, mid_lse, seq_lens, out,
+            head_dim, cfg.split_size,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), out.stride(0), out.stride(1),
+            BLOCK_S=DECODE_COMBINE_BLOCK_S, BLOCK_D=head_dim,
+            num_warps=4,
+        )
     return out

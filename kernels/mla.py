@@ -424,8 +424,8 @@ def _check_prefill_lengths(
 ) -> None:
     """CPU only: offsets start at 0, never decrease, end within q / k (rows after the end are a
     packed step's padding), and every sequence has at least as many keys as queries."""
-    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
-    k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:], strict=False)]
+    k_lens = [b - a for a, b in zip(cu_k, cu_k[1:], strict=False)]
     if cu_q[0] != 0 or min(q_lens, default=0) < 0 or cu_q[-1] > num_q_rows:
         raise ValueError(
             f"cu_seqlens_q: expected non-decreasing offsets from 0 to at most {num_q_rows}, "
