@@ -284,7 +284,8 @@ def mla_decode(
     grid = (cdiv(num_heads, cfg.block_h), batch, cfg.num_splits)
     _mla_decode_kernel[grid](
         q_latent, q_pe, kv_cache, block_tables, seq_lens, out, mid_out, mid_lse,
-        num_heads, cfg.split_size, cfg.num_splits, scale * LOG2E,
+        # split size 0 selects default's spread-over-num_splits rule (one compiled kernel)
+        num_heads, cfg.split_size if cfg.is_fixed_split else 0, cfg.num_splits, scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
@@ -292,19 +293,18 @@ def mla_decode(
         mid_lse.stride(0), mid_lse.stride(1),
         LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, PAGE_SIZE=kv_cache.shape[1],
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv, BLOCK_R=cfg.block_r,
-        IS_FIXED_SPLIT=cfg.is_fixed_split, UPCAST=upcast_dot_operands(q_latent.dtype),
+        UPCAST=upcast_dot_operands(q_latent.dtype),
         DOT_PRECISION=dot_precision(q_latent.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if cfg.num_splits > 1:
         _mla_decode_combine_kernel[(batch, cdiv(num_heads, COMBINE_BLOCK_H))](
             mid_out, mid_lse, seq_lens, out,
-            num_heads, cfg.split_size, cfg.num_splits,
+            num_heads, cfg.split_size if cfg.is_fixed_split else 0, cfg.num_splits,
             mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
             mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
             LATENT_DIM=latent_dim, BLOCK_HC=COMBINE_BLOCK_H, BLOCK_N=cfg.block_n,
-            BLOCK_DV=cfg.block_dv, IS_FIXED_SPLIT=cfg.is_fixed_split,
-            num_warps=4,
+            BLOCK_DV=cfg.block_dv, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -99,20 +99,19 @@ def _load_rows(base_ptr, rows, offs_d, row_mask, D_END: tl.constexpr, D_FULL: tl
 
 
 @triton.jit
-def _split_len(
-    seq_len, split_size, num_splits, IS_FIXED_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """Tokens per split of one sequence: exactly ``split_size`` (corun / batch_invariant), or the
-    sequence spread over ``num_splits`` splits rounded up to whole BLOCK_N tiles (default; never
-    below BLOCK_N, so that a length-0 sequence divides safely: it has no split either way)."""
-    if IS_FIXED_SPLIT:
+def _split_len(seq_len, split_size, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split of one sequence: exactly ``split_size`` when it is > 0 (corun /
+    batch_invariant), else the sequence spread over ``num_splits`` splits rounded up to whole
+    BLOCK_N tiles (default; never below BLOCK_N, so that a length-0 sequence divides safely: it has
+    no split either way). A run-time choice, so both modes share one compiled kernel."""
+    if split_size > 0:
         split_len = split_size
     else:
         split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
     return split_len
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_kernel(
     # pointers
     q_latent_ptr, q_pe_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_out_ptr,
@@ -126,7 +125,7 @@ def _mla_decode_kernel(
     # constexprs
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
-    IS_FIXED_SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (head block, sequence, split): online softmax over the split's tokens for BLOCK_H
     heads. A sequence of one split writes its output directly; one of several writes an fp32
@@ -148,7 +147,7 @@ def _mla_decode_kernel(
             tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_DV], dtype=out_ptr.dtype.element_ty),
                      mask=mask_h[:, None] & mask_d[None, :])
         return
-    split_len = _split_len(seq_len, split_size, num_splits, IS_FIXED_SPLIT, BLOCK_N)
+    split_len = _split_len(seq_len, split_size, num_splits, BLOCK_N)
     split_start = pid_s * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
     # The grid is sized for the longest allowed sequence; splits past this one's end do nothing.
@@ -216,7 +215,7 @@ def _mla_decode_kernel(
         tl.store(ml_ptr + offs_h * stride_ml_h, m_i + tl.math.log2(l_i), mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_combine_kernel(
     # pointers
     mid_out_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr,
@@ -226,7 +225,7 @@ def _mla_decode_combine_kernel(
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_o_b, stride_o_h,
     # constexprs
     LATENT_DIM: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DV: tl.constexpr, IS_FIXED_SPLIT: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """Program (sequence, head group): folds a sequence's split partials in split order 0, 1, ...
     (a function of the sequence's own splits only). Sequences of 0 or 1 split were written by
@@ -234,7 +233,7 @@ def _mla_decode_combine_kernel(
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + pid_b)
-    split_len = _split_len(seq_len, split_size, num_splits, IS_FIXED_SPLIT, BLOCK_N)
+    split_len = _split_len(seq_len, split_size, num_splits, BLOCK_N)
     num_valid = tl.cdiv(seq_len, split_len)
     if num_valid <= 1:
         return
