@@ -17,13 +17,17 @@ Invariance, per op:
   same offset of its query tile in both runs. Unaligned C only adds a different in-tile row
   offset: GPU MMA rows do not depend on it, but the interpreter's BLAS matmul does, so it is not
   promised (``experiments/bench_attention.check_invariance_gpu`` reports it on the H200).
-  A prompt's rows are also independent of the other sequences in the batch.
+  A prompt's rows are also independent of the other sequences in the batch: tiles start at each
+  sequence's own cu_seqlens offset, so a chunk packed into a step at any row offset (beside
+  zero-length padding rows and trailing padding tokens, whose rows are written as zeros) has
+  the bits it has alone.
 - ``decode_attention`` under ``corun`` and ``batch_invariant``: a sequence is cut into splits of a
   fixed ``split_size`` tokens, so its bits depend only on its own query, length and KV: not on the
   other sequences, the batch size, its slot, or ``max_seq_len`` (which only sizes the grid, so one
-  launch shape serves every step of a CUDA graph). Under ``default`` the split size follows the
-  batch's longest sequence and the batch size to fill the GPU, so a sequence's bits change when
-  only the other sequences change.
+  launch shape serves every step of a CUDA graph). A sequence that is one split is written by
+  stage 1 directly, whether or not the grid needs stage 2 for others. Under ``default`` the split
+  size follows the batch's longest sequence and the batch size to fill the GPU, so a sequence's
+  bits change when only the other sequences change.
 
 Host-side checks: shapes, dtypes, devices and host ints always. Checks that read tensor values
 (cu_seqlens consistency, lengths vs table capacity, block ids < num_blocks, slots in range) run

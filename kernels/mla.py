@@ -17,13 +17,18 @@ Invariance (DESIGN.md, "Three modes, one engine"):
 - ``mla_decode`` under ``corun`` and ``batch_invariant``: each sequence's KV is split every
   ``split_size`` tokens, so its split boundaries and merge order depend on its own length only, and
   the grid is sized from the host int ``max_seq_len`` (max_model_len), never from the batch's
-  contents. A sequence's output bits do not depend on the other sequences nor on its batch slot.
-  Under ``default`` the split count is chosen from the batch size and the batch's longest sequence
+  contents. A sequence that is one split is written directly by the split kernel (no fp32
+  partial; with a one-split grid the combine is not launched at all), a choice made from its own
+  length, so its bits do not depend on the grid bound either. A sequence's output bits do not
+  depend on the other sequences nor on its batch slot. Under ``default`` the split count is chosen from the batch size and the batch's longest sequence
   to fill the GPU, so a sequence's bits change with its co-runners (position-invariant only at a
   fixed batch).
 - ``mla_prefill_attention``: one tile config per (head dims, dtype) in every mode and keys walked
   from key 0 in fixed BLOCK_N steps, so a query row's bits depend only on its own position and data:
-  invariant to the other sequences, its row index and how its prompt was chunked.
+  invariant to the other sequences, its row index and how its prompt was chunked. Tiles start at
+  each sequence's own cu_seqlens offset, so a chunk packed into a step after other chunks (with
+  zero-length padding rows and padding tokens after the last sequence, whose rows are written as
+  zeros) gives the same bits as alone.
 - ``store_mla_kv`` is a copy: exact in every mode.
 
 The Triton kernels are in kernels/mla_kernels.py; the tiles and their tuned table in
