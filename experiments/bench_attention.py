@@ -258,7 +258,7 @@ def check_invariance_gpu() -> list[dict]:
                 "detail": f"{diff} of {a.numel()} elements differ (slot 0 vs {slot_b}, other "
                           f"lengths and contents changed)",
             })
-    results += _one_split_check(device) + _packed_prefill_check(device)
+    results += _one_split_check(device) + _packed_prefill_check(device) + _graph_check(device)
     length = 4096
     whole = _prefill_chunked(device, length, length)
     for chunk, promised in ((1024, True), (512, True), (1000, False)):
@@ -320,6 +320,21 @@ def _packed_prefill_check(device) -> list[dict]:
         {"op": "prefill_attention", "check": "packed_padding_rows_zero", "mode": "corun",
          "shape": shape, "passed": zero, "detail": "padding rows exactly 0" if zero else "nonzero"},
     ]
+
+
+def _graph_check(device) -> list[dict]:
+    """The packed prefill launch on GPU tensors records into a CUDA graph (no host sync)."""
+    from experiments.bench_mla import _capturable
+
+    lens = [200, 0, 90]
+    k_cache, v_cache, tables, _, _ = _paged_cache(lens, [41, 42, 43], device)
+    q = torch.randn(260, NUM_Q_HEADS, HEAD_DIM, device=device).to(DTYPE)
+    i32 = dict(dtype=torch.int32, device=device)
+    cu, ctx = torch.tensor([0, 150, 150, 240], **i32), torch.tensor(lens, **i32)
+    ok, detail = _capturable(lambda: prefill_attention(q, k_cache, v_cache, tables, cu, ctx,
+                                                       SCALE, max_q_len=150))
+    return [{"op": "prefill_attention", "check": "cuda_graph_capturable", "mode": "corun",
+             "shape": "packed: 150 + 0 + 90 of 260 rows", "passed": ok, "detail": detail}]
 
 
 def summarize(records: list[dict]) -> None:
