@@ -7,6 +7,8 @@ assert_bitwise_equal), and each property has a negative control showing the chec
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -214,3 +216,141 @@ def test_prefill_rows_independent_of_batch(seed, other_len, first):
     )
     rows = out[:length] if first else out[other_len:]
     assert_bitwise_equal(rows, alone, "prefill rows in a batch")
+
+
+# ----------------------------------------------------------------------------------------------
+# decode: one launch or two
+# ----------------------------------------------------------------------------------------------
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    length=st.sampled_from([1, 17, SPLIT_SIZE - 1, SPLIT_SIZE]),
+    other_lens=st.lists(st.integers(SPLIT_SIZE + 1, MAX_MODEL_LEN), min_size=1, max_size=3),
+    mode=st.sampled_from([Mode.CORUN, Mode.BATCH_INVARIANT]),
+)
+@example(seed=3, length=SPLIT_SIZE, other_lens=[MAX_MODEL_LEN], mode=Mode.CORUN)
+def test_decode_one_split_sequence_same_bits_with_one_or_two_launches(seed, length, other_lens,
+                                                                      mode):
+    """A sequence that fits in one split has the same bits when its grid bound makes the whole
+    launch one split (stage 1 only) and when long co-runners make it two launches (stage 1 +
+    combine): stage 1 writes a one-split sequence directly in both, a choice made from the
+    sequence's own length."""
+    assert decode_attention_config(1, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, SPLIT_SIZE,
+                                   torch.float32, mode, SPLIT_SIZE).max_num_splits == 1
+    one_launch = _decode_batch([(seed, length)], torch.float32, seed, SPLIT_SIZE, mode)[0]
+    others = [(seed + 1 + i, n) for i, n in enumerate(other_lens)]
+    two_launches = _decode_batch([*others, (seed, length)], torch.float32, seed + 5,
+                                 MAX_MODEL_LEN, mode)[len(others)]
+    assert_bitwise_equal(two_launches, one_launch, f"{mode} one-split row, one vs two launches")
+
+
+@settings(max_examples=1)
+@example(seed=2)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_decode_one_launch_check_detects_another_tile(seed):
+    """Negative control: when the one-launch run walks its split in other KV tiles (BLOCK_N 16
+    instead of 32), the bits differ from the two-launch run, so the check above can fail."""
+    cfg = decode_attention_config(1, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, SPLIT_SIZE,
+                                  torch.float32, Mode.CORUN, SPLIT_SIZE)
+    assert cfg.BLOCK_N == 32
+    other = dataclasses.replace(cfg, BLOCK_N=16)
+    length = SPLIT_SIZE - 3
+    q, k, v = _seq_data(seed, length, torch.float32)
+    shape = (8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[:length] = k
+    v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[:length] = v
+    table = torch.arange(8, dtype=torch.int32).view(1, -1)
+    lens = torch.tensor([length], dtype=torch.int32)
+    a = decode_attention(q[None], k_cache, v_cache, table, lens, SCALE, max_seq_len=SPLIT_SIZE,
+                         config=other)
+    b = _decode_batch([(seed, length), (seed + 1, MAX_MODEL_LEN)], torch.float32, seed,
+                      MAX_MODEL_LEN, Mode.CORUN)[0]
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(a[0], b, "one-split row with other KV tiles")
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill: packed steps (several requests' chunks in one fixed-shape step)
+# ----------------------------------------------------------------------------------------------
+
+
+def _packed_prefill(pieces, pad_tokens: int, config, seed: int):
+    """One prefill launch over ``pieces``: (q, k, v, context_len) per sequence, or None for a
+    zero-length padding row (q_len 0, context 0, all-zero table row), then ``pad_tokens`` rows of
+    q that belong to no sequence. Each sequence's K/V go to shuffled cache blocks. Returns the
+    output and each piece's row offset."""
+    width = max([-(-p[3] // BLOCK_SIZE) for p in pieces if p is not None] + [1])
+    num_blocks = len(pieces) * width + 1
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.zeros((len(pieces), width), dtype=torch.int32)
+    qs, cu, ctx, offsets = [], [0], [], []
+    for b, piece in enumerate(pieces):
+        offsets.append(cu[-1])
+        if piece is None:
+            cu.append(cu[-1])
+            ctx.append(0)
+            continue
+        q, k, v, context = piece
+        tables[b] = perm[b * width : (b + 1) * width]
+        token = torch.arange(context)
+        slots = tables[b, token // BLOCK_SIZE].long() * BLOCK_SIZE + token % BLOCK_SIZE
+        k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = k
+        v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = v
+        qs.append(q)
+        cu.append(cu[-1] + q.shape[0])
+        ctx.append(context)
+    qs.append(torch.randn(pad_tokens, NUM_Q_HEADS, HEAD_DIM, generator=gen))
+    q_lens = [b - a for a, b in zip(cu, cu[1:], strict=False)]
+    cu_t, ctx_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
+    out = prefill_attention(torch.cat(qs), k_cache, v_cache, tables, cu_t, ctx_t, SCALE,
+                            max_q_len=max(q_lens), config=config)
+    return out, offsets, cu[-1]
+
+
+def _chunk(seed: int, q_len: int, context: int):
+    """A chunk of q_len queries at the end of a context of ``context`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(q_len, NUM_Q_HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(context, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(context, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    return q, k, v, context
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    q_len=st.integers(1, 40),
+    extra_context=st.sampled_from([0, 16, 23]),
+    before=st.lists(st.one_of(st.none(), st.integers(1, 30)), min_size=1, max_size=3),
+    pad_tokens=st.integers(0, 20),
+)
+@example(seed=1, q_len=32, extra_context=16, before=[None, 17, None], pad_tokens=13)
+def test_prefill_packed_rows_equal_alone(seed, q_len, extra_context, before, pad_tokens):
+    """A sequence's prefill rows have the same bits alone and packed after other sequences at any
+    row offset, with zero-length padding rows and trailing padding tokens in the step; the
+    padding rows come out as exact zeros."""
+    mine = _chunk(seed, q_len, q_len + extra_context)
+    (alone, _, _) = _packed_prefill([mine], 0, TILES_16, seed)
+    others = [None if n is None else _chunk(seed + 1 + i, n, n + 5) for i, n in enumerate(before)]
+    packed, offsets, real = _packed_prefill([*others, mine, None], pad_tokens, TILES_16, seed + 9)
+    rows = packed[offsets[len(others)] : offsets[len(others)] + q_len]
+    assert_bitwise_equal(rows, alone, f"packed at row {offsets[len(others)]}")
+    assert torch.equal(packed[real:], torch.zeros_like(packed[real:])), "padding rows not zero"
+
+
+@settings(max_examples=1)
+@example(seed=4)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_prefill_packed_check_detects_another_tile(seed):
+    """Negative control: the packed run with another KV tile width (BLOCK_N 32) gives other bits
+    than the sequence alone, so the packed-vs-alone check above can fail."""
+    tiles_32 = PrefillAttentionConfig(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    mine = _chunk(seed, 30, 60)
+    (alone, _, _) = _packed_prefill([mine], 0, TILES_16, seed)
+    packed, offsets, _ = _packed_prefill([_chunk(seed + 1, 9, 12), None, mine], 5, tiles_32, seed)
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(packed[offsets[2] : offsets[2] + 30], alone, "other tiles")

@@ -201,3 +201,89 @@ def test_mla_prefill_chunk_check_detects_a_reduction_order_change() -> None:
     (a,) = _prefill([(q, k, v)], Mode.CORUN)
     (b,) = _prefill([(q, k, v)], Mode.CORUN, config=other)
     assert not torch.equal(a, b), "BLOCK_N change left every bit unchanged"
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    target_len=st.sampled_from([1, 20, 32]),
+    grid_len=st.sampled_from([32, 64, MAX_MODEL_LEN]),
+    other_len=st.integers(33, MAX_MODEL_LEN),
+    mode=st.sampled_from([Mode.CORUN, Mode.BATCH_INVARIANT]),
+)
+@example(seed=5, target_len=32, grid_len=32, other_len=MAX_MODEL_LEN, mode=Mode.CORUN)
+def test_mla_decode_one_split_sequence_independent_of_grid_and_launches(
+    seed, target_len, grid_len, other_len, mode
+) -> None:
+    """A sequence of one split (len <= split_size 32) has the same bits under any grid bound:
+    alone with max_seq_len = the split size (one split in the grid: no partial buffers, no
+    combine launch) and beside a long co-runner with a larger bound (combine launched)."""
+    q, rows, gen = _target(seed, torch.float32, MAX_MODEL_LEN)
+    one = _decode_batch(q, rows, target_len, [], 0, gen, 32, mode, split_size=32)
+    other = _decode_batch(q, rows, target_len, [other_len], 1, gen, max(grid_len, other_len),
+                          mode, split_size=32)  # fmt: skip
+    assert_bitwise_equal(other, one, f"{mode} one-split len {target_len}")
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill: packed steps
+# ----------------------------------------------------------------------------------------------
+
+
+def _packed(pieces, pad_q: int, pad_k: int, gen: torch.Generator, config=None):
+    """One launch over pieces given as (q, k, v), or None for a zero-length padding row, then
+    pad_q (pad_k) rows of q (k, v) after the last sequence. Returns the output and row offsets."""
+    qs, ks, vs, cu_q, cu_k, offsets = [], [], [], [0], [0], []
+    for piece in pieces:
+        offsets.append(cu_q[-1])
+        q, k, v = piece if piece is not None else (torch.empty(0, PREFILL_HEADS, QK_DIM),
+                                                   torch.empty(0, PREFILL_HEADS, QK_DIM),
+                                                   torch.empty(0, PREFILL_HEADS, V_DIM))
+        qs.append(q), ks.append(k), vs.append(v)
+        cu_q.append(cu_q[-1] + q.shape[0])
+        cu_k.append(cu_k[-1] + k.shape[0])
+    qs.append(torch.randn(pad_q, PREFILL_HEADS, QK_DIM, generator=gen))
+    ks.append(torch.randn(pad_k, PREFILL_HEADS, QK_DIM, generator=gen))
+    vs.append(torch.randn(pad_k, PREFILL_HEADS, V_DIM, generator=gen))
+    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:], strict=False)]
+    out = mla_prefill_attention(
+        torch.cat(qs), torch.cat(ks), torch.cat(vs), torch.tensor(cu_q, dtype=torch.int32),
+        torch.tensor(cu_k, dtype=torch.int32), QK_DIM**-0.5, max_q_len=max(q_lens),
+        config=config,
+    )  # fmt: skip
+    return out, offsets, cu_q[-1]
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    q_len=st.integers(1, 2 * PREFILL_BLOCK_M),
+    extra_keys=st.sampled_from([0, 7, 40]),
+    before=st.lists(st.one_of(st.none(), st.integers(1, 30)), min_size=1, max_size=3),
+    pad_q=st.integers(0, 20),
+    pad_k=st.integers(0, 5),
+)
+@example(seed=2, q_len=PREFILL_BLOCK_M + 3, extra_keys=40, before=[None, 17], pad_q=9, pad_k=3)
+def test_mla_prefill_packed_rows_equal_alone(seed, q_len, extra_keys, before, pad_q, pad_k):
+    """A sequence's mla_prefill_attention rows have the same bits alone and packed after other
+    sequences at any row offset, with zero-length padding rows and trailing padding rows of q and
+    k; the padding rows of the output are exact zeros."""
+    q, k, v, gen = _prompt(seed, q_len + extra_keys, PREFILL_DTYPE)
+    mine = (q[extra_keys:], k, v)
+    (alone, _, _) = _packed([mine], 0, 0, gen)
+    others = [None if n is None else _prompt(seed + 1 + i, n, PREFILL_DTYPE)[:3]
+              for i, n in enumerate(before)]  # fmt: skip
+    packed, offsets, real = _packed([*others, mine, None], pad_q, pad_k, gen)
+    at = offsets[len(others)]
+    assert_bitwise_equal(packed[at : at + q_len], alone, f"packed at row {at}")
+    assert torch.equal(packed[real:], torch.zeros_like(packed[real:])), "padding rows not zero"
+
+
+def test_mla_prefill_packed_check_detects_another_tile() -> None:
+    """Negative control: the packed run with another key tile (BLOCK_N halved) gives other bits
+    than the sequence alone, so the packed-vs-alone check above can fail."""
+    q, k, v, gen = _prompt(6, 90, PREFILL_DTYPE)
+    policy = mla_prefill_config(QK_DIM, V_DIM, PREFILL_DTYPE, Mode.CORUN)
+    other = MLAPrefillConfig(**{**policy.__dict__, "block_n": policy.block_n // 2})
+    (alone, _, _) = _packed([(q, k, v)], 0, 0, gen)
+    packed, offsets, _ = _packed([_prompt(7, 11, PREFILL_DTYPE)[:3], None, (q, k, v)], 4, 2, gen,
+                                 config=other)  # fmt: skip
+    assert not torch.equal(packed[offsets[2] : offsets[2] + 90], alone)

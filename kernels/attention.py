@@ -17,13 +17,17 @@ Invariance, per op:
   same offset of its query tile in both runs. Unaligned C only adds a different in-tile row
   offset: GPU MMA rows do not depend on it, but the interpreter's BLAS matmul does, so it is not
   promised (``experiments/bench_attention.check_invariance_gpu`` reports it on the H200).
-  A prompt's rows are also independent of the other sequences in the batch.
+  A prompt's rows are also independent of the other sequences in the batch: tiles start at each
+  sequence's own cu_seqlens offset, so a chunk packed into a step at any row offset (beside
+  zero-length padding rows and trailing padding tokens, whose rows are written as zeros) has
+  the bits it has alone.
 - ``decode_attention`` under ``corun`` and ``batch_invariant``: a sequence is cut into splits of a
   fixed ``split_size`` tokens, so its bits depend only on its own query, length and KV: not on the
   other sequences, the batch size, its slot, or ``max_seq_len`` (which only sizes the grid, so one
-  launch shape serves every step of a CUDA graph). Under ``default`` the split size follows the
-  batch's longest sequence and the batch size to fill the GPU, so a sequence's bits change when
-  only the other sequences change.
+  launch shape serves every step of a CUDA graph). A sequence that is one split is written by
+  stage 1 directly, whether or not the grid needs stage 2 for others. Under ``default`` the split
+  size follows the batch's longest sequence and the batch size to fill the GPU, so a sequence's
+  bits change when only the other sequences change.
 
 Host-side checks: shapes, dtypes, devices and host ints always. Checks that read tensor values
 (cu_seqlens consistency, lengths vs table capacity, block ids < num_blocks, slots in range) run
@@ -63,6 +67,9 @@ NUM_SMS = 132
 DECODE_TARGET_PROGRAMS = 2 * NUM_SMS
 # Cap on the default mode's splits, bounding the partial-output buffer and the combine loop.
 DECODE_MAX_SPLITS_DEFAULT = 64
+# Splits the combine loads at once: a constant (never derived from max_seq_len), because it fixes
+# the order the splits are summed in.
+DECODE_COMBINE_BLOCK_S = 32
 
 
 def _is_pow2(n: int) -> bool:
@@ -208,6 +215,11 @@ def prefill_attention(
     already be stored; query i of sequence b sits at position context_lens[b] - q_len_b + i.
     Chunk- and batch-invariant in every mode (module docstring). ``config`` overrides the policy
     (tests use small tiles to exercise many tiles cheaply).
+
+    Packed steps (several requests' chunks in one fixed-shape step): a row of length 0
+    (q_len 0, context_len 0) is a padding slot and contributes nothing; rows of q after
+    cu_seqlens_q[-1] belong to no sequence and their output rows are written as zeros. Neither
+    needs a host sync, so the launch stays capturable in a CUDA graph.
     """
     _check_paged_attention(q, k_cache, v_cache, block_tables)
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
@@ -227,8 +239,8 @@ def prefill_attention(
     if is_host_checkable(cu_seqlens_q):
         cu = cu_seqlens_q.tolist()
         q_lens = [cu[i + 1] - cu[i] for i in range(num_seqs)]
-        if cu[0] != 0 or cu[-1] != q.shape[0] or min(q_lens) < 0:
-            raise ValueError(f"cu_seqlens_q: expected non-decreasing offsets from 0 to "
+        if cu[0] != 0 or cu[-1] > q.shape[0] or min(q_lens) < 0:
+            raise ValueError(f"cu_seqlens_q: expected non-decreasing offsets from 0 to at most "
                              f"T={q.shape[0]}, got {cu}")
         if max(q_lens) > max_q_len:
             raise ValueError(f"max_q_len: {max_q_len} < the longest chunk {max(q_lens)}")
@@ -239,15 +251,19 @@ def prefill_attention(
         _check_block_ids(block_tables, context_lens, block_size, k_cache.shape[0])
 
     out = torch.empty_like(q)
-    if q.shape[0] == 0 or max_q_len == 0:
+    if q.shape[0] == 0:
         return out
     cfg = config or prefill_attention_config(q.shape[2], q.dtype, mode)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_m_tiles = cdiv(max_q_len, cfg.BLOCK_M)
-    grid = (num_q_heads, num_m_tiles, num_seqs)
+    # At least one tile lane: with max_q_len 0 (a step of padding only) the padding rows still
+    # need their zeros.
+    num_m_tiles = max(1, cdiv(max_q_len, cfg.BLOCK_M))
+    # Sequence index num_seqs is the padding program: it zeroes rows cu_seqlens_q[-1] .. T - 1.
+    grid = (num_q_heads, num_m_tiles, num_seqs + 1)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
-        num_m_tiles, num_q_heads // k_cache.shape[2], block_size, float(scale) * LOG2E,
+        q.shape[0], num_seqs, num_m_tiles, num_q_heads // k_cache.shape[2], block_size,
+        float(scale) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=head_dim,
@@ -337,9 +353,12 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query per sequence over its ``seq_lens[b]`` cached tokens -> [B, Hq, D] in q's dtype.
 
-    Split-KV flash decoding: stage 1 writes per-split fp32 partial outputs and log-sum-exps, each
-    program reading a KV tile once for all query heads of its kv head; stage 2 combines a
-    sequence's real splits in split order. ``max_seq_len`` (host int) bounds every seq_len:
+    Split-KV flash decoding: stage 1 reads each KV tile once for all query heads of its kv head
+    and writes per-split fp32 partial outputs and log-sum-exps; stage 2 combines a sequence's
+    splits in split order. A sequence of one split is written by stage 1 directly (no partials),
+    and when every sequence fits one split (max_seq_len <= the split size) stage 2 is not
+    launched at all: both are functions of the sequence's own length, so its bits are the same
+    whichever launch count the grid bound gives. ``max_seq_len`` (host int) bounds every seq_len:
     max_model_len under corun / batch_invariant (fixed launch shape), the batch's longest under
     default. seq_len 0 (a dummy slot) gives zeros. Invariance per mode: module docstring.
     """
@@ -368,27 +387,31 @@ def decode_attention(
     num_kv_heads = k_cache.shape[2]
     cfg = config or decode_attention_config(num_seqs, num_q_heads, num_kv_heads, head_dim,
                                             max_seq_len, q.dtype, mode, split_size)
-    mid_o = torch.empty((num_seqs, num_q_heads, cfg.max_num_splits, head_dim),
-                        dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((num_seqs, num_q_heads, cfg.max_num_splits),
-                          dtype=torch.float32, device=q.device)
+    if cfg.max_num_splits > 1:
+        mid_o = torch.empty((num_seqs, num_q_heads, cfg.max_num_splits, head_dim),
+                            dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((num_seqs, num_q_heads, cfg.max_num_splits),
+                              dtype=torch.float32, device=q.device)
+    else:  # every sequence is one split, written by stage 1: one launch, no partials
+        mid_o = mid_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
     _decode_split_kernel[(num_seqs, num_kv_heads, cfg.num_split_programs)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
         num_q_heads // num_kv_heads, block_size, cfg.split_size, cfg.num_split_programs,
         float(scale) * LOG2E,
-        q.stride(0), q.stride(1), block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         BLOCK_N=cfg.BLOCK_N, BLOCK_H=cfg.BLOCK_H, BLOCK_D=head_dim,
         UPCAST=upcast_dot_operands(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _decode_combine_kernel[(num_seqs, num_q_heads)](
-        mid_o, mid_lse, seq_lens, out,
-        head_dim, cfg.split_size,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        BLOCK_D=head_dim,
-        num_warps=1 if head_dim <= 64 else 2,
-    )
+    if cfg.max_num_splits > 1:
+        _decode_combine_kernel[(num_seqs, num_q_heads)](
+            mid_o, mid_lse, seq_lens, out,
+            head_dim, cfg.split_size,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), out.stride(0), out.stride(1),
+            BLOCK_S=DECODE_COMBINE_BLOCK_S, BLOCK_D=head_dim,
+            num_warps=4,
+        )
     return out

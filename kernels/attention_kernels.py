@@ -62,6 +62,20 @@ def _paged_offsets(table_row_ptr, tokens, token_mask, block_size, stride_cb, str
 
 
 @triton.jit
+def _zero_padding_rows(o_ptr, first_row, num_tokens, lane, num_lanes, col_off, dim, stride_ot,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Write zeros to rows [first_row, num_tokens), columns [col_off, col_off + dim) of the
+    output: the padding rows of a packed step, which belong to no sequence (shared with
+    kernels/mla_kernels.py). Lane ``lane`` of ``num_lanes`` takes every num_lanes-th row tile."""
+    offs_d = tl.arange(0, BLOCK_D)
+    zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=o_ptr.dtype.element_ty)
+    for start in range(first_row + lane * BLOCK_M, num_tokens, num_lanes * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        tl.store(o_ptr + rows.to(tl.int64)[:, None] * stride_ot + col_off + offs_d[None, :],
+                 zeros, mask=(rows < num_tokens)[:, None] & (offs_d < dim)[None, :])
+
+
+@triton.jit
 def _prefill_tile(
     acc, m_i, l_i, q, q_pos,
     k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_off, start_n, kv_len,
@@ -123,7 +137,7 @@ def _prefill_attention_kernel(
     # pointers
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     # sizes
-    num_m_tiles, group_size, block_size, qk_scale,
+    num_tokens, num_seqs, num_m_tiles, group_size, block_size, qk_scale,
     # strides
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_co, stride_ch,
@@ -131,11 +145,16 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (q head, query tile, sequence): causal flash attention over the cache."""
+    """One program per (q head, query tile, sequence): causal flash attention over the cache.
+    The extra sequence index ``num_seqs`` zeroes the padding rows after cu_seqlens_q[-1]."""
     pid_h = tl.program_id(0)
     # Heaviest (last) query tiles first: causal work grows with the tile index.
     pid_m = num_m_tiles - 1 - tl.program_id(1)
     pid_b = tl.program_id(2)
+    if pid_b == num_seqs:
+        _zero_padding_rows(o_ptr, tl.load(cu_seqlens_q_ptr + num_seqs), num_tokens, pid_m,
+                           num_m_tiles, pid_h * stride_oh, BLOCK_D, stride_ot, BLOCK_M, BLOCK_D)
+        return
     q_start = tl.load(cu_seqlens_q_ptr + pid_b)
     q_len = tl.load(cu_seqlens_q_ptr + pid_b + 1) - q_start
     if pid_m * BLOCK_M >= q_len:
@@ -188,19 +207,23 @@ def _prefill_attention_kernel(
 @triton.jit
 def _decode_split_kernel(
     # pointers
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, o_ptr, mid_o_ptr, mid_lse_ptr,
     # sizes
-    group_size, block_size, split_size, num_programs_s, qk_scale,
+    group_size, block_size, split_size, num_lanes, qk_scale,
     # strides
-    stride_qb, stride_qh, stride_bt, stride_cb, stride_co, stride_ch,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, stride_cb, stride_co, stride_ch,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     # constexprs
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Stage 1: one program per (sequence, kv head, split lane); the lane handles splits
-    pid_s, pid_s + num_programs_s, ... of its sequence. A split's partial output (normalised, fp32)
-    and log2-sum-exp depend only on the split's tokens, never on which lane computed them."""
+    """Stage 1: one program per (sequence, kv head, lane). The lane takes a contiguous run of the
+    sequence's splits (lane l of L: splits l*n//L .. (l+1)*n//L - 1 of its n) and walks their
+    tokens in one loop, so the software pipeline runs across split boundaries; at each boundary it
+    writes the split's normalised fp32 partial and log2-sum-exp, which depend only on the split's
+    tokens, never on the lane. A sequence of one split writes its output directly instead (no
+    partial round trip; stage 2 skips it); a sequence of length 0 gets zeros. split_size is a
+    multiple of BLOCK_N, so no KV tile straddles two splits."""
     pid_b = tl.program_id(0)
     pid_kvh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -211,6 +234,18 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < group_size
     heads = pid_kvh * group_size + offs_h  # the query heads sharing this kv head
+    o_ptrs = (o_ptr + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
+              + offs_d[None, :])
+    if seq_len == 0:  # a dummy slot: zeros, written by lane 0
+        if pid_s == 0:
+            tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_D], dtype=o_ptr.dtype.element_ty),
+                     mask=h_mask[:, None])
+        return
+    first = (pid_s * num_splits) // num_lanes
+    last = ((pid_s + 1) * num_splits) // num_lanes
+    if first >= last:  # fewer splits than lanes: this lane has none
+        return
+    end = tl.minimum(last * split_size, seq_len)
     q = tl.load(
         q_ptr + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=h_mask[:, None], other=0.0,
@@ -219,45 +254,46 @@ def _decode_split_kernel(
         q = q.to(tl.float32)
     table_row_ptr = block_tables_ptr + pid_b.to(tl.int64) * stride_bt
     kv_head_off = pid_kvh.to(tl.int64) * stride_ch
+    mid_o_ptrs = (mid_o_ptr + pid_b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh
+                  + offs_d[None, :])
+    mid_lse_ptrs = mid_lse_ptr + pid_b.to(tl.int64) * stride_lb + heads * stride_lh
 
-    # Lanes whose first split starts past the sequence do zero iterations (early exit).
-    for split in range(pid_s, num_splits, num_programs_s):
-        split_start = split * split_size
-        split_end = tl.minimum(split_start + split_size, seq_len)
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for start_n in range(split_start, split_end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < split_end
-            kv_off = _paged_offsets(table_row_ptr, offs_n, n_mask, block_size, stride_cb, stride_co)
-            kv_off = kv_off[:, None] + kv_head_off + offs_d[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            qk = tl.where(n_mask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile has a real key
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            p_dot = p.to(v.dtype)
-            if UPCAST:
-                p_dot = p_dot.to(tl.float32)
-                v = v.to(tl.float32)
-            acc = tl.dot(p_dot, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-            m_i = m_new
-        mid_o = acc / l_i[:, None]
-        base_o = pid_b.to(tl.int64) * stride_mb + split * stride_ms
-        tl.store(
-            mid_o_ptr + base_o + heads[:, None] * stride_mh + offs_d[None, :],
-            mid_o, mask=h_mask[:, None],
-        )
-        tl.store(
-            mid_lse_ptr + pid_b.to(tl.int64) * stride_lb + heads * stride_lh + split,
-            m_i + tl.log2(l_i), mask=h_mask,
-        )
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for start_n in range(first * split_size, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        kv_off = _paged_offsets(table_row_ptr, offs_n, n_mask, block_size, stride_cb, stride_co)
+        kv_off = kv_off[:, None] + kv_head_off + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: a tile's first token is always real
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_dot = p.to(v.dtype)
+        if UPCAST:
+            p_dot = p_dot.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = tl.dot(p_dot, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+        tile_end = start_n + BLOCK_N
+        if (tile_end % split_size == 0) | (tile_end >= end):  # the last tile of a split
+            if num_splits == 1:
+                tl.store(o_ptrs, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty),
+                         mask=h_mask[:, None])
+            else:
+                split = start_n // split_size
+                tl.store(mid_o_ptrs + split * stride_ms, acc / l_i[:, None], mask=h_mask[:, None])
+                tl.store(mid_lse_ptrs + split, m_i + tl.log2(l_i), mask=h_mask)
+            m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
 
 @triton.jit
@@ -269,32 +305,39 @@ def _decode_combine_kernel(
     # strides
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     # constexprs
-    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Stage 2: one program per (sequence, q head); folds that sequence's real splits in index
-    order (a fixed order, so the result depends only on the split partials). Length 0 -> zeros."""
+    """Stage 2: one program per (sequence, q head) with two or more splits: out = sum_s w_s o_s /
+    sum_s w_s, w_s = exp2(lse_s - max lse). The splits are taken BLOCK_S at a time in index order
+    (a fixed tree within a block, blocks added in order), so the result depends only on the
+    sequence's own splits; the loads of a block do not wait on the previous block's sums."""
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + pid_b)
     num_splits = tl.cdiv(seq_len, split_size)
+    if num_splits <= 1:  # written by stage 1 (one split) or a dummy slot (zeros)
+        return
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     base_o = mid_o_ptr + pid_b.to(tl.int64) * stride_mb + pid_h * stride_mh
     base_l = mid_lse_ptr + pid_b.to(tl.int64) * stride_lb + pid_h * stride_lh
-    m_i = tl.full([], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([], dtype=tl.float32)
+    m_max = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):  # the max is exact in any order
+        lse = tl.load(base_l + s0 + offs_s, mask=s0 + offs_s < num_splits, other=float("-inf"))
+        m_max = tl.maximum(m_max, lse)
+    m = tl.max(m_max, 0)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for split in range(0, num_splits):
-        lse = tl.load(base_l + split)
-        part = tl.load(base_o + split * stride_ms + offs_d, mask=d_mask, other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        weight = tl.exp2(lse - m_new)
-        acc = acc * alpha + weight * part
-        l_i = l_i * alpha + weight
-        m_i = m_new
-    out = tl.where(l_i > 0, acc / tl.maximum(l_i, 1e-30), 0.0)
+    l_sum = tl.zeros([], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s_mask = s0 + offs_s < num_splits
+        lse = tl.load(base_l + s0 + offs_s, mask=s_mask, other=float("-inf"))
+        part = tl.load(base_o + (s0 + offs_s)[:, None] * stride_ms + offs_d[None, :],
+                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        weight = tl.exp2(lse - m)  # 0 for the masked splits
+        acc += tl.sum(weight[:, None] * part, 0)
+        l_sum += tl.sum(weight, 0)
     tl.store(
         o_ptr + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh + offs_d,
-        out.to(o_ptr.dtype.element_ty), mask=d_mask,
+        (acc / l_sum).to(o_ptr.dtype.element_ty), mask=d_mask,
     )

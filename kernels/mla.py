@@ -17,13 +17,18 @@ Invariance (DESIGN.md, "Three modes, one engine"):
 - ``mla_decode`` under ``corun`` and ``batch_invariant``: each sequence's KV is split every
   ``split_size`` tokens, so its split boundaries and merge order depend on its own length only, and
   the grid is sized from the host int ``max_seq_len`` (max_model_len), never from the batch's
-  contents. A sequence's output bits do not depend on the other sequences nor on its batch slot.
-  Under ``default`` the split count is chosen from the batch size and the batch's longest sequence
+  contents. A sequence that is one split is written directly by the split kernel (no fp32
+  partial; with a one-split grid the combine is not launched at all), a choice made from its own
+  length, so its bits do not depend on the grid bound either. A sequence's output bits do not
+  depend on the other sequences nor on its batch slot. Under ``default`` the split count is chosen from the batch size and the batch's longest sequence
   to fill the GPU, so a sequence's bits change with its co-runners (position-invariant only at a
   fixed batch).
 - ``mla_prefill_attention``: one tile config per (head dims, dtype) in every mode and keys walked
   from key 0 in fixed BLOCK_N steps, so a query row's bits depend only on its own position and data:
-  invariant to the other sequences, its row index and how its prompt was chunked.
+  invariant to the other sequences, its row index and how its prompt was chunked. Tiles start at
+  each sequence's own cu_seqlens offset, so a chunk packed into a step after other chunks (with
+  zero-length padding rows and padding tokens after the last sequence, whose rows are written as
+  zeros) gives the same bits as alone.
 - ``store_mla_kv`` is a copy: exact in every mode.
 
 The Triton kernels are in kernels/mla_kernels.py; the tiles and their tuned table in
@@ -39,7 +44,7 @@ import torch
 from kernels.mla_kernels import (
     LOG2E,
     _mla_decode_combine_kernel,
-    _mla_decode_split_kernel,
+    _mla_decode_kernel,
     _mla_prefill_kernel,
     _store_mla_kv_kernel,
 )
@@ -137,10 +142,16 @@ class MLADecodeConfig:
     num_stages: int
 
 
-def _literal_decode_tile(dtype: torch.dtype) -> MLATile:
-    # A [block_n, 512] latent tile is 32 KB in 16-bit; halve the tokens for 4-byte elements.
-    block_n = 32 if dtype.itemsize <= 2 else 16
-    return MLATile(block_m=16, block_n=block_n, num_warps=4, num_stages=2)
+def _literal_decode_tile(num_heads: int, dtype: torch.dtype) -> MLATile:
+    """The fallback tile: up to 64 heads a program (two warp groups, each holding half of the
+    [64, 512] fp32 accumulator) and 32-token steps, the largest step whose carried latent tile
+    still fits the registers without spilling (checked with ptxas for sm_90); 4-byte elements
+    halve the step."""
+    block_h = min(64, max(16, next_power_of_2(num_heads)))
+    return MLATile(
+        block_m=block_h, block_n=32 if dtype.itemsize <= 2 else 16,
+        num_warps=8 if block_h == 64 else 4, num_stages=2,
+    )  # fmt: skip
 
 
 def mla_decode_config(
@@ -158,31 +169,33 @@ def mla_decode_config(
 ) -> MLADecodeConfig:
     """The decode policy, a pure function of its arguments (and of the checked-in tuned table).
 
-    ``corun`` / ``batch_invariant``: splits of ``split_size`` tokens, ``num_splits`` =
+    ``corun`` / ``batch_invariant``: splits of exactly ``split_size`` tokens, ``num_splits`` =
     ceil(max_seq_len / split_size) (max_seq_len is max_model_len there, so it is a constant of the
-    engine), and the tile from the table's entry for (num_heads, latent_dim, rope_dim, split_size,
-    max_seq_len bucket, 16-bit dtype), else the literal tile: batch is never read. ``default``:
-    the tile for (batch bucket, max_seq_len bucket), and ``num_splits`` from batch, num_heads and
-    max_seq_len (the batch's longest) to give about two programs per SM, each split at least
-    MIN_DEFAULT_SPLIT_TOKENS long. ``tile`` overrides the lookup (tests and tuning), ``table`` the
-    checked-in table (tests).
+    engine and only sizes the grid), and the tile from the table's entry for (num_heads,
+    latent_dim, rope_dim, split_size, max_seq_len bucket, 16-bit dtype), else the literal tile:
+    batch is never read. ``default``: the tile for (batch bucket, max_seq_len bucket), and
+    ``num_splits`` from batch, num_heads and max_seq_len (the batch's longest) to fill the GPU
+    with about one program per SM (a program's q tile and latent stages take most of an SM's
+    shared memory), each split at least MIN_DEFAULT_SPLIT_TOKENS long: one split, and so no
+    partial round trip, once the batch alone fills the SMs. ``tile`` overrides the lookup (tests
+    and tuning), ``table`` the checked-in table (tests).
     """
     mode = Mode.parse(mode)
     if tile is None:
         tuned = (table or checked_in_table()).decode_tile(
             batch, num_heads, latent_dim, rope_dim, max_seq_len, dtype, mode, split_size
         )
-        tile = tuned or _literal_decode_tile(dtype)
+        tile = tuned or _literal_decode_tile(num_heads, dtype)
     if tile.block_m > 64:
         raise ValueError(f"tile: BLOCK_H (block_m) must be <= 64, got {tile.block_m}")
     block_h = tile.block_m
     block_dv = max(16, next_power_of_2(latent_dim))
     block_r = max(16, next_power_of_2(rope_dim))
     if mode == Mode.DEFAULT:
-        head_blocks = cdiv(num_heads, block_h)
-        wanted = cdiv(2 * NUM_SMS, max(1, batch * head_blocks))
+        programs = max(1, batch * cdiv(num_heads, block_h))
+        wanted = max(1, NUM_SMS // programs)
         most = max(1, cdiv(max_seq_len, MIN_DEFAULT_SPLIT_TOKENS))
-        num_splits, is_fixed = max(1, min(wanted, most)), False
+        num_splits, is_fixed = min(wanted, most), False
     else:
         num_splits, is_fixed = max(1, cdiv(max_seq_len, split_size)), True
     return MLADecodeConfig(
@@ -190,6 +203,10 @@ def mla_decode_config(
         num_splits=num_splits, split_size=split_size, is_fixed_split=is_fixed,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
+
+
+# Heads per program of the split combine: a [8, 512] fp32 partial per split load.
+COMBINE_BLOCK_H = 8
 
 
 def mla_decode(
@@ -262,35 +279,38 @@ def mla_decode(
         batch, num_heads, latent_dim, rope_dim, max_seq_len, q_latent.dtype, mode, split_size,
         tile=tile,
     )  # fmt: skip
-    mid_out = torch.empty(
-        (batch, num_heads, cfg.num_splits, latent_dim), dtype=torch.float32, device=q_latent.device
-    )
-    mid_lse = torch.empty(
-        (batch, num_heads, cfg.num_splits), dtype=torch.float32, device=q_latent.device
-    )
+    if cfg.num_splits > 1:
+        mid_out = torch.empty((batch, num_heads, cfg.num_splits, latent_dim),
+                              dtype=torch.float32, device=q_latent.device)  # fmt: skip
+        mid_lse = torch.empty((batch, num_heads, cfg.num_splits), dtype=torch.float32,
+                              device=q_latent.device)  # fmt: skip
+    else:  # every sequence is one split and writes ``out`` directly: no partials, no combine
+        mid_out = mid_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
     grid = (cdiv(num_heads, cfg.block_h), batch, cfg.num_splits)
-    _mla_decode_split_kernel[grid](
-        q_latent, q_pe, kv_cache, block_tables, seq_lens, mid_out, mid_lse,
-        num_heads, latent_dim, rope_dim, kv_cache.shape[1], cfg.split_size, cfg.num_splits,
-        scale * LOG2E,
+    _mla_decode_kernel[grid](
+        q_latent, q_pe, kv_cache, block_tables, seq_lens, out, mid_out, mid_lse,
+        # split size 0 selects default's spread-over-num_splits rule (one compiled kernel)
+        num_heads, cfg.split_size if cfg.is_fixed_split else 0, cfg.num_splits, scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, PAGE_SIZE=kv_cache.shape[1],
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv, BLOCK_R=cfg.block_r,
-        IS_FIXED_SPLIT=cfg.is_fixed_split, UPCAST=upcast_dot_operands(q_latent.dtype),
+        UPCAST=upcast_dot_operands(q_latent.dtype),
         DOT_PRECISION=dot_precision(q_latent.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    _mla_decode_combine_kernel[(batch, num_heads)](
-        mid_out, mid_lse, seq_lens, out,
-        latent_dim, cfg.split_size, cfg.num_splits,
-        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv, IS_FIXED_SPLIT=cfg.is_fixed_split,
-        num_warps=4,
-    )  # fmt: skip
+    if cfg.num_splits > 1:
+        _mla_decode_combine_kernel[(batch, cdiv(num_heads, COMBINE_BLOCK_H))](
+            mid_out, mid_lse, seq_lens, out,
+            num_heads, cfg.split_size if cfg.is_fixed_split else 0, cfg.num_splits,
+            mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+            LATENT_DIM=latent_dim, BLOCK_HC=COMBINE_BLOCK_H, BLOCK_N=cfg.block_n,
+            BLOCK_DV=cfg.block_dv, num_warps=4,
+        )  # fmt: skip
     return out
 
 
@@ -330,7 +350,7 @@ def mla_prefill_config(
     wide = dtype.itemsize > 2
     tile = (table or checked_in_table()).prefill_tile(qk_dim, v_dim, dtype) or MLATile(
         block_m=64 if wide else 128, block_n=32 if wide else 64,
-        num_warps=4 if wide else 8, num_stages=2,
+        num_warps=4 if wide else 8, num_stages=2 if wide else 3,
     )  # fmt: skip
     return MLAPrefillConfig(
         block_m=tile.block_m, block_n=tile.block_n, block_d1=block_d1,
@@ -357,6 +377,9 @@ def mla_prefill_attention(
     delimit each sequence's queries and keys (k_len_b >= q_len_b); ``max_q_len`` (host int) is the
     longest chunk and sizes the grid only. Query i of sequence b sees keys
     0 .. k_len_b - q_len_b + i.
+    Packed steps: a sequence of q_len 0 (and k_len 0) is a padding slot; rows of q after
+    cu_seqlens_q[-1] belong to no sequence and give zeros (k and v may likewise hold rows after
+    cu_seqlens_k[-1], never read). No host sync on GPU tensors (CUDA-graph capturable).
     ``config`` overrides the policy (tests and tuning only; the engine never passes it).
     """
     mode = Mode.parse(mode)
@@ -367,6 +390,7 @@ def mla_prefill_attention(
     check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), contiguous=True)
     check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     num_tokens, num_heads, qk_dim = q.shape
+    v_dim = v.shape[2]
     check_shape("k", k, (-1, num_heads, qk_dim))
     check_shape("v", v, (k.shape[0], num_heads, -1))
     if cu_seqlens_q.shape[0] < 1:
@@ -376,33 +400,48 @@ def mla_prefill_attention(
         raise ValueError(f"max_q_len: expected a non-negative int, got {max_q_len!r}")
     batch = cu_seqlens_q.shape[0] - 1
     if is_host_checkable(cu_seqlens_q):
-        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        q_lens = [cu_q[i + 1] - cu_q[i] for i in range(batch)]
-        k_lens = [cu_k[i + 1] - cu_k[i] for i in range(batch)]
-        if cu_q[0] != 0 or min(q_lens, default=0) < 0 or cu_q[-1] != num_tokens:
-            raise ValueError(f"cu_seqlens_q: expected 0 .. {num_tokens} non-decreasing, got {cu_q}")
-        if cu_k[0] != 0 or cu_k[-1] != k.shape[0]:
-            raise ValueError(f"cu_seqlens_k: expected 0 .. {k.shape[0]} non-decreasing, got {cu_k}")
-        if any(kl < ql for ql, kl in zip(q_lens, k_lens, strict=True)):
-            raise ValueError(
-                f"cu_seqlens_k: a sequence has fewer keys {k_lens} than queries {q_lens}"
-            )
-        if max(q_lens, default=0) > max_q_len:
-            raise ValueError(f"max_q_len: {max_q_len} is below the longest chunk {max(q_lens)}")
+        _check_prefill_lengths(cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), num_tokens,
+                               k.shape[0], max_q_len)
 
-    out = torch.empty((num_tokens, num_heads, v.shape[2]), dtype=q.dtype, device=q.device)
-    if num_tokens == 0 or batch == 0 or max_q_len == 0:
+    out = torch.empty((num_tokens, num_heads, v_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_heads == 0:
         return out
-    cfg = config or mla_prefill_config(qk_dim, v.shape[2], q.dtype, mode)
-    grid = (cdiv(max_q_len, cfg.block_m), num_heads, batch)
+    cfg = config or mla_prefill_config(qk_dim, v_dim, q.dtype, mode)
+    # At least one tile lane, so that a step of padding only still gets its zeros; sequence index
+    # ``batch`` is the padding program (rows cu_seqlens_q[-1] .. T - 1).
+    num_m_tiles = max(1, cdiv(max_q_len, cfg.block_m))
+    grid = (num_m_tiles, num_heads, batch + 1)
     _mla_prefill_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k,
-        qk_dim, v.shape[2], scale * LOG2E,
+        num_tokens, batch, num_m_tiles, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D1=cfg.block_d1, BLOCK_D2=cfg.block_d2,
-        BLOCK_DV=cfg.block_dv, UPCAST=upcast_dot_operands(q.dtype),
-        DOT_PRECISION=dot_precision(q.dtype),
+        QK_DIM=qk_dim, V_DIM=v_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D1=cfg.block_d1, BLOCK_D2=cfg.block_d2, BLOCK_DV=cfg.block_dv,
+        UPCAST=upcast_dot_operands(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+def _check_prefill_lengths(
+    cu_q: list[int], cu_k: list[int], num_q_rows: int, num_k_rows: int, max_q_len: int
+) -> None:
+    """CPU only: offsets start at 0, never decrease, end within q / k (rows after the end are a
+    packed step's padding), and every sequence has at least as many keys as queries."""
+    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:], strict=False)]
+    k_lens = [b - a for a, b in zip(cu_k, cu_k[1:], strict=False)]
+    if cu_q[0] != 0 or min(q_lens, default=0) < 0 or cu_q[-1] > num_q_rows:
+        raise ValueError(
+            f"cu_seqlens_q: expected non-decreasing offsets from 0 to at most {num_q_rows}, "
+            f"got {cu_q}"
+        )
+    if cu_k[0] != 0 or min(k_lens, default=0) < 0 or cu_k[-1] > num_k_rows:
+        raise ValueError(
+            f"cu_seqlens_k: expected non-decreasing offsets from 0 to at most {num_k_rows}, "
+            f"got {cu_k}"
+        )
+    if any(kl < ql for ql, kl in zip(q_lens, k_lens, strict=True)):
+        raise ValueError(f"cu_seqlens_k: a sequence has fewer keys {k_lens} than queries {q_lens}")
+    if max(q_lens, default=0) > max_q_len:
+        raise ValueError(f"max_q_len: {max_q_len} is below the longest chunk {max(q_lens)}")

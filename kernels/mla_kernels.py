@@ -2,28 +2,41 @@
 
 - ``_store_mla_kv_kernel``: one program per token writes ``[latent | k_pe]`` into the paged MLA
   cache ``[num_blocks, block_size, latent_dim + rope_dim]``; slot -1 is skipped.
-- ``_mla_decode_split_kernel`` + ``_mla_decode_combine_kernel``: absorbed decode as split-KV MQA.
+- ``_mla_decode_kernel`` + ``_mla_decode_combine_kernel``: absorbed decode as split-KV MQA.
   Program (head block, b, split) runs an online softmax over its split's tokens for BLOCK_H
-  query heads at once (all heads share the one latent "kv head", so each cache tile is read once
-  per head block; BLOCK_H in {16, 32, 64} trades those re-reads against the [BLOCK_H, latent]
-  fp32 accumulator's registers) and writes a normalised fp32 partial and its log2-sum-exp; the
-  combine program (b, h) merges the partials in split order.
+  query heads at once (all heads share the one latent "kv head", so each latent tile is read once
+  per head block, and the two head blocks of 128 heads read it together, from L2 the second
+  time). A sequence that is one split writes its output directly; a longer one writes normalised
+  fp32 partials and log2-sum-exps, which the combine program (b, head group) folds in split order.
 - ``_mla_prefill_kernel``: dense variable-length causal flash attention with separate qk and v head
-  dims, bottom-right aligned, keys always walked from key 0 in BLOCK_N steps.
+  dims (192 = 128 + 64 as two dot products), bottom-right aligned, keys always walked from key 0
+  in BLOCK_N steps; unmasked loads for the key tiles a query tile sees whole.
+
+Decode's step order: the P.V product of latent tile j runs in step j + 1, after the Q.K product
+of tile j + 1. Triton assigns a dot's warps by whether the dot's result feeds another dot in the
+same step: if it does, all warps go along the M axis, and with 64 heads (one warp group's M) on 8
+warps both warp groups would compute the same Q.K (measured in the sm_90 TTGIR: warpsPerCTA
+[8, 1], twice the wgmma count). Carrying P and the latent tile into the next step makes Q.K a
+dot whose result only leaves the step, so its tokens split across the two warp groups. The
+[64, 512] fp32 accumulator is split the same way (half each), and the 32-token latent tile
+carried in registers is what bounds BLOCK_N (64 spills).
 
 Why the bits are what they are: a row's result depends on the tile sizes (fixed by the policy in
 kernels/mla.py) and on the order its tokens are reduced in. Decode reduces each split's tokens in
-BLOCK_N steps from the split start, and merges splits in index order; where the split boundaries
-fall is the mode's choice (kernels/mla.py). Prefill walks keys 0, BLOCK_N, 2 BLOCK_N, ... for every
-row; key blocks past a row's own position are fully masked, which leaves its running max, sum and
-accumulator exactly unchanged (alpha = exp2(0) = 1, p = 0), so a row's bits do not depend on which
-other rows share its tile or how the prompt was chunked.
+BLOCK_N steps from the split start, and folds splits in index order; where the split boundaries
+fall is the mode's choice (kernels/mla.py); whether a sequence takes the direct path (one split)
+is a function of its own length. Prefill walks keys 0, BLOCK_N, 2 BLOCK_N, ... for every row; key
+blocks past a row's own position are fully masked and leave its running max, sum and accumulator
+exactly unchanged, so a row's bits do not depend on which other rows share its tile, how the
+prompt was chunked, or where in a packed step its rows sit.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kernels.attention_kernels import _zero_padding_rows
 
 # log2(e): the kernels run their softmax in base 2 (exp2 is one instruction on the GPU).
 LOG2E = 1.4426950408889634
@@ -67,94 +80,96 @@ def _store_mla_kv_kernel(
 
 
 @triton.jit
-def _split_len(
-    seq_len, split_size, num_splits, IS_FIXED_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """Tokens per split of one sequence: fixed (corun / batch_invariant), or the sequence spread
-    over ``num_splits`` splits rounded up to whole BLOCK_N tiles (default). Never below BLOCK_N so
-    that a length-0 sequence divides safely (it has no split either way)."""
-    if IS_FIXED_SPLIT:
-        split_len = split_size
+def _load_rows(base_ptr, rows, offs_d, row_mask, D_END: tl.constexpr, D_FULL: tl.constexpr,
+               ROW_MASKED: tl.constexpr):
+    """Load a [rows, offs_d] tile; masks are emitted only where a constexpr says they are needed
+    (D_FULL: every column of offs_d is < D_END), so full tiles take plain vector loads."""
+    ptrs = base_ptr + rows[:, None] + offs_d[None, :]
+    if ROW_MASKED:
+        if D_FULL:
+            tile = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=row_mask[:, None] & (offs_d < D_END)[None, :], other=0.0)
     else:
-        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    return tl.maximum(split_len, BLOCK_N)
+        if D_FULL:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(offs_d < D_END)[None, :], other=0.0)
+    return tile
 
 
 @triton.jit
-def _mla_decode_split_kernel(
+def _split_len(seq_len, split_size, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split of one sequence: exactly ``split_size`` when it is > 0 (corun /
+    batch_invariant), else the sequence spread over ``num_splits`` splits rounded up to whole
+    BLOCK_N tiles (default; never below BLOCK_N, so that a length-0 sequence divides safely: it has
+    no split either way). A run-time choice, so both modes share one compiled kernel."""
+    if split_size > 0:
+        split_len = split_size
+    else:
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    return split_len
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_decode_kernel(
     # pointers
-    q_latent_ptr,
-    q_pe_ptr,
-    kv_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    mid_out_ptr,
+    q_latent_ptr, q_pe_ptr, kv_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_out_ptr,
     mid_lse_ptr,
     # sizes
-    num_heads,
-    latent_dim,
-    rope_dim,
-    block_size,
-    split_size,
-    num_splits,
-    qk_scale,
+    num_heads, split_size, num_splits, qk_scale,
     # strides
-    stride_ql_b,
-    stride_ql_h,
-    stride_qp_b,
-    stride_qp_h,
-    stride_cache_b,
-    stride_cache_t,
-    stride_bt_b,
-    stride_mo_b,
-    stride_mo_h,
-    stride_mo_s,
-    stride_ml_b,
+    stride_ql_b, stride_ql_h, stride_qp_b, stride_qp_h, stride_cache_b, stride_cache_t,
+    stride_bt_b, stride_o_b, stride_o_h, stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b,
     stride_ml_h,
     # constexprs
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    IS_FIXED_SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """Program (head block, sequence, split): online softmax over the split's tokens for BLOCK_H
+    heads. A sequence of one split writes its output directly; one of several writes an fp32
+    partial and its log2-sum-exp for _mla_decode_combine_kernel; length 0 writes zeros."""
     # Head blocks on the fastest grid axis: the programs that read the same cache tiles (one
-    # sequence, one split, all head blocks) are scheduled together, so re-reads hit L2.
+    # sequence, one split, every head block) run together, so the re-reads hit L2.
     pid_h = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + pid_b)
-    split_len = _split_len(seq_len, split_size, num_splits, IS_FIXED_SPLIT, BLOCK_N)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < LATENT_DIM
+    o_ptrs = (out_ptr + pid_b.to(tl.int64) * stride_o_b + offs_h[:, None] * stride_o_h
+              + offs_d[None, :])
+    if seq_len == 0:  # a padded dummy slot: zeros, written once
+        if pid_s == 0:
+            tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_DV], dtype=out_ptr.dtype.element_ty),
+                     mask=mask_h[:, None] & mask_d[None, :])
+        return
+    split_len = _split_len(seq_len, split_size, num_splits, BLOCK_N)
     split_start = pid_s * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
     # The grid is sized for the longest allowed sequence; splits past this one's end do nothing.
     if split_start >= split_end:
         return
 
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < num_heads
-    offs_d = tl.arange(0, BLOCK_DV)
-    mask_d = offs_d < latent_dim
     offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rope_dim
-    q_row = pid_b.to(tl.int64) * stride_ql_b + offs_h * stride_ql_h
-    q = tl.load(
-        q_latent_ptr + q_row[:, None] + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-    qp_row = pid_b.to(tl.int64) * stride_qp_b + offs_h * stride_qp_h
-    q_pe = tl.load(
-        q_pe_ptr + qp_row[:, None] + offs_r[None, :],
-        mask=mask_h[:, None] & mask_r[None, :],
-        other=0.0,
-    )
+    q = _load_rows(q_latent_ptr + pid_b.to(tl.int64) * stride_ql_b, offs_h * stride_ql_h, offs_d,
+                   mask_h, LATENT_DIM, BLOCK_DV <= LATENT_DIM, True)
+    q_pe = _load_rows(q_pe_ptr + pid_b.to(tl.int64) * stride_qp_b, offs_h * stride_qp_h, offs_r,
+                      mask_h, ROPE_DIM, BLOCK_R <= ROPE_DIM, True)
+    kv_dtype = kv_cache_ptr.dtype.element_ty
+    # The previous tile's probabilities and latent rows, whose P.V product runs one iteration
+    # late (module docstring): zeros before the first tile, so its product adds exact zeros.
+    p_prev = tl.zeros([BLOCK_H, BLOCK_N], dtype=kv_dtype)
+    c_prev = tl.zeros([BLOCK_N, BLOCK_DV], dtype=kv_dtype)
     if UPCAST:  # interpreter only: its bf16 tl.dot is wrong (kernels.utils.upcast_dot_operands)
         q = q.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
-
+        p_prev = p_prev.to(tl.float32)
+        c_prev = c_prev.to(tl.float32)
+    alpha_prev = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
@@ -162,210 +177,218 @@ def _mla_decode_split_kernel(
     for start_n in range(split_start, split_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < split_end
-        blocks = tl.load(bt_ptr + offs_n // block_size, mask=mask_n, other=0).to(tl.int64)
-        rows = blocks * stride_cache_b + (offs_n % block_size) * stride_cache_t
-        # One load of the latent tile serves as both the key (with k_pe) and the value.
-        c = tl.load(
-            kv_cache_ptr + rows[:, None] + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        k_pe = tl.load(
-            kv_cache_ptr + rows[:, None] + latent_dim + offs_r[None, :],
-            mask=mask_n[:, None] & mask_r[None, :],
-            other=0.0,
-        )
+        blocks = tl.load(bt_ptr + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        rows = blocks * stride_cache_b + (offs_n % PAGE_SIZE) * stride_cache_t
+        # One load of the latent rows serves as the key (with k_pe) and, next iteration, the value.
+        c = _load_rows(kv_cache_ptr, rows, offs_d, mask_n, LATENT_DIM, BLOCK_DV <= LATENT_DIM,
+                       True)
+        k_pe = _load_rows(kv_cache_ptr + LATENT_DIM, rows, offs_r, mask_n, ROPE_DIM,
+                          BLOCK_R <= ROPE_DIM, True)
         if UPCAST:
             c = c.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
-        qk = tl.dot(q, tl.trans(c), input_precision=DOT_PRECISION)
-        qk += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
-        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.math.exp2(m_i - m_new)
+        acc = tl.dot(p_prev, c_prev, acc * alpha_prev[:, None], input_precision=DOT_PRECISION)
+        # Two products, each scaled before the sum: no dot consumes another dot's result, so the
+        # compiler splits this one's tokens across the warp groups instead of computing it twice.
+        qk = (tl.dot(q, tl.trans(c), input_precision=DOT_PRECISION) * qk_scale
+              + tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION) * qk_scale)
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: a tile's first token is always real
+        alpha_prev = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
+        l_i = l_i * alpha_prev + tl.sum(p, 1)
         m_i = m_new
+        p_prev = p.to(kv_dtype)
+        if UPCAST:
+            p_prev = p_prev.to(tl.float32)
+        c_prev = c
+    acc = tl.dot(p_prev, c_prev, acc * alpha_prev[:, None], input_precision=DOT_PRECISION)
 
-    mo_ptr = mid_out_ptr + pid_b.to(tl.int64) * stride_mo_b + pid_s * stride_mo_s
-    tl.store(
-        mo_ptr + offs_h[:, None] * stride_mo_h + offs_d[None, :],
-        acc / l_i[:, None],
-        mask=mask_h[:, None] & mask_d[None, :],
-    )
-    ml_ptr = mid_lse_ptr + pid_b.to(tl.int64) * stride_ml_b + pid_s
-    tl.store(ml_ptr + offs_h * stride_ml_h, m_i + tl.math.log2(l_i), mask=mask_h)
+    mask_o = mask_h[:, None] & mask_d[None, :]
+    if tl.cdiv(seq_len, split_len) == 1:  # the whole sequence: no partial round trip
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_o)
+    else:
+        mo_ptr = mid_out_ptr + pid_b.to(tl.int64) * stride_mo_b + pid_s * stride_mo_s
+        tl.store(mo_ptr + offs_h[:, None] * stride_mo_h + offs_d[None, :], acc / l_i[:, None],
+                 mask=mask_o)
+        ml_ptr = mid_lse_ptr + pid_b.to(tl.int64) * stride_ml_b + pid_s
+        tl.store(ml_ptr + offs_h * stride_ml_h, m_i + tl.math.log2(l_i), mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_combine_kernel(
     # pointers
-    mid_out_ptr,
-    mid_lse_ptr,
-    seq_lens_ptr,
-    out_ptr,
+    mid_out_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr,
     # sizes
-    latent_dim,
-    split_size,
-    num_splits,
+    num_heads, split_size, num_splits,
     # strides
-    stride_mo_b,
-    stride_mo_h,
-    stride_mo_s,
-    stride_ml_b,
-    stride_ml_h,
-    stride_o_b,
-    stride_o_h,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_o_b, stride_o_h,
     # constexprs
-    BLOCK_N: tl.constexpr,
+    LATENT_DIM: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    IS_FIXED_SPLIT: tl.constexpr,
 ):
+    """Program (sequence, head group): folds a sequence's split partials in split order 0, 1, ...
+    (a function of the sequence's own splits only). Sequences of 0 or 1 split were written by
+    _mla_decode_kernel and are skipped."""
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + pid_b)
-    split_len = _split_len(seq_len, split_size, num_splits, IS_FIXED_SPLIT, BLOCK_N)
-    num_valid = tl.cdiv(seq_len, split_len)  # 0 for an empty (dummy) sequence -> zeros
-
+    split_len = _split_len(seq_len, split_size, num_splits, BLOCK_N)
+    num_valid = tl.cdiv(seq_len, split_len)
+    if num_valid <= 1:
+        return
+    offs_h = pid_h * BLOCK_HC + tl.arange(0, BLOCK_HC)
+    mask_h = offs_h < num_heads
     offs_d = tl.arange(0, BLOCK_DV)
-    mask_d = offs_d < latent_dim
-    mo_ptr = mid_out_ptr + pid_b.to(tl.int64) * stride_mo_b + pid_h * stride_mo_h
-    ml_ptr = mid_lse_ptr + pid_b.to(tl.int64) * stride_ml_b + pid_h * stride_ml_h
-    e_max = -float("inf")
-    e_sum = 0.0
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    # Split order 0, 1, 2, ...: the merge order is a function of the sequence's own splits only.
+    mask = mask_h[:, None] & (offs_d < LATENT_DIM)[None, :]
+    mo_ptrs = (mid_out_ptr + pid_b.to(tl.int64) * stride_mo_b + offs_h[:, None] * stride_mo_h
+               + offs_d[None, :])
+    ml_ptrs = mid_lse_ptr + pid_b.to(tl.int64) * stride_ml_b + offs_h * stride_ml_h
+    e_max = tl.full([BLOCK_HC], float("-inf"), dtype=tl.float32)
+    e_sum = tl.zeros([BLOCK_HC], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_HC, BLOCK_DV], dtype=tl.float32)
     for s in range(0, num_valid):
-        lse = tl.load(ml_ptr + s)
-        part = tl.load(mo_ptr + s * stride_mo_s + offs_d, mask=mask_d, other=0.0)
+        lse = tl.load(ml_ptrs + s, mask=mask_h, other=0.0)
+        part = tl.load(mo_ptrs + s * stride_mo_s, mask=mask, other=0.0)
         new_max = tl.maximum(lse, e_max)
         old_scale = tl.math.exp2(e_max - new_max)
         weight = tl.math.exp2(lse - new_max)
-        acc = acc * old_scale + weight * part
+        acc = acc * old_scale[:, None] + weight[:, None] * part
         e_sum = e_sum * old_scale + weight
         e_max = new_max
-    out = tl.where(e_sum > 0.0, acc / tl.maximum(e_sum, 1e-30), 0.0)
-    o_ptr = out_ptr + pid_b.to(tl.int64) * stride_o_b + pid_h * stride_o_h
-    tl.store(o_ptr + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+    o_ptrs = out_ptr + pid_b.to(tl.int64) * stride_o_b + offs_h[:, None] * stride_o_h
+    tl.store(o_ptrs + offs_d[None, :], (acc / e_sum[:, None]).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _mla_prefill_tile(
+    acc, m_i, l_i, q1, q2, q_pos,
+    k_ptr, v_ptr, k_start, start_n, k_len, k_head_off, v_head_off, stride_k_t, stride_v_t,
+    qk_scale,
+    QK_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
+    BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N) of one head.
+
+    The qk dim is two dot products (192 = 128 + 64: no padding to 256). MASKED=False serves only
+    tiles that every row of the query tile fully sees, and computes the same bits as MASKED=True
+    does for such rows: the mask is a select on the raw scores, and the rest is one expression
+    graph (as in kernels/attention_kernels._prefill_tile).
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < k_len  # all true in unmasked tiles, whose loads skip it
+    k_rows = (k_start + offs_n).to(tl.int64) * stride_k_t + k_head_off
+    k1 = _load_rows(k_ptr, k_rows, tl.arange(0, BLOCK_D1), n_mask, QK_DIM, BLOCK_D1 <= QK_DIM,
+                    MASKED)
+    if UPCAST:
+        k1 = k1.to(tl.float32)
+    scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+    if BLOCK_D2 > 0:
+        k2 = _load_rows(k_ptr, k_rows, BLOCK_D1 + tl.arange(0, BLOCK_D2), n_mask, QK_DIM,
+                        BLOCK_D1 + BLOCK_D2 <= QK_DIM, MASKED)
+        if UPCAST:
+            k2 = k2.to(tl.float32)
+        scores = tl.dot(q2, tl.trans(k2), scores, input_precision=DOT_PRECISION)
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    qk = scores * qk_scale
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    v_rows = (k_start + offs_n).to(tl.int64) * stride_v_t + v_head_off
+    v = _load_rows(v_ptr, v_rows, tl.arange(0, BLOCK_DV), n_mask, V_DIM, BLOCK_DV <= V_DIM,
+                   MASKED)
+    p_dot = p.to(v.dtype)
+    if UPCAST:
+        p_dot = p_dot.to(tl.float32)
+        v = v.to(tl.float32)
+    acc_new = tl.dot(p_dot, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    if MASKED:
+        # A row that sees no key of this tile keeps its state exactly (adding the all-zero
+        # product would still turn an accumulated -0.0 into +0.0).
+        live = start_n <= q_pos
+        acc_new = tl.where(live[:, None], acc_new, acc)
+        l_new = tl.where(live, l_new, l_i)
+        m_new = tl.where(live, m_new, m_i)
+    return acc_new, m_new, l_new
 
 
 @triton.jit
 def _mla_prefill_kernel(
     # pointers
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    out_ptr,
-    cu_seqlens_q_ptr,
-    cu_seqlens_k_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
     # sizes
-    qk_dim,
-    v_dim,
-    qk_scale,
+    num_tokens, num_seqs, num_m_tiles, qk_scale,
     # strides
-    stride_q_t,
-    stride_q_h,
-    stride_k_t,
-    stride_k_h,
-    stride_v_t,
-    stride_v_h,
-    stride_o_t,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t,
     stride_o_h,
     # constexprs
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D1: tl.constexpr,
-    BLOCK_D2: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    QK_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    """One program per (query tile, head, sequence); the sequence index num_seqs zeroes the
+    padding rows after cu_seqlens_q[-1]. Query tiles of one head are adjacent in the grid, so the
+    programs running together share that head's keys in L2."""
+    # Heaviest (last) query tiles first: causal work grows with the tile index.
+    pid_m = num_m_tiles - 1 - tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_b = tl.program_id(2)
+    if pid_b == num_seqs:
+        _zero_padding_rows(out_ptr, tl.load(cu_seqlens_q_ptr + num_seqs), num_tokens, pid_m,
+                           num_m_tiles, pid_h * stride_o_h, V_DIM, stride_o_t, BLOCK_M, BLOCK_DV)
+        return
     q_start = tl.load(cu_seqlens_q_ptr + pid_b)
     q_len = tl.load(cu_seqlens_q_ptr + pid_b + 1) - q_start
     if pid_m * BLOCK_M >= q_len:  # the grid is sized for the longest chunk
         return
     k_start = tl.load(cu_seqlens_k_ptr + pid_b)
     k_len = tl.load(cu_seqlens_k_ptr + pid_b + 1) - k_start
+    first_pos = k_len - q_len  # bottom-right aligned: position of the chunk's first query
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < q_len
-    q_pos = k_len - q_len + offs_m  # bottom-right aligned causal position of each query row
-    # qk head dim as two power-of-2 parts (192 = 128 + 64); BLOCK_D2 = 0 when it is one part.
-    offs_d1 = tl.arange(0, BLOCK_D1)
-    mask_d1 = offs_d1 < qk_dim
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < v_dim
+    m_mask = offs_m < q_len
+    q_pos = first_pos + offs_m
     q_rows = (q_start + offs_m).to(tl.int64) * stride_q_t + pid_h * stride_q_h
-    q1 = tl.load(
-        q_ptr + q_rows[:, None] + offs_d1[None, :],
-        mask=mask_m[:, None] & mask_d1[None, :],
-        other=0.0,
-    )
+    q1 = _load_rows(q_ptr, q_rows, tl.arange(0, BLOCK_D1), m_mask, QK_DIM, BLOCK_D1 <= QK_DIM,
+                    True)
     if UPCAST:
         q1 = q1.to(tl.float32)
+    q2 = q1  # unused when the qk dim is one power of 2
     if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-        mask_d2 = offs_d2 < qk_dim
-        q2 = tl.load(
-            q_ptr + q_rows[:, None] + offs_d2[None, :],
-            mask=mask_m[:, None] & mask_d2[None, :],
-            other=0.0,
-        )
+        q2 = _load_rows(q_ptr, q_rows, BLOCK_D1 + tl.arange(0, BLOCK_D2), m_mask, QK_DIM,
+                        BLOCK_D1 + BLOCK_D2 <= QK_DIM, True)
         if UPCAST:
             q2 = q2.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    # Keys up to this tile's last valid row position; always from key 0 in BLOCK_N steps.
-    last_row = tl.minimum(q_len, (pid_m + 1) * BLOCK_M) - 1
-    end_n = tl.minimum(k_len, k_len - q_len + last_row + 1)
-    for start_n in range(0, end_n, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < k_len
-        k_rows = (k_start + offs_n).to(tl.int64) * stride_k_t + pid_h * stride_k_h
-        k1 = tl.load(
-            k_ptr + k_rows[:, None] + offs_d1[None, :],
-            mask=mask_n[:, None] & mask_d1[None, :],
-            other=0.0,
+    k_head_off = pid_h * stride_k_h
+    v_head_off = pid_h * stride_v_h
+    tile_first_pos = first_pos + pid_m * BLOCK_M
+    tile_last_pos = tl.minimum(first_pos + (pid_m + 1) * BLOCK_M, k_len) - 1
+    # Key tiles wholly at or below the tile's first query position: every row sees every key.
+    full_end = ((tile_first_pos + 1) // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _mla_prefill_tile(
+            acc, m_i, l_i, q1, q2, q_pos, k_ptr, v_ptr, k_start, start_n, k_len, k_head_off,
+            v_head_off, stride_k_t, stride_v_t, qk_scale, QK_DIM, V_DIM, BLOCK_N, BLOCK_D1,
+            BLOCK_D2, BLOCK_DV, False, UPCAST, DOT_PRECISION,
         )
-        if UPCAST:
-            k1 = k1.to(tl.float32)
-        qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-        if BLOCK_D2 > 0:
-            k2 = tl.load(
-                k_ptr + k_rows[:, None] + offs_d2[None, :],
-                mask=mask_n[:, None] & mask_d2[None, :],
-                other=0.0,
-            )
-            if UPCAST:
-                k2 = k2.to(tl.float32)
-            qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
-        causal = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
-        qk = tl.where(causal, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = (k_start + offs_n).to(tl.int64) * stride_v_t + pid_h * stride_v_h
-        v = tl.load(
-            v_ptr + v_rows[:, None] + offs_dv[None, :],
-            mask=mask_n[:, None] & mask_dv[None, :],
-            other=0.0,
+    # The diagonal tiles, with the causal and length mask.
+    for start_n in range(full_end, tile_last_pos + 1, BLOCK_N):
+        acc, m_i, l_i = _mla_prefill_tile(
+            acc, m_i, l_i, q1, q2, q_pos, k_ptr, v_ptr, k_start, start_n, k_len, k_head_off,
+            v_head_off, stride_k_t, stride_v_t, qk_scale, QK_DIM, V_DIM, BLOCK_N, BLOCK_D1,
+            BLOCK_D2, BLOCK_DV, True, UPCAST, DOT_PRECISION,
         )
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
     out = acc / l_i[:, None]
+    offs_dv = tl.arange(0, BLOCK_DV)
     o_rows = (q_start + offs_m).to(tl.int64) * stride_o_t + pid_h * stride_o_h
-    tl.store(
-        out_ptr + o_rows[:, None] + offs_dv[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_dv[None, :],
-    )
+    tl.store(out_ptr + o_rows[:, None] + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & (offs_dv < V_DIM)[None, :])

@@ -261,11 +261,15 @@ def prefill_attention_reference(
     q [T, Hq, D] holds each sequence's chunk back to back (``cu_seqlens_q`` [B + 1]);
     ``context_lens`` [B] is each sequence's total length *including* this chunk, whose K/V must
     already be in the cache. Query i of sequence b sits at position context_lens[b] - L_b + i.
+    Rows of q after cu_seqlens_q[-1] (padding of a packed step) give zeros, as do chunks of
+    length 0.
     """
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)
     cu = cu_seqlens_q.tolist()
     for b in range(len(cu) - 1):
         q_len, ctx = cu[b + 1] - cu[b], int(context_lens[b])
+        if q_len == 0:
+            continue
         k = _gather_paged(k_cache, block_tables[b], ctx)
         v = _gather_paged(v_cache, block_tables[b], ctx)
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)

@@ -193,7 +193,7 @@ def test_decode_attention_rejects_lengths_beyond_table():
 @VALUE_CHECKS_CPU_ONLY
 @pytest.mark.parametrize(
     "cu,ctx,name",
-    [([0, 5, 9], [8, 4], "cu_seqlens_q"),  # last offset != T
+    [([0, 5, 11], [8, 6], "cu_seqlens_q"),  # last offset past T (before T is padding)
      ([0, 6, 10], [5, 4], "context_lens"),  # context shorter than the chunk
      ([0, 6, 10], [6, 30], "context_lens")],  # beyond the table capacity (24)
     ids=["cu-last", "ctx-short", "ctx-capacity"],
@@ -217,3 +217,47 @@ def test_store_kv_rejects_bad_slots_and_shapes():
                  torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="k_cache"):
         store_kv(k, k, k_cache.half(), v_cache.half(), torch.tensor([0, 1]))
+
+
+# ----------------------------------------------------------------------------------------------
+# packed prefill steps
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Launchers' torch.empty / empty_like return NaN-filled tensors, so an output row the kernel
+    never writes shows up as NaN instead of whatever the allocator handed back."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefill_attention_packed_step_matches_reference(dtype, poisoned_outputs):
+    """Zero-length rows (q_len 0, context 0, all-zero table row) and trailing padding tokens:
+    the real rows match the reference and every padding row is exactly zero."""
+    q_lens, ctx_lens, pad = [0, 21, 0, 5, 0], [0, 40, 0, 5, 0], 11
+    k_cache, v_cache, tables, gen = make_paged(ctx_lens, 2, 16, 8, dtype, seed=7)
+    tables[[0, 2, 4]] = 0
+    q = torch.randn(sum(q_lens) + pad, 4, 16, generator=gen).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    out = prefill_attention(q, k_cache, v_cache, tables, cu, ctx, 0.25, max_q_len=21,
+                            config=SMALL_TILES)
+    expected = prefill_attention_reference(*f64(q, k_cache, v_cache), tables, cu, ctx, 0.25)
+    assert_close(out, expected, dtype, reduce_dim=40)
+    assert torch.equal(out[26:], torch.zeros_like(out[26:]))
+
+
+def test_prefill_attention_padding_only_step_gives_zeros(poisoned_outputs):
+    """A step of padding only (max_q_len 0) still writes its rows: zeros."""
+    k_cache, v_cache, tables, gen = make_paged([0], 2, 16, 8, torch.float16, seed=8)
+    q = torch.randn(9, 4, 16, generator=gen).to(torch.float16)
+    out = prefill_attention(q, k_cache, v_cache, tables, torch.zeros(2, dtype=torch.int32),
+                            torch.zeros(1, dtype=torch.int32), 0.25, max_q_len=0)
+    assert torch.equal(out, torch.zeros_like(out))

@@ -263,9 +263,10 @@ def test_tuned_decode_lookup_fixed_split_ignores_batch(tuned_table: MLATunedTabl
                  (128, 512, 64, 3000, torch.float32, Mode.CORUN, 256),
                  (16, 512, 64, 3000, torch.bfloat16, Mode.CORUN, 256)):  # fmt: skip
         cfg = mla_decode_config(1, *args, table=tuned_table)
-        dtype = args[4]  # the literal tile halves BLOCK_N for 4-byte elements
-        assert (cfg.block_h, cfg.block_n) == (16, 32 if dtype.itemsize == 2 else 16)
-    assert (literal.block_h, literal.block_n) == (16, 32)
+        heads, dtype = args[0], args[4]  # the literal tile halves BLOCK_N for 4-byte elements
+        block_h = 64 if heads >= 64 else 16
+        assert (cfg.block_h, cfg.block_n) == (block_h, 32 if dtype.itemsize == 2 else 16)
+    assert (literal.block_h, literal.block_n, literal.num_warps) == (64, 32, 8)
 
 
 def test_tuned_decode_lookup_default_by_batch_bucket(tuned_table: MLATunedTable) -> None:
@@ -293,7 +294,7 @@ def test_tuned_table_missing_file_is_empty(tmp_path) -> None:
     table = load_mla_tuned(tmp_path / "absent.json")
     assert table == MLATunedTable({}, {}, {})
     cfg = mla_decode_config(64, 128, 512, 64, 4096, torch.bfloat16, Mode.CORUN, table=table)
-    assert (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages) == (16, 32, 4, 2)
+    assert (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 32, 8, 2)
 
 
 @pytest.mark.parametrize(
@@ -389,3 +390,47 @@ def test_store_and_prefill_reject_bad_input() -> None:
         )
     with pytest.raises(ValueError, match="max_q_len"):
         mla_prefill_attention(q, k, v, cu_q, cu_k, 0.1, max_q_len=2)
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Launchers' torch.empty / empty_like return NaN-filled tensors, so an output row the kernel
+    never writes shows up as NaN instead of whatever the allocator handed back."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mla_prefill_packed_step_matches_reference(dtype, poisoned_outputs) -> None:
+    """Zero-length rows and trailing padding rows of q (and k, v): the real rows match the
+    reference and the padding rows of the output are exactly zero."""
+    q_lens, k_lens, pad_q, pad_k = [0, 13, 0, 40, 0], [0, 30, 0, 40, 0], 7, 3
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(sum(q_lens) + pad_q, 2, 24, generator=gen).to(dtype)
+    k = torch.randn(sum(k_lens) + pad_k, 2, 24, generator=gen).to(dtype)
+    v = torch.randn(sum(k_lens) + pad_k, 2, 16, generator=gen).to(dtype)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = mla_prefill_attention(q, k, v, cu_q, cu_k, 0.2, max_q_len=40)
+    expected = mla_prefill_reference(q.double(), k.double(), v.double(), cu_q, cu_k, 0.2)
+    real = sum(q_lens)
+    assert_close(out[:real], expected[:real], dtype, reduce_dim=24)
+    assert torch.equal(out[real:], torch.zeros_like(out[real:]))
+
+
+def test_mla_decode_writes_every_row(poisoned_outputs) -> None:
+    """One-split, multi-split and dummy (length 0) sequences are all written (no NaN from the
+    poisoned allocation), in the default and corun policies."""
+    q_latent, q_pe, cache, tables, lens = make_decode_inputs(
+        [5, 0, 70, 32], 4, 32, 16, 16, 6, torch.float32
+    )
+    for mode in (Mode.CORUN, Mode.DEFAULT):
+        out = mla_decode(q_latent, q_pe, cache, tables, lens, 0.3, max_seq_len=96, mode=mode,
+                         split_size=32)  # fmt: skip
+        assert not out.isnan().any()
+        assert torch.count_nonzero(out[1]) == 0
