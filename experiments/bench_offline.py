@@ -13,7 +13,7 @@ with its own sampling seed) run under every variant asked for, on the same weigh
 Per variant:
 
 - **warm-up** before anything is timed: every fixed shape (graph capture or one eager run) and a
-  warm-up workload (single prompts at every GEMM bucket length, then a burst of ``max_num_seqs``
+  warm-up workload (single prompts at every GEMM bucket length, then a burst of ``--warmup-burst``
   short requests) so that the dynamic modes compile their per-M configs too;
 - **main run**: all requests: output tokens/s, TTFT and TPOT (mean/p50/p99) from each request's
   arrival, first-token and finish times, and a per-step profile (``LLMEngine(profile_steps)``:
@@ -170,7 +170,7 @@ def warm_up(engine: LLMEngine, work: Workload, args: argparse.Namespace) -> floa
     singles = Workload([[i % vocab + 1] * n for i, n in enumerate(lengths)], [short] * len(lengths))
     for i in range(len(lengths)):
         run_workload(engine, singles, [i])
-    burst = min(engine.config.max_num_seqs, len(work.prompts))
+    burst = min(args.warmup_burst, engine.config.max_num_seqs, len(work.prompts))
     run_workload(engine, Workload(work.prompts[:burst], [short] * burst), list(range(burst)))
     return time.perf_counter() - start
 
@@ -321,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--audit-requests", type=int, default=200)
     parser.add_argument("--audit-max-num-seqs", type=int, default=None, help="default: half")
     parser.add_argument("--alone-sample", type=int, default=16)
+    parser.add_argument("--warmup-burst", type=int, default=32,
+                        help="requests of the warm-up's burst (mixed steps at full budget)")
     parser.add_argument("--no-audit", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     parser.add_argument("--num-kv-blocks", type=int, default=None)

@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-budget-s", type=float, default=420.0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     parser.add_argument("--dry-run", action="store_true", help="CPU smoke: tiny steps")
+    parser.add_argument("--warmup-burst", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="sweep-offline-h200")
     args = parser.parse_args(argv)

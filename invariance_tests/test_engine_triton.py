@@ -1,0 +1,101 @@
+"""End-to-end determinism through the served path: the engine with the Triton backend (every op a
+``kernels/`` launcher, run by the interpreter on the CPU), on tiny dense, MoE and MLA models.
+
+Property: a target request's fingerprint (its tokens and the bits of the logits behind them) is
+the same alone and beside different co-runners, under ``corun`` (packed prefill steps at one fixed
+shape, decode at B whatever slot the target gets) and under ``batch_invariant`` (dynamic batching,
+chunks cut at the prefill tile). The co-runners arrive first, so the target's chunks sit at
+different offsets of shared packed steps, and its decode slot moves.
+
+Negative control: a GEMM policy that picks BLOCK_K from M (the H200 tuned table does: BLOCK_K 256
+at decode M, 64 at prefill M; under the interpreter BLOCK_K changes a row's bits) keeps the
+target's bits when packed steps are padded to their fixed shape, and changes them when the step's
+shape follows its contents (unpadded packing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import kernels.gemm as gemm_module
+from corun.config import EngineConfig
+from corun.engine import LLMEngine
+from corun.sampling_params import SamplingParams
+from corun.scheduler import CoRunPolicy
+from corun.step import StepShape
+
+MODELS = ["tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"]
+BASE = dict(backend="triton", device="cpu", dtype="float32", max_num_seqs=4, max_model_len=96,
+            block_size=8, max_num_batched_tokens=64)
+CORUN = dict(BASE, mode="corun", prefill_chunk_size=16, prefill_step_tokens=32,
+             max_prefill_seqs_per_step=4, prefill_token_budget=32)
+# batch_invariant on the Triton backend: chunks end on the fp32 prefill tile (64 tokens).
+BATCH_INVARIANT = dict(BASE, mode="batch_invariant", prefill_chunk_size=64)
+TARGET = [17, 3, 250, 9, 81, 44, 5, 128, 66, 7, 200, 31, 12, 9, 9, 1, 2, 3, 4, 5]  # 20 tokens
+TARGET_PARAMS = SamplingParams(max_tokens=3, temperature=0.8, top_k=40, top_p=0.9, seed=1234)
+CORUNNER_SETS = [
+    [],
+    [[5] * 7],
+    [[6] * 3, [7] * 9, [9] * 2],
+]
+
+
+def _target_fingerprint(config: EngineConfig, corunners: list[list[int]]) -> str:
+    engine = LLMEngine(config)
+    for i, prompt in enumerate(corunners):
+        engine.add_request(prompt, SamplingParams(max_tokens=1 + i, seed=i), f"co{i}")
+    engine.add_request(TARGET, TARGET_PARAMS, "target")  # arrives last: later offsets, slots
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert len(finals) == len(corunners) + 1, "a request was lost"
+    return finals["target"].fingerprint
+
+
+def _prints(config: EngineConfig) -> set[str]:
+    return {_target_fingerprint(config, corunners) for corunners in CORUNNER_SETS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("mode", ["corun", "batch_invariant"])
+def test_target_bits_independent_of_corunners_on_the_triton_backend(model, mode):
+    """The target's fingerprint is the same alone and beside every co-runner set."""
+    config = EngineConfig(model=model, **(CORUN if mode == "corun" else BATCH_INVARIANT))
+    assert len(_prints(config)) == 1
+
+
+def _bk_by_m(m, n, k, dtype, mode):
+    """The H200 table's habit (BLOCK_K by M) on tiny shapes: 16 below 24 rows, else 32."""
+    config = gemm_module._gemm_config(gemm_module._tuned_table(), m, n, k, dtype,
+                                      gemm_module.Mode.parse(mode))
+    return dataclasses.replace(config, block_k=16 if m < 24 else 32, split_k=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe"])
+def test_padded_packing_keeps_bits_under_an_m_dependent_policy(model, monkeypatch):
+    """Packed steps padded to T keep the target's bits even when the GEMM config reads M."""
+    monkeypatch.setattr(gemm_module, "gemm_config", _bk_by_m)
+    assert len(_prints(EngineConfig(model=model, **CORUN))) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe"])
+def test_unpadded_packing_changes_bits_negative_control(model, monkeypatch):
+    """The same policy with steps shaped by their contents: the target's bits change."""
+    monkeypatch.setattr(gemm_module, "gemm_config", _bk_by_m)
+    schedule = CoRunPolicy._schedule_prefill
+
+    def unpadded(self, sched, out, main, room):
+        ok = schedule(self, sched, out, main, room)
+        if ok and main:
+            out.shape = StepShape.dynamic(out.chunks)
+        return ok
+
+    monkeypatch.setattr(CoRunPolicy, "_schedule_prefill", unpadded)
+    assert len(_prints(EngineConfig(model=model, **CORUN))) > 1
