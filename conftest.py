@@ -20,7 +20,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch-function mode puts every tensor the test creates on the GPU. Tensors drawn from a CPU
 # torch.Generator are drawn on the CPU first, so a test sees the same data on both machines.
 _NATIVE_DIRS = ("tests/kernels/", "invariance_tests/test_")
-_ENGINE_TESTS = ("invariance_tests/test_engine_determinism.py",)
+_ENGINE_TESTS = ("invariance_tests/test_engine_determinism.py",
+                 "invariance_tests/test_engine_triton.py")
 
 
 def _cuda_factory_mode():

@@ -38,7 +38,6 @@ class LogitsDigest:
     def __init__(self, vocab_size: int, device: torch.device | str) -> None:
         import torch
 
-        self.on_cuda = torch.device(device).type == "cuda"
         v = torch.arange(vocab_size, dtype=torch.int64, device=device)
         # h(v) = (v * golden + 1) | 1, computed with wrapping int64 arithmetic.
         golden = torch.tensor(_as_int64(_GOLDEN), dtype=torch.int64, device=device)
@@ -51,7 +50,7 @@ class LogitsDigest:
             raise ValueError(
                 f"logits: expected fp32 [N, V], got {logits.dtype} {tuple(logits.shape)}"
             )
-        if self.on_cuda:
+        if logits.is_cuda:
             from kernels.logits_digest import logits_digest
 
             return logits_digest(logits)

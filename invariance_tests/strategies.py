@@ -66,5 +66,5 @@ def randn(
     shape: Sequence[int], seed: int, dtype: torch.dtype = torch.float32, scale: float = 1.0
 ) -> torch.Tensor:
     """Standard normal tensor from a Generator seeded by ``seed``, cast to ``dtype`` (CPU)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed % 2**64)  # seed + offset may pass 2**64
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)

@@ -16,6 +16,7 @@ shape follows its contents (unpadded packing).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -26,6 +27,10 @@ from corun.sampling_params import SamplingParams
 from corun.scheduler import CoRunPolicy
 from corun.step import StepShape
 
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the CPU engine on the Triton interpreter; natively on a GPU the same properties are "
+           "tests/engine/test_gpu_engine.py's")
 MODELS = ["tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3"]
 BASE = dict(backend="triton", device="cpu", dtype="float32", max_num_seqs=4, max_model_len=96,
             block_size=8, max_num_batched_tokens=64)

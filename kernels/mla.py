@@ -20,7 +20,8 @@ Invariance (DESIGN.md, "Three modes, one engine"):
   contents. A sequence that is one split is written directly by the split kernel (no fp32
   partial; with a one-split grid the combine is not launched at all), a choice made from its own
   length, so its bits do not depend on the grid bound either. A sequence's output bits do not
-  depend on the other sequences nor on its batch slot. Under ``default`` the split count is chosen from the batch size and the batch's longest sequence
+  depend on the other sequences nor on its batch slot. Under ``default`` the split count is chosen
+  from the batch size and the batch's longest sequence
   to fill the GPU, so a sequence's bits change with its co-runners (position-invariant only at a
   fixed batch).
 - ``mla_prefill_attention``: one tile config per (head dims, dtype) in every mode and keys walked

@@ -153,12 +153,13 @@ def _sample_partial_kernel(
             r_col = tl.load(ws_i32_ptr + 3 * num_parts + num_parts * R + part * R + offs_r,
                             mask=listed, other=0)
             r_s = (r_key ^ ((r_key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-            u = _philox_uniform(r_col, position, sample_index, seed)
-            tl.store(ws_f32_ptr + 3 * num_parts + part * R + offs_r, r_s - tl.log(-tl.log(u)),
+            u_list = _philox_uniform(r_col, position, sample_index, seed)
+            tl.store(ws_f32_ptr + 3 * num_parts + part * R + offs_r,
+                     r_s - tl.log(-tl.log(u_list)),
                      mask=listed)
         else:
-            u = _philox_uniform(cols, position, sample_index, seed)
-            val = tl.where(mask, s - tl.log(-tl.log(u)), float("-inf"))
+            u_row = _philox_uniform(cols, position, sample_index, seed)
+            val = tl.where(mask, s - tl.log(-tl.log(u_row)), float("-inf"))
             best, at = tl.max(val, axis=0, return_indices=True, return_indices_tie_break_left=True)
             tl.store(ws_f32_ptr + part, best)
             tl.store(ws_i32_ptr + part, tl.minimum(chunk * CHUNK + at, vocab - 1).to(tl.int32))
