@@ -367,6 +367,15 @@ class ModelRunner:
         """Nothing to check at TP=1 (``TPModelRunner`` checks its workers)."""
 
     def destroy(self) -> None:
+        """Release the graphs, the KV cache and the step buffers (the model's weights belong to
+        whoever built them: a runner given ``model`` shares them). The runner cannot step again;
+        an engine still referencing it no longer pins the cache's memory."""
         if self.graph_runner is not None:
             self.graph_runner.destroy()
             self.graph_runner = None
+        self.kv_cache.storage = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._host_kv.clear()
+        for bufs in (self.decode_buffers, self.prefill_buffers):
+            bufs.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

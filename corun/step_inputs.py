@@ -108,6 +108,12 @@ class StepBuffers:
         self._bound: dict[tuple, BoundStep] = {}
         self._copied = torch.cuda.Event() if on_cuda else None
 
+    def release(self) -> None:
+        """Drop the buffers (a destroyed runner's); the views bound so far keep theirs alive."""
+        self._bound.clear()
+        self._dev_view.clear()
+        self._host_np.clear()
+
     # -- views --------------------------------------------------------------------------------
 
     def fits(self, shape: StepShape) -> bool:

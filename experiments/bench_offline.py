@@ -222,8 +222,26 @@ def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload)
             record["tpot_ms_p50"] / record["decode_bound_ms_at_live_mean"], 3)
     if not args.no_audit:
         record.update(audit(runner, config, work, first, args))
+    if args.graph_check and config.use_cuda_graphs:
+        record.update(graph_check(runner, config, model, work, args.graph_check))
     runner.destroy()
     return record
+
+
+def graph_check(runner: ModelRunner, config: EngineConfig, model, work: Workload,
+                num: int) -> dict:
+    """The same short workload replayed from the graphs and run eagerly: fingerprints equal?"""
+    short = Workload(work.prompts[:num], [dataclasses.replace(p, max_tokens=8)
+                                          for p in work.params[:num]])
+    order = list(range(len(short.prompts)))
+    replayed, _ = run_workload(LLMEngine(config, model_runner=runner), short, order)
+    runner.destroy()
+    eager_config = dataclasses.replace(config, cuda_graphs=False)
+    eager_runner = ModelRunner(eager_config, model=model)
+    eager, _ = run_workload(LLMEngine(eager_config, model_runner=eager_runner), short, order)
+    eager_runner.destroy()
+    return {"graph_vs_eager_requests": num, "graph_vs_eager_mismatches": sum(
+        replayed[i].fingerprint != eager[i].fingerprint for i in order)}
 
 
 def audit(runner: ModelRunner, config: EngineConfig, work: Workload, first: dict,
@@ -324,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-burst", type=int, default=32,
                         help="requests of the warm-up's burst (mixed steps at full budget)")
     parser.add_argument("--no-audit", action="store_true")
+    parser.add_argument("--graph-check", type=int, default=0, metavar="N",
+                        help="also run N short requests eagerly and from the graphs, compare")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         key = tuple(getattr(config, f) for f in RUNNER_FIELDS)
         if key != runner_key:
             if runner is not None:
-                runner.destroy()
+                runner.destroy()  # frees its KV cache even while an engine still refers to it
                 del runner
                 gc.collect()
                 if base.is_cuda:
