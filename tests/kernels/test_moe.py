@@ -20,7 +20,19 @@ from kernels.moe import (
     softmax_topk,
 )
 from kernels.reference import fused_moe_reference, grouped_topk_reference, softmax_topk_reference
+from kernels.utils import is_interpreter
 from tests.utils import assert_close
+
+
+def moe_rel_rms(dtype: torch.dtype) -> float | None:
+    """fused_moe's whole-output bound: the dtype table's, except bf16 under the interpreter.
+
+    The interpreter casts fp32 -> bf16 by truncation (GPUs round to nearest even) and fused_moe
+    rounds five times in a chain (gate, up, act, y, out), each truncation biased toward zero:
+    measured 1.5e-2 relative RMS against fp64 there (a 5% w2 error: 3.5e-2), against 3.6e-3
+    for the same chain rounded to nearest in torch.
+    """
+    return 2.5e-2 if dtype == torch.bfloat16 and is_interpreter() else None
 
 
 def _tie_free_logits(num_tokens: int, num_experts: int, gen: torch.Generator, dtype):
@@ -129,7 +141,7 @@ def test_fused_moe_matches_reference(num_tokens, num_experts, top_k, hidden, int
     out = fused_moe(x, w13, w2, weights, ids)
     ref = fused_moe_reference(x.double(), w13.double(), w2.double(), weights.double(), ids)
     assert out.dtype == dtype
-    assert_close(out, ref, dtype, reduce_dim=max(hidden, inter))
+    assert_close(out, ref, dtype, reduce_dim=max(hidden, inter), rel_rms=moe_rel_rms(dtype))
 
 
 @pytest.mark.parametrize(
@@ -310,7 +322,7 @@ def test_tuned_config_runs_and_matches_reference(tmp_path, monkeypatch):
     weights, ids = softmax_topk(torch.randn(4, 8, generator=gen), 2, True)
     out = fused_moe(x, w13, w2, weights, ids)  # T=4 -> _DECODE
     ref = fused_moe_reference(x.double(), w13.double(), w2.double(), weights.double(), ids)
-    assert_close(out, ref, torch.bfloat16, reduce_dim=32)
+    assert_close(out, ref, torch.bfloat16, reduce_dim=32, rel_rms=moe_rel_rms(torch.bfloat16))
 
 
 def test_missing_tuned_table_falls_back(tmp_path, monkeypatch):
