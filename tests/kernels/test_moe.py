@@ -393,3 +393,46 @@ def test_tune_moe_choices():
     assert batch_invariant_combo(points, tiles) == (16, g2, d1)
     points[1]["gate_up"][16, g2] = None  # failed at one T: never the single config
     assert batch_invariant_combo(points, tiles) == (16, g1, d1)
+
+
+# ----------------------------------------------------------------------------------------------
+# the interpreter's serial dot
+# ----------------------------------------------------------------------------------------------
+
+
+def _slot_dependent_matmul(real_matmul):
+    """A stand-in for numpy's BLAS matmul whose rows' bits depend on their slot (odd rows
+    accumulate in fp64), as OpenBLAS's Haswell kernel does (measured with
+    OPENBLAS_CORETYPE=Haswell: permuting 32 rows of a tile changed 20 of them)."""
+    def matmul(a, b, *args, **kwargs):
+        out = real_matmul(a, b, *args, **kwargs)
+        odd = real_matmul(a[1::2].astype("float64"), b.astype("float64"))
+        out[1::2] = odd.astype(out.dtype)
+        return out
+    return matmul
+
+
+@pytest.mark.interpreter_only(reason="SERIAL_DOT exists for the interpreter's numpy tl.dot")
+@pytest.mark.parametrize("serial", [True, False], ids=["serial-dot", "tl.dot-negative-control"])
+def test_serial_dot_keeps_pair_bits_whatever_the_slot_in_its_block(monkeypatch, serial):
+    """Under the interpreter the expert GEMMs run SERIAL_DOT (set by the launcher), so a pair's
+    bits do not depend on its slot in an expert block even when numpy's dot does; with tl.dot
+    (the negative control) permuting the tokens changes rows."""
+    import triton.runtime.interpreter as interpreter
+
+    assert moe_module._dot_flags(torch.float32)["SERIAL_DOT"] is True
+    real_flags = moe_module._dot_flags
+    monkeypatch.setattr(moe_module, "_dot_flags",
+                        lambda dtype: {**real_flags(dtype), "SERIAL_DOT": serial})
+    monkeypatch.setattr(interpreter.np, "matmul", _slot_dependent_matmul(interpreter.np.matmul))
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, hidden, inter = 24, 32, 32
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13, w2 = _moe_weights(2, hidden, inter, gen, torch.float32)
+    ids = torch.randint(0, 2, (num_tokens, 1), generator=gen).to(torch.int32)
+    weights = torch.ones(num_tokens, 1)
+    perm = torch.randperm(num_tokens, generator=gen)
+    config = MoEConfig(32, 32, 32)
+    out = fused_moe(x, w13, w2, weights, ids, config=config)
+    out_perm = fused_moe(x[perm], w13, w2, weights[perm], ids[perm], config=config)
+    assert torch.equal(out_perm, out[perm]) == serial
