@@ -283,3 +283,103 @@ def test_fused_moe_default_depends_on_co_tokens_negative_control():
     together = ops.fused_moe(x, w13, w2, weights, ids, OPS[Mode.DEFAULT])
     alone = ops.fused_moe(x[:1], w13, w2, weights[:1], ids[:1], OPS[Mode.DEFAULT])
     assert not torch.equal(together[0], alone[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# one decode step of a tiny model: B and the target's slot drawn
+# ----------------------------------------------------------------------------------------------
+
+BLOCK_SIZE, BLOCKS_PER_SEQ = 4, 4
+MAX_SEQ_LEN = BLOCK_SIZE * BLOCKS_PER_SEQ
+TARGET_LEN = 11  # the target's context length (new token included)
+_MODELS: dict[str, tuple] = {}
+
+
+def _model(name: str):
+    if name not in _MODELS:
+        from models import build_model
+
+        _MODELS[name] = build_model(name, dtype=torch.float32, device="cpu", seed=7)
+    return _MODELS[name]
+
+
+def _decode_logits(name: str, mode: Mode, batch_size: int, slot: int, seed: int,
+                   target: int = 0) -> torch.Tensor:
+    """Logits of target sequence ``target`` decoding in ``slot`` of a step of ``batch_size``
+    sequences; the co-runners' caches, lengths and tokens come from ``seed``. Each sequence owns
+    BLOCKS_PER_SEQ blocks (the target's hold the same values in every call)."""
+    from models.forward_batch import ForwardBatch, KVCache
+
+    model, config = _model(name)
+    cache = KVCache(model.kv_cache_spec(), batch_size * BLOCKS_PER_SEQ, BLOCK_SIZE,
+                    torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    cache.storage.copy_(torch.randn(cache.storage.shape, generator=gen) * 0.5)
+    block_dim = 2 if model.kv_cache_spec().kind == "mha" else 1
+    target_blocks = torch.arange(slot * BLOCKS_PER_SEQ, (slot + 1) * BLOCKS_PER_SEQ)
+    view = cache.storage.movedim(block_dim, 0)
+    target_gen = torch.Generator().manual_seed(1000 + target)
+    view[target_blocks] = torch.randn(view[target_blocks].shape, generator=target_gen) * 0.5
+    tables = torch.arange(batch_size * BLOCKS_PER_SEQ, dtype=torch.int32).view(batch_size, -1)
+    lens = torch.randint(1, MAX_SEQ_LEN + 1, (batch_size,), generator=gen, dtype=torch.int32)
+    tokens = torch.randint(0, config.vocab_size, (batch_size,), generator=gen)
+    lens[slot] = TARGET_LEN
+    tokens[slot] = int(torch.randint(0, config.vocab_size, (1,), generator=target_gen))
+    positions = lens.long() - 1
+    slots = tables[torch.arange(batch_size), positions // BLOCK_SIZE].long() * BLOCK_SIZE
+    batch = ForwardBatch(
+        is_prefill=False, positions=positions, slot_mapping=slots + positions % BLOCK_SIZE,
+        block_tables=tables, kv_cache=cache, ops=OPS[mode], seq_lens=lens,
+        max_seq_len=MAX_SEQ_LEN, token_mask=torch.ones(batch_size, dtype=torch.bool))
+    with torch.no_grad():
+        return model.compute_logits(model(tokens, batch), OPS[mode])[slot]
+
+
+MODEL_NAMES = ["tiny-qwen3", "tiny-deepseek-v3"]
+
+
+DECODE_CASES = dict(
+    name=st.sampled_from(MODEL_NAMES), batch_size=st.one_of(st.integers(5, 11), st.integers(1, 12)),
+    slot=st.integers(0, 11), seed=st.integers(0, 2**32 - 1), target=st.integers(0, 2**16))
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(**DECODE_CASES)
+@example(name="tiny-deepseek-v3", batch_size=7, slot=6, seed=0, target=0)
+def test_corun_decode_logits_independent_of_slot_and_co_runners(name, batch_size, slot, seed,
+                                                                target):
+    """corun decodes at a fixed B: the target's logits have the same bits in slot 0 and in any
+    other slot, beside any co-runners (the B = 5..11 slots >= 4 where a plain matmul fails)."""
+    slot %= batch_size
+    with two_threads():
+        first = _decode_logits(name, Mode.CORUN, batch_size, 0, seed, target)
+        there = _decode_logits(name, Mode.CORUN, batch_size, slot, seed + 1, target)
+    assert_bitwise_equal(there, first, f"{name} B={batch_size} slot {slot}")
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(**DECODE_CASES)
+# a target whose DeepSeek routing weight changed beside 5 co-runners with a plain sigmoid
+@example(name="tiny-deepseek-v3", batch_size=6, slot=2, seed=0, target=33)
+def test_batch_invariant_decode_logits_independent_of_batch_size(name, batch_size, slot, seed,
+                                                                 target):
+    """batch_invariant: the target's logits have the same bits alone and in any slot of a step
+    of B sequences (the co-runner count drawn)."""
+    slot %= batch_size
+    with two_threads():
+        alone = _decode_logits(name, Mode.BATCH_INVARIANT, 1, 0, seed, target)
+        among = _decode_logits(name, Mode.BATCH_INVARIANT, batch_size, slot, seed + 1, target)
+    assert_bitwise_equal(among, alone, f"{name} B=1 vs B={batch_size} slot {slot}")
+
+
+@AVX512_ONLY
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_default_decode_logits_depend_on_slot_negative_control(name):
+    """The checks above can fail: under default (plain matmuls) the target's logits at B=7 in
+    slot 6 differ from slot 0, and alone from B=7."""
+    with two_threads():
+        first = _decode_logits(name, Mode.DEFAULT, 7, 0, 0)
+        last = _decode_logits(name, Mode.DEFAULT, 7, 6, 1)
+        alone = _decode_logits(name, Mode.DEFAULT, 1, 0, 0)
+    assert not torch.equal(last, first)
+    assert not torch.equal(alone, first)
