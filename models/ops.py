@@ -11,9 +11,10 @@ scalar tail of each thread's chunk differently. So the torch path computes:
 
 - matmuls by mode: ``default`` a plain ``F.linear`` on the rows given (position- and
   batch-variant here: the negative control); ``corun`` one product on operands zero-padded to
-  multiples of ``TORCH_TILE`` in M, K and N (measured position-invariant at every such shape,
-  1-8 threads), sliced back; ``batch_invariant`` the same padding but in fixed 16-row tiles, so
-  every row goes through the same [16, K16] x [K16, N16] product whatever M is;
+  multiples of ``TORCH_TILE`` in K and N, and in M unless M <= MAX_UNPADDED_ROWS (measured
+  position-invariant at every such shape, 1-8 threads), sliced back; ``batch_invariant`` the
+  same padding in K and N but fixed 16-row tiles, so every row goes through the same
+  [16, K16] x [K16, N16] product whatever M is;
 - the MoE expert GEMMs in 16-row tiles under every mode but ``default`` (an expert's row count
   depends on the other tokens' routing, DESIGN.md section 3); the top-k combine sums in rank
   order in fp32;
@@ -39,6 +40,10 @@ from models.forward_batch import ForwardBatch, OpsConfig
 # AVX-512 (M 16..2048, K 16..1024, N 16..2048, bf16/fp16/fp32, 1, 2 and 8 threads) is
 # position-invariant, while some unpadded ones are not (module docstring).
 TORCH_TILE = 16
+# corun leaves up to this many rows unpadded: M 1..4 (and 8, 12..16) were position-invariant at
+# K, N multiples of 16 (1, 2, 8 threads), M 5..7 and 9..11 were not. Small decode batches keep
+# their plain product, and their batch-variance from a padded one (tests rely on it).
+MAX_UNPADDED_ROWS = 4
 
 
 def _pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -51,11 +56,14 @@ def _pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 
 def _padded_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    tiled: bool) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` on zero-padded operands (M, K, N to multiples of TORCH_TILE),
-    as one product or, with ``tiled``, in TORCH_TILE-row tiles; zero rows and columns add exact
-    zeros and are sliced off. The bias is added after the product (exact per element)."""
+    """``x @ weight.T (+ bias)`` on zero-padded operands (K, N, and M past MAX_UNPADDED_ROWS, to
+    multiples of TORCH_TILE) as one product or, with ``tiled``, in TORCH_TILE-row tiles (M always
+    padded); zero rows and columns add exact zeros and are sliced off. The bias is added after
+    the product (exact per element)."""
     m, n = x.shape[0], weight.shape[0]
-    x = _pad_dim(_pad_dim(x, 1, TORCH_TILE), 0, TORCH_TILE)
+    x = _pad_dim(x, 1, TORCH_TILE)
+    if tiled or m > MAX_UNPADDED_ROWS:
+        x = _pad_dim(x, 0, TORCH_TILE)
     weight = _pad_dim(_pad_dim(weight, 1, TORCH_TILE), 0, TORCH_TILE)
     if tiled:
         out = torch.cat([F.linear(x[i : i + TORCH_TILE], weight)
