@@ -149,8 +149,11 @@ class EngineConfig:
                 f"max_num_batched_tokens: {self.max_num_batched_tokens} is below max_num_seqs "
                 f"{self.max_num_seqs}, so a full decode step would not fit the token budget"
             )
-        if self.decode_split_size < 16:
-            raise ValueError(f"decode_split_size: expected >= 16, got {self.decode_split_size}")
+        # The decode attention kernels tile a split in 16-, 32- or 64-token KV blocks.
+        split = self.decode_split_size
+        if isinstance(split, bool) or not isinstance(split, int) or split < 16 or split % 16:
+            raise ValueError(
+                f"decode_split_size: expected a positive multiple of 16, got {split!r}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ValueError(f"seed: expected an int in [0, 2**64), got {self.seed!r}")
         if self.max_queue_len is not None:

@@ -115,6 +115,23 @@ def test_negative_control_default_mode_is_batch_variant(m_large, n, k, seed):
     assert not _row_bits_equal_across_m((1, m_large), n, k, dtype, seed, Mode.DEFAULT, 0)
 
 
+@given(m=sizes(1, 32), n=sizes(16, 64), k=sizes(256, MAX_K, blocks=(64, 128)), seed=seeds(),
+       split_k=st.sampled_from([2, 4]))
+@example(m=1, n=16, k=256, seed=0, split_k=2)
+@example(m=5, n=64, k=300, seed=1, split_k=4)
+def test_negative_control_split_k_changes_bits(m, n, k, seed, split_k):
+    """Negative control that can fail on a GPU too (there BLOCK_K does not change bits, split-K
+    does): the same shape and tiles with split_k > 1 give a row other bits than split_k = 1,
+    while each config twice gives the same bits. A policy choosing split-K by M would therefore
+    break the batch-invariance check above."""
+    dtype = torch.float32
+    x, w = randn((m, k), seed, dtype), _weights(n, k, seed, dtype)
+    whole = gemm(x, w, config=GemmConfig(16, 16, 32, split_k=1))
+    split = gemm(x, w, config=GemmConfig(16, 16, 32, split_k=split_k))
+    assert _same_bits(split, gemm(x, w, config=GemmConfig(16, 16, 32, split_k=split_k)))
+    assert not _same_bits(whole, split), f"split_k={split_k} kept every bit at ({m}, {n}, {k})"
+
+
 @pytest.mark.interpreter_only(
     reason="Hopper MMA accumulates a K tile in the same order whatever BLOCK_K (H200: 0 elements "
     "differ); on the GPU the split-K control is the negative control")

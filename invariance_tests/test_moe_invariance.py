@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 
 import kernels.moe as moe_module
 from kernels.mode import Mode
-from kernels.moe import MoEConfig, fused_moe, grouped_topk, moe_config, softmax_topk
+from kernels.moe import (
+    MoEConfig,
+    fused_moe,
+    grouped_topk,
+    moe_align_block_size,
+    moe_config,
+    softmax_topk,
+)
 from tests.utils import assert_bitwise_equal
 
 NUM_EXPERTS, HIDDEN, INTER = 8, 32, 16
@@ -198,3 +205,109 @@ def test_negative_control_tuned_corun_buckets_differ(tuned_table_path):
     assert (small, large) == (_TUNED_SMALL_T, _TUNED_LARGE_T)
     assert small.gate_up_meta()["BLOCK_K"] != large.gate_up_meta()["BLOCK_K"]
     assert fixed == {_TUNED_FIXED}
+
+
+# ----------------------------------------------------------------------------------------------
+# shapes where the literal policies differ across T (the tiny shapes above clamp every mode to one
+# config): E=4, k=2, H=I=128. corun/default take BLOCK_K 128 at <= 16 rows per expert (T <= 32) and
+# BLOCK_K 64 (BLOCK_M 32) above; batch_invariant keeps (32, 64, 64) at every T.
+# ----------------------------------------------------------------------------------------------
+
+WIDE_EXPERTS, WIDE_DIM = 4, 128
+CROWD_BIAS = 8.0  # added to expert 0's logit: every token's top-1 expert is 0
+
+
+def _wide_weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4321)
+    w13 = torch.randn(WIDE_EXPERTS, 2 * WIDE_DIM, WIDE_DIM, generator=gen) / WIDE_DIM**0.5
+    w2 = torch.randn(WIDE_EXPERTS, WIDE_DIM, WIDE_DIM, generator=gen) / WIDE_DIM**0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def _crowded_run(token_x, token_logits, num_tokens, row, seed, dtype, mode):
+    """The token at ``row`` of a batch whose every token sends its rank-0 pair to expert 0, so
+    the token's pair sits at index ``row`` of expert 0's rows (token-major within an expert).
+    Returns (the token's output row, its pair's offset inside expert 0's padded rows, block_m)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, WIDE_DIM, generator=gen).to(dtype)
+    logits = torch.randn(num_tokens, WIDE_EXPERTS, generator=gen)
+    logits[:, 0] += CROWD_BIAS
+    x[row], logits[row] = token_x, token_logits
+    weights, ids = softmax_topk(logits, 2, True, mode=mode)
+    w13, w2 = _wide_weights(dtype)
+    out = fused_moe(x, w13, w2, weights, ids, mode=mode)
+    config = moe_config(num_tokens, WIDE_EXPERTS, 2, WIDE_DIM, WIDE_DIM, dtype, mode)
+    sorted_pairs, _ = moe_align_block_size(ids, WIDE_EXPERTS, config.block_m)
+    offset = int((sorted_pairs == row * 2).nonzero())  # expert 0's rows start at 0
+    return out[row], offset, config.block_m
+
+
+def _wide_token(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    token_logits = torch.randn(WIDE_EXPERTS, generator=gen)
+    token_logits[0] += CROWD_BIAS
+    return torch.randn(WIDE_DIM, generator=gen).to(dtype), token_logits
+
+
+def _wide_block_k(num_tokens: int, mode: Mode) -> tuple[int, int]:
+    config = moe_config(num_tokens, WIDE_EXPERTS, 2, WIDE_DIM, WIDE_DIM, torch.float32, mode)
+    return config.gate_up_meta()["BLOCK_K"], config.down_meta()["BLOCK_K"]
+
+
+@given(
+    num_tokens_a=st.integers(1, 32),
+    num_tokens_b=st.integers(34, 72),
+    data=st.data(),
+    seed=st.integers(0, 2**63 - 1),
+    dtype_name=st.sampled_from(list(DTYPES)),
+)
+@example(num_tokens_a=1, num_tokens_b=40, data=None, seed=0, dtype_name="fp32")
+def test_batch_invariant_token_bits_equal_where_policies_differ(
+    num_tokens_a, num_tokens_b, data, seed, dtype_name
+):
+    """Under batch_invariant, a token's MoE output bits are the same at a T where corun/default
+    would run BLOCK_K 128 and at a T where they run BLOCK_K 64, with its pair in expert 0's first
+    BLOCK_M block in one batch and in the second block in the other."""
+    dtype = DTYPES[dtype_name]
+    assert _wide_block_k(num_tokens_a, Mode.CORUN) != _wide_block_k(num_tokens_b, Mode.CORUN)
+    row_a = data.draw(st.integers(0, num_tokens_a - 1)) if data is not None else 0
+    row_b = data.draw(st.integers(32, num_tokens_b - 1)) if data is not None else num_tokens_b - 1
+    token_x, token_logits = _wide_token(seed, dtype)
+    out_a, offset_a, block_m = _crowded_run(token_x, token_logits, num_tokens_a, row_a, seed + 1,
+                                            dtype, Mode.BATCH_INVARIANT)
+    out_b, offset_b, _ = _crowded_run(token_x, token_logits, num_tokens_b, row_b, seed + 2,
+                                      dtype, Mode.BATCH_INVARIANT)
+    assert offset_a < block_m <= offset_b  # first block vs second block of expert 0
+    assert_bitwise_equal(out_b, out_a, f"T={num_tokens_a} row {row_a} vs T={num_tokens_b} "
+                                       f"row {row_b}")
+
+
+@pytest.mark.interpreter_only(
+    reason="Hopper MMA accumulates a K tile in the same order whatever BLOCK_K (the GEMM's GPU "
+    "check measured 0 differing elements), so BLOCK_K 128 vs 64 keeps the bits there")
+@pytest.mark.parametrize("mode", [Mode.CORUN, Mode.DEFAULT], ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_negative_control_fast_policies_change_token_bits_across_t(mode, seed):
+    """Negative control: the same check under corun/default fails at these shapes, since their
+    policy runs BLOCK_K 128 at T=8 and 64 at T=48 (corun is deterministic because the engine
+    fixes T, not because its kernels ignore it)."""
+    assert _wide_block_k(8, mode) == (128, 128) and _wide_block_k(48, mode) == (64, 64)
+    token_x, token_logits = _wide_token(seed, torch.float32)
+    out_a, _, _ = _crowded_run(token_x, token_logits, 8, 3, seed + 1, torch.float32, mode)
+    out_b, _, _ = _crowded_run(token_x, token_logits, 48, 40, seed + 2, torch.float32, mode)
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(out_b, out_a, f"{mode}: T=8 vs T=48")
+
+
+@pytest.mark.parametrize("mode", list(Mode), ids=str)
+def test_second_block_pair_keeps_its_bits_at_fixed_t(mode):
+    """At a fixed T, a pair deep in expert 0's second BLOCK_M block has the bits it has at the
+    block's first row (every mode: the CoRun guarantee at a fixed shape)."""
+    token_x, token_logits = _wide_token(7, torch.float32)
+    num_tokens = 72
+    out_first, first, block_m = _crowded_run(token_x, token_logits, num_tokens, 0, 11,
+                                             torch.float32, mode)
+    out_deep, deep, _ = _crowded_run(token_x, token_logits, num_tokens, num_tokens - 1, 12,
+                                     torch.float32, mode)
+    assert first < block_m <= deep
+    assert_bitwise_equal(out_deep, out_first, f"{mode}: row 0 vs row {num_tokens - 1}")

@@ -52,6 +52,7 @@ from kernels.utils import (
     check_tensor,
     config_from_dict,
     dot_precision,
+    is_interpreter,
     load_tuned_json,
     next_power_of_2,
     upcast_dot_operands,
@@ -383,7 +384,8 @@ def _check_alignment(sorted_pair_ids: torch.Tensor, block_expert_ids: torch.Tens
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
-    return {"UPCAST": upcast_dot_operands(dtype),
+    # SERIAL_DOT: interpreter only (its numpy tl.dot is not row-position-invariant); off on GPUs.
+    return {"UPCAST": upcast_dot_operands(dtype), "SERIAL_DOT": is_interpreter(),
             "DOT_PRECISION": dot_precision(dtype)}
 
 

@@ -6,7 +6,9 @@ expert GEMM and combine launchers and their tile policy are in ``moe.py``.
 - ``_moe_gate_up_kernel`` / ``_moe_down_kernel``: grouped GEMMs over the (token, rank) pairs
   sorted by expert and padded to BLOCK_M per expert. A program owns one BLOCK_M block of one
   expert and one BLOCK_N column tile, and walks K in BLOCK_K steps from 0: no split-K, so a row's
-  reduction order depends on BLOCK_K and K only, never on its block neighbours.
+  reduction order depends on BLOCK_K and K only, never on its block neighbours. Under the
+  interpreter the SERIAL_DOT constexpr (off on GPUs) replaces ``tl.dot`` with a row-order-free
+  sum, since the interpreter's numpy dot is not position-invariant within a tile.
 - ``_moe_combine_kernel``: out[t] = sum over ranks 0..k-1 (that order) of w[t, r] * y[t*k + r],
   in fp32, one store; no atomics.
 """
@@ -23,6 +25,20 @@ def _argmax_lowest(values, offs, SENTINEL: tl.constexpr):
     best = tl.max(values, axis=0)
     idx = tl.min(tl.where(values == best, offs, SENTINEL), axis=0)
     return best, idx
+
+
+@triton.jit
+def _tile_dot_serial(a, b):
+    """[M, K] x [K, N] -> fp32 [M, N] as a broadcast product summed over the tile's K.
+
+    Interpreter only (SERIAL_DOT): its tl.dot is numpy's BLAS matmul, whose FMA order for a row
+    depends on the row's slot in the BLAS micro-tile, so a pair's bits would depend on where it
+    lands in its expert's BLOCK_M block (measured: a shared prefill step of tiny-deepseek-v3 gave
+    the same rows other bits). This sum is the same for every row, as the GPU's MMA is, and like
+    the BLAS path it still depends on BLOCK_K (the GEMM kernel's SERIAL_DOT does the same).
+    """
+    prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+    return tl.sum(prod, axis=1)
 
 
 @triton.jit
@@ -127,7 +143,8 @@ def _moe_gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_wk, stride_ap,
     # meta
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, SERIAL_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """act[pair, n] = silu(x_t . w13[e, n]) * (x_t . w13[e, I + n]) for n in this column tile."""
     pid_m = tl.program_id(0)
@@ -167,8 +184,12 @@ def _moe_gate_up_kernel(
             a = a.to(tl.float32)
             b_gate = b_gate.to(tl.float32)
             b_up = b_up.to(tl.float32)
-        acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+        if SERIAL_DOT:  # interpreter only: see _tile_dot_serial
+            acc_gate += _tile_dot_serial(a, b_gate)
+            acc_up += _tile_dot_serial(a, b_up)
+        else:
+            acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
@@ -192,7 +213,8 @@ def _moe_down_kernel(
     stride_ap, stride_we, stride_wn, stride_wk, stride_yp,
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, SERIAL_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """y[pair, n] = act[pair] . w2[e, n]: each (token, rank) pair gets its own output row."""
     pid_m = tl.program_id(0)
@@ -224,7 +246,10 @@ def _moe_down_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if SERIAL_DOT:
+            acc += _tile_dot_serial(a, b)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
 

@@ -36,8 +36,11 @@ class OpsConfig:
             raise TypeError(f"mode: expected a kernels.Mode, got {type(self.mode).__name__}")
         if self.backend not in ("triton", "torch"):
             raise ValueError(f"backend: expected 'triton' or 'torch', got {self.backend!r}")
-        if self.decode_split_size < 16:
-            raise ValueError(f"decode_split_size: expected >= 16, got {self.decode_split_size}")
+        # The decode attention kernels tile a split in 16-, 32- or 64-token KV blocks.
+        split = self.decode_split_size
+        if isinstance(split, bool) or not isinstance(split, int) or split < 16 or split % 16:
+            raise ValueError(
+                f"decode_split_size: expected a positive multiple of 16, got {split!r}")
 
 
 @dataclass

@@ -3,18 +3,27 @@
 ``backend="triton"`` calls the ``kernels/`` launchers with ``ops.mode``, each imported on first
 use, so the torch path never depends on a launcher file.
 
-``backend="torch"`` is the CPU engine's path. Its invariances:
+``backend="torch"`` is the CPU engine's path. A CPU's BLAS and SIMD kernels do not keep the
+invariances on their own (measured on AVX-512, torch 2.13): an fp32 ``F.linear`` at M in 5..11
+gives rows 4+ other bits than row 0 for the same input row (M = 2, 3 too when K % 4 != 0; any M
+when N is 1, 3 or 8 and K % 4 != 0); ``torch.sigmoid`` / ``F.silu`` round the SIMD body and the
+scalar tail of each thread's chunk differently. So the torch path computes:
 
-- every op is position-invariant at a fixed shape (a row's result depends on its own data and
-  the shape only): row-wise ops are per row, attention runs per sequence over the paged cache;
-- under ``Mode.BATCH_INVARIANT`` ``linear`` computes in fixed 16-row tiles (the last one padded),
-  so every row goes through an M=16 matmul whatever M is; on a CPU ``X[:M] @ W`` row 0 differs
-  between M=1 and M>=2 (gemv vs gemm), so plain matmuls are batch-variant (DESIGN.md);
-- the MoE expert GEMMs use the 16-row tiles under corun and batch_invariant alike, because the
-  rows an expert receives depend on the other tokens' routing (DESIGN.md section 3); the top-k
-  combine sums in rank order in fp32.
+- matmuls by mode: ``default`` a plain ``F.linear`` on the rows given (position- and
+  batch-variant here: the negative control); ``corun`` one product on operands zero-padded to
+  multiples of ``TORCH_TILE`` in K and N, and in M unless M <= MAX_UNPADDED_ROWS (measured
+  position-invariant at every such shape, 1-8 threads), sliced back; ``batch_invariant`` the
+  same padding in K and N but fixed 16-row tiles, so every row goes through the same
+  [16, K16] x [K16, N16] product whatever M is;
+- the MoE expert GEMMs in 16-row tiles under every mode but ``default`` (an expert's row count
+  depends on the other tokens' routing, DESIGN.md section 3); the top-k combine sums in rank
+  order in fp32;
+- sigmoid (DeepSeek router) and SiLU through ``reference.elementwise_fixed_path``, so every
+  element takes the SIMD body whatever T, its position and the thread count;
+- the rest per row or per sequence (rmsnorm, rope, softmax routing, paged attention: measured
+  position- and T-invariant), batch_invariant prefill attention one query at a time.
 
-Under ``Mode.DEFAULT`` the torch path is plain matmuls on the rows given (batch-variant on CPU).
+``bmm`` (MLA's W_UK / W_UV) is a ``linear`` per head in the deterministic modes.
 """
 
 from __future__ import annotations
@@ -26,25 +35,54 @@ from kernels import reference as ref
 from kernels.mode import Mode
 from models.forward_batch import ForwardBatch, OpsConfig
 
-# Row tile of the batch-invariant torch matmul: every row is computed by an M=16 product.
-TORCH_TILE_M = 16
+# Rows, K and N of a deterministic torch-path matmul are zero-padded to multiples of this, and
+# batch_invariant computes in tiles of this many rows: every multiple-of-16 shape measured on
+# AVX-512 (M 16..2048, K 16..1024, N 16..2048, bf16/fp16/fp32, 1, 2 and 8 threads) is
+# position-invariant, while some unpadded ones are not (module docstring).
+TORCH_TILE = 16
+# corun leaves up to this many rows unpadded: M 1..4 (and 8, 12..16) were position-invariant at
+# K, N multiples of 16 (1, 2, 8 threads), M 5..7 and 9..11 were not. Small decode batches keep
+# their plain product, and their batch-variance from a padded one (tests rely on it).
+MAX_UNPADDED_ROWS = 4
 
 
-def _tiled_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` over fixed 16-row tiles (zero-padded), so a row's bits never depend on M."""
-    m = x.shape[0]
-    pad = (-m) % TORCH_TILE_M
-    padded = F.pad(x, (0, 0, 0, pad)) if pad else x
-    tiles = [F.linear(padded[i : i + TORCH_TILE_M], weight, bias)
-             for i in range(0, m + pad, TORCH_TILE_M)]
-    return torch.cat(tiles)[:m]
+def _pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """``t`` zero-padded at the end of ``dim`` (0 or 1 of a 2-D tensor) to a multiple."""
+    pad = (-t.shape[dim]) % multiple
+    if not pad:
+        return t
+    return F.pad(t, (0, pad) if dim == 1 else (0, 0, 0, pad))
+
+
+def _padded_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   tiled: bool) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` on zero-padded operands (K, N, and M past MAX_UNPADDED_ROWS, to
+    multiples of TORCH_TILE) as one product or, with ``tiled``, in TORCH_TILE-row tiles (M always
+    padded); zero rows and columns add exact zeros and are sliced off. The bias is added after
+    the product (exact per element)."""
+    m, n = x.shape[0], weight.shape[0]
+    x = _pad_dim(x, 1, TORCH_TILE)
+    if tiled or m > MAX_UNPADDED_ROWS:
+        x = _pad_dim(x, 0, TORCH_TILE)
+    weight = _pad_dim(_pad_dim(weight, 1, TORCH_TILE), 0, TORCH_TILE)
+    if tiled:
+        out = torch.cat([F.linear(x[i : i + TORCH_TILE], weight)
+                         for i in range(0, x.shape[0], TORCH_TILE)])
+    else:
+        out = F.linear(x, weight)
+    out = out[:m, :n] if out.shape[1] == n else out[:m, :n].contiguous()
+    return out if bias is None else out + bias
 
 
 def _torch_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  tiled: bool) -> torch.Tensor:
+                  mode: Mode) -> torch.Tensor:
+    """The torch path's matmul by mode: plain under default, padded under corun, padded 16-row
+    tiles under every batch-invariant mode (any mode but default and corun)."""
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
-    return _tiled_matmul(x, weight, bias) if tiled else F.linear(x, weight, bias)
+    if mode is Mode.DEFAULT:
+        return F.linear(x, weight, bias)
+    return _padded_matmul(x, weight, bias, tiled=mode is not Mode.CORUN)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig,
@@ -54,17 +92,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig,
         from kernels.gemm import gemm
 
         return gemm(x, weight, bias, mode=ops.mode)
-    return _torch_matmul(x, weight, bias, tiled=ops.mode == Mode.BATCH_INVARIANT)
+    return _torch_matmul(x, weight, bias, ops.mode)
 
 
 def bmm(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig) -> torch.Tensor:
     """Per-head products ``x [G, M, K] @ weight[G, N, K].T -> [G, M, N]`` (MLA's W_UK / W_UV).
 
-    Under batch_invariant each head is a ``linear`` (Triton GEMM, or the 16-row tiles on the
-    torch path) so a row never depends on M; otherwise one batched matmul, position-invariant at
-    a fixed shape (the decode batch is fixed under corun).
+    Triton backend: one batched matmul (cuBLAS, position-invariant at a fixed shape) except
+    under batch_invariant, where each head is a Triton GEMM so a row never depends on M. Torch
+    backend: one batched matmul under default, else each head through ``_torch_matmul``.
     """
-    if ops.mode != Mode.BATCH_INVARIANT:
+    if ops.backend == "triton" and ops.mode is not Mode.BATCH_INVARIANT:
+        return torch.matmul(x, weight.transpose(1, 2))
+    if ops.backend == "torch" and ops.mode is Mode.DEFAULT:
         return torch.matmul(x, weight.transpose(1, 2))
     return torch.stack([linear(x[g], weight[g], ops) for g in range(x.shape[0])])
 
@@ -86,7 +126,16 @@ def silu_mul(x: torch.Tensor, ops: OpsConfig) -> torch.Tensor:
         from kernels.activation import silu_mul as silu_mul_kernel
 
         return silu_mul_kernel(x, mode=ops.mode)
-    return ref.silu_mul_reference(x)
+    return _silu_mul_torch(x)
+
+
+def _silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    """``silu_mul_reference`` with the SiLU through ``elementwise_fixed_path``: F.silu's SIMD
+    body and scalar tail round differently, and where an element falls depends on T."""
+    inter = x.shape[-1] // 2
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    gate, up = x[..., :inter].to(acc), x[..., inter:].to(acc)
+    return (ref.elementwise_fixed_path(F.silu, gate) * up).to(x.dtype)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -264,7 +313,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
         return fused_moe_kernel(x, w13, w2, topk_weights, topk_ids, mode=ops.mode,
                                 token_mask=token_mask)
-    tiled = ops.mode != Mode.DEFAULT
+    # An expert's row count depends on the other tokens' routing: 16-row tiles in every mode
+    # but default, so a row's bits depend on neither that count nor its place among the rows.
+    expert_mode = Mode.DEFAULT if ops.mode is Mode.DEFAULT else Mode.BATCH_INVARIANT
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1).long()
     flat_tokens = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
@@ -274,9 +325,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     expert_out = x.new_zeros(num_tokens * top_k, x.shape[1])
     for expert in torch.unique(flat_ids[valid]).tolist():
         rows = torch.nonzero((flat_ids == expert) & valid).squeeze(1)
-        gate_up = _torch_matmul(x[flat_tokens[rows]], w13[expert], None, tiled)
-        hidden = ref.silu_mul_reference(gate_up)
-        expert_out[rows] = _torch_matmul(hidden, w2[expert], None, tiled)
+        gate_up = _torch_matmul(x[flat_tokens[rows]], w13[expert], None, expert_mode)
+        hidden = _silu_mul_torch(gate_up)
+        expert_out[rows] = _torch_matmul(hidden, w2[expert], None, expert_mode)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     per_rank = expert_out.view(num_tokens, top_k, -1).to(acc)
     weights = torch.where(valid.view(num_tokens, top_k), topk_weights.to(acc), 0.0)
