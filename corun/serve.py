@@ -8,7 +8,7 @@ config of ``models`` (``tiny-qwen3``, ``qwen3-8b``, ...) serves random weights o
 
 Example::
 
-    python -m corun.serve --mode corun --port 8000
+    python -m corun.serve --mode corun --port 8000   # --port: where it listens (8000)
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "Hello", "max_tokens": 16, "seed": 1}'
 """

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-
 # Texts at least this long are encoded without holding the GIL (``Tokenizer.encode``).
 RELEASE_GIL_CHARS = 1 << 16
 

@@ -11,8 +11,6 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from corun.api.errors import RETRY_AFTER_S, APIError
 
 AUTH_EXEMPT_PATHS = ("/health", "/ping", "/metrics", "/version")
@@ -52,7 +50,7 @@ class BodySizeLimit:
 
     A declared ``Content-Length`` over the limit is answered before a byte of the body is read; a
     chunked body is counted as it arrives and refused once it crosses the limit (``receive``
-    raises a 413 HTTPException, which the error handlers answer), so no handler ever holds more
+    raises the 413 APIError, which the error handlers answer), so no handler ever holds more
     than ``max_bytes`` of one request in memory.
     """
 
@@ -77,9 +75,8 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    error = body_too_large(self.max_bytes)
-                    raise StarletteHTTPException(413, detail=error.message)
+                if received > self.max_bytes:  # the server's error handlers answer it
+                    raise body_too_large(self.max_bytes)
             return message
 
         await self.app(scope, limited_receive, send)

@@ -125,6 +125,16 @@ Prompt = Annotated[
 ]
 
 
+def _str_or(kind: str) -> Any:
+    return lambda value: "str" if isinstance(value, str) else kind
+
+
+# A stop string or a list of them, told apart up front so that an error names the bad one.
+StopStrings = Annotated[
+    Annotated[Text, Tag("str")] | Annotated[list[Text], Tag("list")], Discriminator(_str_or("list"))
+]
+
+
 class _SamplingFields(_Request):
     """The sampling fields both endpoints share (OpenAI's plus vLLM's ``top_k`` etc.)."""
 
@@ -136,7 +146,7 @@ class _SamplingFields(_Request):
     top_k: int = Field(default=0, ge=-1, le=MAX_INT32)
     n: int = Field(default=1, ge=1, le=MAX_N)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    stop: Text | list[Text] | None = None
+    stop: StopStrings | None = None
     stop_token_ids: TokenIds | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
@@ -231,7 +241,7 @@ ContentPart = Annotated[
 # A string or a list of parts, told apart up front so that an error names the part that failed.
 Content = Annotated[
     Annotated[Text, Tag("str")] | Annotated[list[ContentPart], Tag("list")],
-    Discriminator(lambda content: "str" if isinstance(content, str) else "list"),
+    Discriminator(_str_or("list")),
 ]
 
 

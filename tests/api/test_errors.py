@@ -125,6 +125,7 @@ def test_full_queue_answers_503(guarded_server: Server):
     for response in responses:
         if response.status_code == 503:
             assert response.json()["error"]["code"] == "queue_full"
+            assert response.headers["retry-after"].isdigit()
         else:
             assert response.json()["usage"]["completion_tokens"] == 24
     # The refusals did not wedge the server.
