@@ -23,7 +23,8 @@ from pathlib import Path
 
 from kernels.mode import Mode
 
-# Here rather than imported from corun.api.server: --help must not import FastAPI and torch.
+# corun.api.server.DEFAULT_MAX_REQUEST_BODY_BYTES (tests/api/test_cli.py checks it), not
+# imported: --help must not import torch and FastAPI.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 # uvicorn's own grace once the drain is over: only the last bytes of ended responses remain.
 UVICORN_GRACE_S = 5

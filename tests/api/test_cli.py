@@ -98,6 +98,9 @@ def test_help_shows_one_default_per_flag():
         assert text.count("default:") <= 1, f"{flag}: {text}"
     assert "(default: 8000)" in blocks["--port"]
     assert "(default: 30.0)" in blocks["--shutdown-timeout-s"]
+    from corun.api.server import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+    assert build_parser().get_default("max_request_body_bytes") == DEFAULT_MAX_REQUEST_BODY_BYTES
     # The API key's value (from the environment) is never printed.
     assert "default: None" not in blocks["--api-key"]
 
