@@ -235,12 +235,16 @@ class EngineLoop:
                 request_id=entry.request_id,
                 arrival_time=entry.arrival_time,
             )
+            return
         except ValueError as exc:  # validated before, but the engine has the last word
-            self._fail_request(entry.request_id, exc, status=400)
+            failure, status = exc, 400
         except EngineQueueFullError as exc:
-            self._fail_request(entry.request_id, exc, status=503)
+            failure, status = exc, 503
         except Exception as exc:  # noqa: BLE001 - this request's failure, not the engine's
-            self._fail_request(entry.request_id, exc)
+            failure, status = exc, 500
+        with self._cond:  # it never joined the engine's queue: stop counting it as waiting
+            self._num_waiting -= entry.params.n
+        self._fail_request(entry.request_id, failure, status)
 
     def _route(self, output: Any) -> None:
         request_id = output.request_id
@@ -263,10 +267,12 @@ class EngineLoop:
                         logger.exception("abort of request %s failed", request_id)
                 for entry in adds:
                     self._add(entry)
-                if self._engine.has_unfinished_requests():
-                    for output in self._engine.step():
-                        self._route(output)
+                outputs = self._engine.step() if self._engine.has_unfinished_requests() else []
+                # Before routing: a client that gets its last token and sends the next request
+                # at once must see the queue as this step left it.
                 self._refresh_stats()
+                for output in outputs:
+                    self._route(output)
         except BaseException as exc:  # noqa: BLE001 - report to every waiting client, then die
             logger.exception("engine loop died")
             with self._cond:
@@ -284,7 +290,8 @@ class EngineLoop:
 
     def _refresh_stats(self) -> None:
         stats = self._engine.stats()
-        self._num_waiting = int(stats["num_waiting"])
+        with self._cond:
+            self._num_waiting = int(stats["num_waiting"])
         if self._metrics is not None:
             self._metrics.observe_engine(
                 running=int(stats["num_running"]),

@@ -72,6 +72,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
         assert stream.first.wait(60)
         server.proc.send_signal(signal.SIGTERM)
         _wait_for(lambda: _health(server) == 503, "/health to report the drain")
+        assert httpx.get(f"{server.base_url}/health").headers["retry-after"].isdigit()
         # Draining: a new request is refused with 503 and Retry-After, the port still answers.
         refused = httpx.post(f"{server.base_url}/v1/completions",
                              json={"prompt": "x", "max_tokens": 1}, timeout=30.0)
