@@ -8,7 +8,7 @@ config of ``models`` (``tiny-qwen3``, ``qwen3-8b``, ...) serves random weights o
 
 Example::
 
-    python -m corun.serve --mode corun --port 8000
+    python -m corun.serve --mode corun --port 8000   # --port: where it listens (8000)
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "Hello", "max_tokens": 16, "seed": 1}'
 """
@@ -23,7 +23,24 @@ from pathlib import Path
 
 from kernels.mode import Mode
 
+# corun.api.server.DEFAULT_MAX_REQUEST_BODY_BYTES (tests/api/test_cli.py checks it), not
+# imported: --help must not import torch and FastAPI.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+# uvicorn's own grace once the drain is over: only the last bytes of ended responses remain.
+UVICORN_GRACE_S = 5
+
 logger = logging.getLogger("corun.serve")
+
+
+class _OneDefaultFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` only where the help does not already say what the default is,
+    and never for a flag whose default is None or False (there is nothing to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,14 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m corun.serve",
         description="CoRun's OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
         "/v1/models, /tokenize, /detokenize, /health, /metrics.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_OneDefaultFormatter,
     )
     p.add_argument(
         "--model",
         default=None,
         help="an HF checkpoint directory (with tokenizer.json) or a named config of "
-        "models/ (random weights); default: the embedded corun-default model, random "
-        "weights and a byte-level tokenizer",
+        "models/ (random weights) (default: the embedded corun-default model, random "
+        "weights and a byte-level tokenizer)",
     )
     p.add_argument(
         "--served-model-name",
@@ -49,12 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         default="corun",
         choices=[m.value for m in Mode],
-        help="corun: isolated prefill + fixed-B decode, deterministic; "
-        "batch_invariant: dynamic batching with batch-invariant kernels, "
-        "deterministic; default: dynamic batching, fastest kernels, not deterministic",
+        help="corun = isolated prefill + fixed-B decode, deterministic; "
+        "batch_invariant = dynamic batching with batch-invariant kernels, "
+        "deterministic; 'default' = dynamic batching, fastest kernels, not deterministic "
+        "(default: corun)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument(
         "--max-num-seqs",
         type=int,
@@ -122,14 +140,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=os.environ.get("CORUN_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health and "
-        "/metrics (env CORUN_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics and "
+        "/version (default: the CORUN_API_KEY environment variable, else no key)",
     )
     p.add_argument(
         "--max-queue-len",
         type=int,
         default=256,
-        help="waiting requests beyond this are refused with 503",
+        help="waiting sequences at most (each prompt x n counts); a request that would go "
+        "beyond is refused with 503 and Retry-After",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies are refused with 413",
+    )
+    p.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or SIGINT: new requests get 503 while those in flight finish, for at "
+        "most this long; what still runs then ends with an error, and the server exits 0 "
+        "(a second signal exits at once)",
     )
     p.add_argument("--log-level", default="info", help="uvicorn and corun log level")
     return p
@@ -243,11 +276,23 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
         engine,
         tokenizer,
         model_name=name,
+        model_root=args.model or DEFAULT_MODEL_NAME,
         mode=str(config.kernel_mode),
         api_key=args.api_key,
         max_queue_len=args.max_queue_len,
+        max_request_body_bytes=args.max_request_body_bytes,
         on_engine_failure=on_engine_failure,
     )
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The server's own flags (EngineConfig checks the engine's)."""
+    if args.max_queue_len < 1:
+        raise SystemExit("--max-queue-len: expected a positive int")
+    if args.max_request_body_bytes < 1:
+        raise SystemExit("--max-request-body-bytes: expected a positive int")
+    if not args.shutdown_timeout_s >= 0:
+        raise SystemExit("--shutdown-timeout-s: expected a number >= 0")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,21 +300,24 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.max_queue_len < 1:
-        raise SystemExit("--max-queue-len: expected a positive int")
+    _check_flags(args)
     import uvicorn
+
+    from corun.api.shutdown import DrainingServer
 
     on_engine_failure = _ShutDownOnEngineFailure()
     app = build_app(args, on_engine_failure)
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=5,
-        )
+            timeout_graceful_shutdown=UVICORN_GRACE_S,
+        ),
+        state=app.state.corun,
+        shutdown_timeout_s=args.shutdown_timeout_s,
     )
     on_engine_failure.server = server
     server.run()

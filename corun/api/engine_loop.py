@@ -11,6 +11,16 @@ thread owns it:
   through ``loop.call_soon_threadsafe``, then refreshes the metrics gauges from ``stats()``; with
   nothing to do it sleeps on the condition.
 
+Failure isolation: an exception while serving one request (adding it, aborting it, routing one
+of its outputs) fails that request only (``EngineError`` on its queue, the request aborted in the
+engine) and the loop carries on. Only an exception of ``step()`` itself, which cannot be pinned
+on one request and may leave the engine half-stepped, ends the loop: every waiting client gets a
+500 and ``on_failure`` runs. (Requests are validated to the engine's ranges before they get here,
+so a request's own values cannot fail a step.)
+
+The queue limit counts *sequences* (each of a request's ``n`` samples of each prompt is one), as
+the engine's waiting queue does, and a request is admitted whole or not at all.
+
 Determinism does not depend on *when* a request reaches the engine: in ``corun`` mode each
 request's shapes depend only on itself (DESIGN.md), so the loop needs no ordering guarantees beyond
 "every submitted request is eventually added".
@@ -41,13 +51,21 @@ class QueueFullError(EngineQueueFullError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread died; the server answers 503 and /health reports it."""
+    """The engine thread died or stopped; the server answers 503 and /health reports it."""
 
 
 @dataclass
 class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
 
 
 @dataclass(frozen=True)
@@ -69,18 +87,20 @@ class EngineLoop:
         idle_timeout_s: float = 0.5,
         on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """``on_failure(exc)`` runs on the engine thread after the engine died and every waiting
-        client got its error (``corun.serve`` shuts the server down from it)."""
+        """``max_queue_len``: waiting sequences at most. ``on_failure(exc)`` runs on the engine
+        thread after the engine died and every waiting client got its error (``corun.serve``
+        shuts the server down from it)."""
         self._engine = engine
         self._on_failure = on_failure
         self._metrics = metrics
         self.max_queue_len = max_queue_len
         self._idle_timeout_s = idle_timeout_s
         self._cond = threading.Condition()
-        self._pending_adds: deque[tuple[str, list[int], SamplingParams, float]] = deque()
+        self._pending_adds: deque[_Pending] = deque()
+        self._pending_seqs = 0  # sequences in _pending_adds
         self._pending_aborts: deque[str] = deque()
         self._sinks: dict[str, _Sink] = {}
-        self._num_waiting = 0  # the engine's waiting count after the last step
+        self._num_waiting = 0  # the engine's waiting sequences after the last step
         self._stopped = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="corun-engine", daemon=True)
@@ -104,32 +124,37 @@ class EngineLoop:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting: not yet handed to the engine, plus the engine's own waiting queue."""
-        return len(self._pending_adds) + self._num_waiting
+        """Sequences waiting: not yet handed to the engine, plus the engine's waiting queue."""
+        return self._pending_seqs + self._num_waiting
 
     def submit(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
+        requests: list[tuple[str, list[int], SamplingParams]],
         queue: asyncio.Queue,
     ) -> None:
-        """Queue a request; ``(request_id, RequestOutput | EngineError)`` items arrive on ``queue``.
+        """Queue ``(request_id, prompt_token_ids, params)`` requests, all or none; items
+        ``(request_id, RequestOutput | EngineError)`` arrive on ``queue``.
 
-        Call from the event loop that reads ``queue``; several requests may share one queue.
-        Raises QueueFullError when ``max_queue_len`` requests already wait, EngineDeadError when
-        the engine thread is gone.
+        Call from the event loop that reads ``queue``. Raises QueueFullError when the requests'
+        sequences would take the waiting ones past ``max_queue_len`` (nothing is queued then),
+        EngineDeadError when the engine thread is gone.
         """
         sink = _Sink(asyncio.get_running_loop(), queue)
+        num_seqs = sum(params.n for _, _, params in requests)
+        now = time.perf_counter()
         with self._cond:
             if not self.is_alive or self._stopped:
                 raise EngineDeadError(f"the engine is not running: {self._error!r}")
-            if self.max_queue_len is not None and self.num_waiting >= self.max_queue_len:
+            limit = self.max_queue_len
+            if limit is not None and self.num_waiting + num_seqs > limit:
                 raise QueueFullError(
-                    f"the waiting queue is full ({self.max_queue_len} requests); retry later"
+                    f"the waiting queue holds {self.num_waiting} of at most {limit} sequences "
+                    f"and this request adds {num_seqs} (prompts x n); retry later"
                 )
-            self._sinks[request_id] = sink
-            self._pending_adds.append((request_id, prompt_token_ids, params, time.perf_counter()))
+            for request_id, prompt_token_ids, params in requests:
+                self._sinks[request_id] = sink
+                self._pending_adds.append(_Pending(request_id, prompt_token_ids, params, now))
+            self._pending_seqs += num_seqs
             self._cond.notify()
 
     def abort(self, request_id: str) -> None:
@@ -139,8 +164,9 @@ class EngineLoop:
                 return
             # Not handed to the engine yet: drop it here, the engine never hears of it.
             for entry in self._pending_adds:
-                if entry[0] == request_id:
+                if entry.request_id == request_id:
                     self._pending_adds.remove(entry)
+                    self._pending_seqs -= entry.params.n
                     return
             self._pending_aborts.append(request_id)
             self._cond.notify()
@@ -149,6 +175,11 @@ class EngineLoop:
         """Forget a finished request's queue."""
         with self._cond:
             self._sinks.pop(request_id, None)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception the engine thread died of, if it did."""
+        return self._error
 
     # -- engine thread ---------------------------------------------------------------------------
 
@@ -161,45 +192,87 @@ class EngineLoop:
             except RuntimeError:
                 pass
 
+    def _fail_request(self, request_id: str, exc: BaseException, status: int = 500) -> None:
+        """One request failed: its client gets the error, the engine drops it, the rest go on."""
+        if status >= 500:
+            logger.error("request %s failed: %r", request_id, exc, exc_info=exc)
+        self._deliver(request_id, EngineError(f"{type(exc).__name__}: {exc}", status=status))
+        self.release(request_id)
+        try:
+            self._engine.abort_request(request_id)
+        except Exception:  # noqa: BLE001 - it may never have reached the engine
+            logger.exception("could not abort failed request %s", request_id)
+
+    def _take_work(self) -> tuple[list[_Pending], list[str]] | None:
+        """Wait for work; None when stopped."""
+        with self._cond:
+            while (
+                not self._stopped
+                and not self._pending_adds
+                and not self._pending_aborts
+                and not self._engine.has_unfinished_requests()
+            ):
+                self._cond.wait(self._idle_timeout_s)
+                # Idle is when nothing else would notice a dead tensor-parallel worker.
+                self._check_health()
+            if self._stopped:
+                return None
+            adds = list(self._pending_adds)
+            self._pending_adds.clear()
+            self._pending_seqs = 0
+            aborts = list(self._pending_aborts)
+            self._pending_aborts.clear()
+            # Counted as the engine's waiting until the next stats refresh, so a burst of
+            # submissions cannot slip past the limit in between.
+            self._num_waiting += sum(entry.params.n for entry in adds)
+        return adds, aborts
+
+    def _add(self, entry: _Pending) -> None:
+        try:
+            self._engine.add_request(
+                entry.prompt_token_ids,
+                entry.params,
+                request_id=entry.request_id,
+                arrival_time=entry.arrival_time,
+            )
+            return
+        except ValueError as exc:  # validated before, but the engine has the last word
+            failure, status = exc, 400
+        except EngineQueueFullError as exc:
+            failure, status = exc, 503
+        except Exception as exc:  # noqa: BLE001 - this request's failure, not the engine's
+            failure, status = exc, 500
+        with self._cond:  # it never joined the engine's queue: stop counting it as waiting
+            self._num_waiting -= entry.params.n
+        self._fail_request(entry.request_id, failure, status)
+
+    def _route(self, output: Any) -> None:
+        request_id = output.request_id
+        try:
+            finished = output.finished
+            self._deliver(request_id, output)
+            if finished:
+                self.release(request_id)
+        except Exception as exc:  # noqa: BLE001 - one request's output, not the engine's
+            self._fail_request(request_id, exc)
+
     def _run(self) -> None:
         try:
-            while True:
-                with self._cond:
-                    while (
-                        not self._stopped
-                        and not self._pending_adds
-                        and not self._pending_aborts
-                        and not self._engine.has_unfinished_requests()
-                    ):
-                        self._cond.wait(self._idle_timeout_s)
-                        # Idle is when nothing else would notice a dead tensor-parallel worker.
-                        self._check_health()
-                    if self._stopped:
-                        return
-                    adds = list(self._pending_adds)
-                    self._pending_adds.clear()
-                    aborts = list(self._pending_aborts)
-                    self._pending_aborts.clear()
+            while (work := self._take_work()) is not None:
+                adds, aborts = work
                 for request_id in aborts:
-                    self._engine.abort_request(request_id)
-                for request_id, prompt_token_ids, params, arrival_time in adds:
                     try:
-                        self._engine.add_request(
-                            prompt_token_ids,
-                            params,
-                            request_id=request_id,
-                            arrival_time=arrival_time,
-                        )
-                    except ValueError as exc:  # validated before, but the engine has the last word
-                        self._deliver(request_id, EngineError(str(exc), status=400))
-                    except QueueFullError as exc:
-                        self._deliver(request_id, EngineError(str(exc), status=503))
-                if self._engine.has_unfinished_requests():
-                    for output in self._engine.step():
-                        self._deliver(output.request_id, output)
-                        if output.finished:
-                            self.release(output.request_id)
+                        self._engine.abort_request(request_id)
+                    except Exception:  # noqa: BLE001 - the client is gone anyway
+                        logger.exception("abort of request %s failed", request_id)
+                for entry in adds:
+                    self._add(entry)
+                outputs = self._engine.step() if self._engine.has_unfinished_requests() else []
+                # Before routing: a client that gets its last token and sends the next request
+                # at once must see the queue as this step left it.
                 self._refresh_stats()
+                for output in outputs:
+                    self._route(output)
         except BaseException as exc:  # noqa: BLE001 - report to every waiting client, then die
             logger.exception("engine loop died")
             with self._cond:
@@ -210,11 +283,6 @@ class EngineLoop:
             if self._on_failure is not None:
                 self._on_failure(exc)
 
-    @property
-    def error(self) -> BaseException | None:
-        """The exception the engine thread died of, if it did."""
-        return self._error
-
     def _check_health(self) -> None:
         check = getattr(self._engine, "check_health", None)
         if check is not None:
@@ -222,7 +290,8 @@ class EngineLoop:
 
     def _refresh_stats(self) -> None:
         stats = self._engine.stats()
-        self._num_waiting = int(stats["num_waiting"])
+        with self._cond:
+            self._num_waiting = int(stats["num_waiting"])
         if self._metrics is not None:
             self._metrics.observe_engine(
                 running=int(stats["num_running"]),

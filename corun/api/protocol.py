@@ -1,22 +1,39 @@
-"""OpenAI-compatible request and response models (pydantic v2), as vLLM's server speaks them.
+"""OpenAI-compatible request models (pydantic v2), as vLLM's server speaks them.
 
 Requests are validated *strictly* (``"16"`` is not an int, ``true`` is not a number) and every
 range check lives in a field constraint, so a bad request is rejected before it reaches the engine
-with an HTTP 400 whose body names the field (``ErrorResponse``). Unknown fields are ignored, as
-vLLM and OpenAI ignore them.
+with an HTTP 400 whose body names the field. Rules every request model follows:
 
-CoRun extensions, on every choice: ``seed`` (the request's seed, the drawn one when the client gave
-none) and ``fingerprint`` (a hash of the sampled token ids), so a client can replay a request with
-the same seed and compare. In ``corun`` and ``batch_invariant`` modes the replay is bitwise equal.
+- an explicit JSON ``null`` means "unset" (the field takes its default), as the openai client sends
+  ``null`` for ``None``;
+- every number is bounded to what the engine can represent (``top_k`` is an int32 on the device,
+  ``seed`` a 64-bit Philox key, ``top_p`` an fp32 > 0), so no value can fail inside an engine step;
+- every string must be valid Unicode (a lone UTF-16 surrogate such as ``"\\ud800"`` cannot be
+  tokenized or even encoded as UTF-8);
+- a field of the OpenAI or vLLM protocols that CoRun does not implement is refused with
+  ``"<field>: not supported"`` unless it holds its neutral value (``UNSUPPORTED_FIELDS``); other
+  unknown fields are ignored, as vLLM and OpenAI ignore them.
+
+Response models are in ``corun.api.response_models``.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from corun.api import unsupported
 
 # OpenAI caps top_logprobs at 20; vLLM's default max_logprobs is 20 too.
 MAX_LOGPROBS = 20
@@ -24,41 +41,119 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 # The engine's Philox keys are 64-bit unsigned; a drawn seed can be >= 2**63 and must replay.
 MAX_SEED = 2**64 - 1
+# The sampler holds top_k in an int32 tensor; token counts are int32 on the device too.
+MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
+# top_p is an fp32 on the device: a smaller positive value rounds to 0, outside (0, 1].
+MIN_TOP_P = 2.0**-126
+# Every stop string is matched and every stop id checked at every step of the request, on the
+# engine thread that all requests share: bound the lists (OpenAI allows 4 stop strings).
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _valid_unicode(text: str) -> str:
+    """Reject lone surrogates: they are not Unicode scalar values, so no UTF-8 exists for them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise ValueError(
+            f"invalid Unicode: lone surrogate {bad!r} at index {exc.start} (send valid UTF-8)"
+        ) from None
+    return text
+
+
+# Every string of a request is a Text.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _check_json_strings(value: Any) -> Any:
+    """Every string (keys included) of a free-form JSON value is valid Unicode."""
+    if isinstance(value, str):
+        _valid_unicode(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_json_strings(key)
+            _check_json_strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_json_strings(item)
+    return value
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        # An explicit null takes the field's default, exactly as if the field were absent.
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM: usage on every chunk, not only on the final one.
     continuous_usage_stats: bool = False
+
+
+def _prompt_kind(prompt: Any) -> str:
+    """Which member of the prompt union a value is, from its first element: validating it against
+    every member would collect one error per element of a long token list (seconds for 3M ids)."""
+    if isinstance(prompt, str):
+        return "str"
+    if isinstance(prompt, list) and prompt:
+        if isinstance(prompt[0], str):
+            return "list[str]"
+        if isinstance(prompt[0], list):
+            return "list[list[int]]"
+    return "list[int]"
+
+
+TokenIds = list[Annotated[int, Field(ge=0, le=MAX_INT64)]]
+Prompt = Annotated[
+    (
+        Annotated[Text, Tag("str")]
+        | Annotated[list[Text], Tag("list[str]")]
+        | Annotated[TokenIds, Tag("list[int]")]
+        | Annotated[list[TokenIds], Tag("list[list[int]]")]
+    ),
+    Discriminator(_prompt_kind),
+]
+
+
+def _str_or(kind: str) -> Any:
+    return lambda value: "str" if isinstance(value, str) else kind
+
+
+# A stop string or a list of them, told apart up front so that an error names the bad one.
+StopStrings = Annotated[
+    Annotated[Text, Tag("str")] | Annotated[list[Text], Tag("list")], Discriminator(_str_or("list"))
+]
 
 
 class _SamplingFields(_Request):
     """The sampling fields both endpoints share (OpenAI's plus vLLM's ``top_k`` etc.)."""
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    model: Text | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    # 0 or -1 disable top-k, as in vLLM.
-    top_k: int = Field(default=0, ge=-1)
+    top_p: float = Field(default=1.0, ge=MIN_TOP_P, le=1.0, allow_inf_nan=False)
+    # 0 or -1 disable top-k, as in vLLM; k >= the vocabulary size keeps every token.
+    top_k: int = Field(default=0, ge=-1, le=MAX_INT32)
     n: int = Field(default=1, ge=1, le=MAX_N)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: TokenIds | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Penalties and logit bias change the distribution; CoRun does not implement them, so only
-    # their neutral values are accepted (a silent no-op would mislead a client).
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("stop")
     @classmethod
@@ -66,6 +161,8 @@ class _SamplingFields(_Request):
         stops = [stop] if isinstance(stop, str) else (stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return stop
 
     @property
@@ -76,16 +173,23 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM: usage on every chunk when both include_usage and continuous_usage_stats."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
-class CompletionRequest(_SamplingFields):
+
+class CompletionRequest(
+    unsupported.refusing(unsupported.COMPLETIONS, _SamplingFields, "_CompletionFields")
+):
     """``POST /v1/completions``: text or token-id prompts, one or a batch."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: Prompt
+    max_tokens: int = Field(default=16, ge=1, le=MAX_INT32)
     # OpenAI: the number of most likely tokens to return per position (the chosen one is always in).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: None = None
+    add_special_tokens: bool = True
 
     @field_validator("prompt")
     @classmethod
@@ -108,13 +212,43 @@ class CompletionRequest(_SamplingFields):
 
 class TextContent(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(_Request):
+class OtherContent(_Request):
+    """A content part of another type (image_url, input_audio, file, ...): refused by name."""
+
+    type: Text
+
+    @field_validator("type")
+    @classmethod
+    def _refuse(cls, kind: str) -> str:
+        allowed = ", ".join(repr(t) for t in unsupported.SUPPORTED_CONTENT_PARTS)
+        raise ValueError(f"content parts of type {kind!r}: not supported (only {allowed})")
+
+
+def _part_kind(part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "text-part" if kind in unsupported.SUPPORTED_CONTENT_PARTS else "other-part"
+
+
+ContentPart = Annotated[
+    Annotated[TextContent, Tag("text-part")] | Annotated[OtherContent, Tag("other-part")],
+    Discriminator(_part_kind),
+]
+
+
+# A string or a list of parts, told apart up front so that an error names the part that failed.
+Content = Annotated[
+    Annotated[Text, Tag("str")] | Annotated[list[ContentPart], Tag("list")],
+    Discriminator(_str_or("list")),
+]
+
+
+class ChatMessage(unsupported.refusing(unsupported.MESSAGE, _Request, "_MessageFields")):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContent] | None = None
-    name: str | None = None
+    content: Content | None = None
+    name: Text | None = None
 
     @property
     def text(self) -> str:
@@ -123,18 +257,49 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingFields):
+# Names the renderer passes to the chat template itself: a template kwarg may not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "add_generation_prompt", "tokenize", "bos_token", "eos_token", "tools"}
+)
+
+
+def _check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    if kwargs is None:
+        return None
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise ValueError(f"{reserved[0]!r} is set by the server and cannot be overridden")
+    return _check_json_strings(kwargs)
+
+
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_check_template_kwargs)]
+
+
+class _ChatFields(_Request):
+    """What renders a conversation: shared by chat completions and ``/tokenize``."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: TemplateKwargs = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _check_continue(cls, continue_final: bool, info: ValidationInfo) -> bool:
+        if continue_final and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message needs add_generation_prompt false")
+        return continue_final
+
+
+class ChatCompletionRequest(
+    unsupported.refusing(unsupported.CHAT, _SamplingFields, "_ChatSamplingFields"), _ChatFields
+):
     """``POST /v1/chat/completions``: messages rendered by the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    # Tool calling is not implemented: accept only its absence.
-    tools: list[Any] | None = Field(default=None, max_length=0)
+    add_special_tokens: bool = False
 
     # Cross-field checks sit on the later field (it sees the earlier ones in info.data), so the
     # error's location names a field.
@@ -144,13 +309,6 @@ class ChatCompletionRequest(_SamplingFields):
         if top_logprobs is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs to be true")
         return top_logprobs
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _check_continue(cls, continue_final: bool, info: ValidationInfo) -> bool:
-        if continue_final and info.data.get("add_generation_prompt"):
-            raise ValueError("continue_final_message needs add_generation_prompt false")
-        return continue_final
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -166,12 +324,11 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Request):
-    model: str | None = None
-    prompt: str | None = None
+class TokenizeRequest(_ChatFields):
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, validate_default=True)
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
     @field_validator("messages")
     @classmethod
@@ -182,161 +339,5 @@ class TokenizeRequest(_Request):
 
 
 class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[int]
-
-
-# ---------------------------------------------------------------------------------------------
-# Responses. Plain (non-strict) models: the server builds them from trusted values.
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # CoRun extensions: replay the choice with `seed`, compare with `fingerprint`.
-    seed: int | None = None
-    fingerprint: str | None = None
-    token_ids: list[int] | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    seed: int | None = None
-    fingerprint: str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    seed: int | None = None
-    fingerprint: str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "corun"
-    root: str
-    parent: str | None = None
-    max_model_len: int
-    permission: list[dict] = Field(default_factory=list)
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
+    model: Text | None = None
+    tokens: TokenIds

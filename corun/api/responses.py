@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from corun.api.protocol import (
+from corun.api.response_models import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -31,7 +31,8 @@ from corun.api.protocol import (
 from corun.api.streaming import ChoiceState
 
 if TYPE_CHECKING:
-    from corun.api.server import ServerState, Submission
+    from corun.api.preprocess import Submission
+    from corun.api.server import ServerState
 
 
 class _Builder:
@@ -123,6 +124,8 @@ class _Builder:
         )
 
     def _chunk(self, choices: list, usage: UsageInfo | None = None) -> Any:
+        if usage is None and self.body.continuous_usage:  # vLLM: usage so far on every chunk
+            usage = self.usage()
         return self._envelope(self.chunk_cls, choices, usage)
 
     def _response(self, choices: list) -> Any:

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
 MAX_MODEL_LEN = 128
+GUARDED_NAME = "guarded-name"
 # Small sizes keep the CPU steps cheap: the tiny default model decodes 16 slots in a few ms.
 COMMON_ARGS = [
     "--max-model-len",
@@ -122,7 +123,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def guarded_server(tmp_path_factory: pytest.TempPathFactory):
-    """An API key, one running sequence and a queue of one: for the 401 and 503 tests."""
+    """An API key, one running sequence, a queue of one sequence and a served name other than
+    the model's: for the 401, 503 and model-name tests."""
     srv = launch(
         tmp_path_factory.mktemp("serve"),
         "guarded",
@@ -130,6 +132,8 @@ def guarded_server(tmp_path_factory: pytest.TempPathFactory):
         "1",
         "--max-queue-len",
         "1",
+        "--served-model-name",
+        GUARDED_NAME,
         api_key="test-key",
     )
     yield srv

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 
@@ -71,3 +73,60 @@ def test_invalid_flag_value_exits_naming_it():
     )
     assert result.returncode != 0
     assert "max_num_seqs" in result.stderr
+
+
+def _help_blocks() -> dict[str, str]:
+    """--help text per option: from its '  --flag' line to the next option's."""
+    blocks: dict[str, str] = {}
+    current = None
+    for line in build_parser().format_help().splitlines():
+        match = re.match(r"^  (-\S+)", line)
+        if match:
+            current = match.group(1).rstrip(",")
+            blocks[current] = line
+        elif current is not None and line.startswith("   "):
+            blocks[current] += " " + line.strip()
+        else:
+            current = None
+    return blocks
+
+
+def test_help_shows_one_default_per_flag():
+    blocks = _help_blocks()
+    assert {"--port", "--max-queue-len", "--shutdown-timeout-s"} <= set(blocks)
+    for flag, text in blocks.items():
+        assert text.count("default:") <= 1, f"{flag}: {text}"
+    assert "(default: 8000)" in blocks["--port"]
+    assert "(default: 30.0)" in blocks["--shutdown-timeout-s"]
+    from corun.api.server import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+    assert build_parser().get_default("max_request_body_bytes") == DEFAULT_MAX_REQUEST_BODY_BYTES
+    # The API key's value (from the environment) is never printed.
+    assert "default: None" not in blocks["--api-key"]
+
+
+def test_readme_says_how_to_change_the_port():
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert "--port 9000" in readme and "make serve ARGS='--port 9000'" in readme
+
+
+def test_packaging_metadata_builds_without_deprecation_warnings(tmp_path):
+    """The license is an SPDX string (PEP 639): setuptools warns about the old table form."""
+    assert 'license = "Apache-2.0"' in (REPO_ROOT / "pyproject.toml").read_text()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, tmp_path / name)
+    (tmp_path / "corun").mkdir()
+    (tmp_path / "corun" / "__init__.py").write_text("")
+    (tmp_path / "out").mkdir()
+    script = (
+        "import warnings\n"
+        "from setuptools import build_meta\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    build_meta.prepare_metadata_for_build_wheel('out')\n"
+        "print('WARNINGS', [str(w.message).splitlines()[0] for w in caught])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "WARNINGS []" in result.stdout, result.stdout[-2000:]

@@ -83,3 +83,11 @@ def test_stream_holds_back_a_stop_string_prefix(tokenizer: Tokenizer):
     assert final == "hello "
     assert "".join(deltas) == "hello "
     assert not any("E" in d for d in deltas)
+
+
+def test_long_texts_encode_to_the_same_ids(tokenizer: Tokenizer):
+    """Texts from RELEASE_GIL_CHARS on take the GIL-releasing path: the same ids as the other."""
+    from corun.tokenizer import RELEASE_GIL_CHARS
+
+    text = ("Héllo <|im_start|> wörld 😀 " * RELEASE_GIL_CHARS)[:RELEASE_GIL_CHARS]
+    assert tokenizer.encode(text) == tokenizer.tokenizer.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,103 @@
+"""The protocol fields CoRun does not implement, in one table, and the models that refuse them.
+
+Each entry maps a field of the OpenAI or vLLM protocol to the values that mean "off" (clients
+send them by default: ``frequency_penalty: 0``, ``tool_choice: "none"``). Such a value, or a null,
+is accepted; any other value is a 400 ``"<field>: not supported"``, never a silent no-op that would
+hand the client a response it did not ask for. Implementing a field in the engine is deleting its
+line here and declaring the real field in ``corun.api.protocol``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ValidationInfo, create_model, field_validator
+
+# Off values per field; () = only absent or null is accepted.
+SAMPLING: dict[str, tuple] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "early_stopping": (False,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "logits_processors": ([],),
+    "priority": (0,),
+    "return_tokens_as_token_ids": (False,),
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structured_outputs": (),
+}
+COMPLETIONS: dict[str, tuple] = {**SAMPLING, "suffix": ("",)}
+CHAT: dict[str, tuple] = {
+    **SAMPLING,
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+    "reasoning_effort": (),
+    "echo": (False,),
+    "chat_template": (),
+    "documents": (),
+    "mm_processor_kwargs": (),
+}
+# Fields of one chat message.
+MESSAGE: dict[str, tuple] = {"tool_calls": ([],), "function_call": (), "audio": ()}
+# Content part types a message may hold.
+SUPPORTED_CONTENT_PARTS = ("text",)
+
+
+def _same(value: Any, off: Any) -> bool:
+    """Equality that keeps bools apart from ints (``True == 1`` in Python)."""
+    if isinstance(value, bool) or isinstance(off, bool):
+        return type(value) is type(off) and value == off
+    if isinstance(value, (int, float)) and isinstance(off, (int, float)):
+        return value == off
+    return type(value) is type(off) and value == off
+
+
+def not_supported_message(off_values: tuple) -> str:
+    if not off_values:
+        return "not supported"
+    accepted = " or ".join(repr(v) if isinstance(v, str) else _json(v) for v in off_values)
+    return f"not supported (only {accepted}, its neutral value, is accepted)"
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def refusing(table: dict[str, tuple], base: type[BaseModel], name: str) -> type[BaseModel]:
+    """A subclass of ``base`` with one optional field per entry of ``table``, each refusing any
+    value but its off values: the error's location is the field, so the 400 names it."""
+
+    def check(cls, value: Any, info: ValidationInfo) -> Any:
+        off_values = table[info.field_name]
+        if not any(_same(value, off) for off in off_values):
+            raise ValueError(not_supported_message(off_values))
+        return value
+
+    validator = field_validator(*table)(classmethod(check))
+    fields = {field: (Any, None) for field in table}
+    return create_model(name, __base__=base, __validators__={"_refuse": validator}, **fields)

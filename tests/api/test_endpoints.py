@@ -1,0 +1,110 @@
+"""Endpoints and HTTP semantics: /v1/models/{id}, /version, 404 for an unknown model, 405 with
+``Allow``, 413 for a body over the limit, 503 with ``Retry-After``, and the queue limit counted in
+sequences (prompts x n), checked before anything is queued."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from corun.api.server import DEFAULT_MAX_REQUEST_BODY_BYTES
+from tests.api.conftest import GUARDED_NAME, Server
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_model_by_id_and_version(client: httpx.Client):
+    card = client.get("/v1/models/corun-default")
+    assert card.status_code == 200
+    assert card.json() | {"created": 0} == client.get("/v1/models").json()["data"][0] | {
+        "created": 0
+    }
+    error = _error(client.get("/v1/models/no-such-model"), 404)
+    assert (error["param"], error["code"]) == ("model", "model_not_found")
+    # Names with slashes, as HF ids have, reach the handler too.
+    assert _error(client.get("/v1/models/Qwen/Qwen3-8B"), 404)["code"] == "model_not_found"
+    version = client.get("/version")
+    assert version.status_code == 200 and version.json()["version"]
+
+
+def test_unknown_model_is_404_everywhere(client: httpx.Client):
+    bodies = [
+        ("/v1/completions", {"prompt": "x", "model": "gpt-4"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "x"}),
+        ("/tokenize", {"prompt": "x", "model": "x"}),
+        ("/detokenize", {"tokens": [1], "model": "x"}),
+    ]
+    for endpoint, body in bodies:
+        error = _error(client.post(endpoint, json=body), 404)
+        assert (error["param"], error["code"]) == ("model", "model_not_found"), endpoint
+    # Negative control: the served name is served.
+    ok = client.post("/v1/completions", json={"prompt": "x", "model": "corun-default",
+                                              "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_served_name_and_root_are_both_accepted(guarded_server: Server):
+    """vLLM's rule: the served model name, or the model it stands for."""
+    with guarded_server.client() as client:
+        assert client.get("/v1/models").json()["data"][0]["root"] == "corun-default"
+        for name in (GUARDED_NAME, "corun-default"):
+            body = {"prompt": "x", "max_tokens": 1, "model": name}
+            assert client.post("/v1/completions", json=body).status_code == 200, name
+            assert client.get(f"/v1/models/{name}").status_code == 200
+        body = {"prompt": "x", "max_tokens": 1, "model": "other"}
+        _error(client.post("/v1/completions", json=body), 404)
+
+
+def test_wrong_method_is_405_with_allow(client: httpx.Client):
+    for method, path, allowed in (("GET", "/v1/completions", "POST"),
+                                  ("DELETE", "/v1/chat/completions", "POST"),
+                                  ("POST", "/health", "GET"), ("PUT", "/v1/models", "GET")):
+        response = client.request(method, path)
+        _error(response, 405)
+        assert response.headers["allow"] == allowed, (method, path)
+
+
+def test_body_over_the_limit_is_413(client: httpx.Client):
+    over = DEFAULT_MAX_REQUEST_BODY_BYTES + 1
+    body = b'{"prompt": "' + b"a" * (over - len(b'{"prompt": ""}')) + b'"}'
+    assert len(body) == over
+    headers = {"content-type": "application/json"}
+    error = _error(client.post("/v1/completions", content=body, headers=headers), 413)
+    assert error["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for start in range(0, len(body), 1 << 20):
+            yield body[start : start + (1 << 20)]
+
+    error = _error(client.post("/v1/completions", content=chunks(), headers=headers), 413)
+    assert error["code"] == "request_too_large"
+    # Negative control: a large body under the limit reaches validation (400 for its length).
+    under = b'{"prompt": "' + b"a" * (1 << 20) + b'"}'
+    _error(client.post("/v1/completions", content=under, headers=headers), 400)
+    assert client.get("/health").status_code == 200
+
+
+def test_queue_limit_counts_sequences(guarded_server: Server):
+    """A queue of one sequence: one prompt with n = 2 (or two prompts) is refused whole with 503
+    and Retry-After, before any of it is queued; n = 1 is served."""
+    with guarded_server.client() as client:
+        before = guarded_server.metrics()
+        for body in ({"prompt": "x", "n": 2}, {"prompt": ["x", "y"]}, {"prompt": "x", "n": 128}):
+            response = client.post("/v1/completions", json={**body, "max_tokens": 4})
+            error = _error(response, 503)
+            assert error["code"] == "queue_full", error
+            assert response.headers["retry-after"].isdigit()
+        after = guarded_server.metrics()
+        assert after["corun:prompt_tokens_total"] == before["corun:prompt_tokens_total"]
+        assert after.get("corun:request_success_total[abort]", 0.0) == before.get(
+            "corun:request_success_total[abort]", 0.0
+        )
+        ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert ok.status_code == 200
