@@ -16,11 +16,13 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
 
+from corun.config import PREFILL_POLICIES, EngineConfig
 from kernels.mode import Mode
 
 # corun.api.server.DEFAULT_MAX_REQUEST_BODY_BYTES (tests/api/test_cli.py checks it), not
@@ -41,6 +43,9 @@ class _OneDefaultFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or action.default in (None, False, argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
+
+
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,10 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         default="corun",
         choices=[m.value for m in Mode],
-        help="corun = isolated prefill + fixed-B decode, deterministic; "
-        "batch_invariant = dynamic batching with batch-invariant kernels, "
-        "deterministic; 'default' = dynamic batching, fastest kernels, not deterministic "
-        "(default: corun)",
+        help="corun = fixed-shape prefill steps + fixed-B decode, deterministic; "
+        "batch_invariant = dynamic batching with one portable batch-invariant kernel config, "
+        "deterministic; batch_invariant_tuned = the same with kernel tiles tuned per shape "
+        "(reduction order pinned), deterministic; 'default' = dynamic batching, fastest "
+        "kernels, not deterministic (default: corun)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -96,6 +102,42 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=512,
         help="prefill chunk size C (corun prefills in chunks aligned at multiples of C)",
+    )
+    p.add_argument(
+        "--prefill-policy",
+        default=_ENGINE_DEFAULTS["prefill_policy"],
+        choices=list(PREFILL_POLICIES),
+        help="corun: 'packed' = aligned chunks of several requests in one step of exactly "
+        "--prefill-step-tokens tokens; 'isolated' = one chunk per step, padded to its bucket",
+    )
+    p.add_argument(
+        "--prefill-step-tokens",
+        type=int,
+        default=_ENGINE_DEFAULTS["prefill_step_tokens"],
+        help="T, the token count of a packed corun prefill step",
+    )
+    p.add_argument(
+        "--max-prefill-seqs-per-step",
+        type=int,
+        default=_ENGINE_DEFAULTS["max_prefill_seqs_per_step"],
+        help="R, chunk rows of a packed corun prefill step",
+    )
+    p.add_argument(
+        "--prefill-token-budget",
+        type=int,
+        default=_ENGINE_DEFAULTS["prefill_token_budget"],
+        help="corun: padded prefill tokens that may run between two decode steps",
+    )
+    p.add_argument(
+        "--overlap-prefill-decode",
+        action="store_true",
+        help="corun: each decode step carries one prefill step on a second CUDA stream",
+    )
+    p.add_argument(
+        "--decode-split-size",
+        type=int,
+        default=_ENGINE_DEFAULTS["decode_split_size"],
+        help="decode attention split size in tokens (corun, batch_invariant)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
@@ -181,6 +223,12 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         decode_batch_size=args.decode_batch_size,
         prefill_chunk_size=args.prefill_chunk_size,
+        prefill_policy=args.prefill_policy,
+        prefill_step_tokens=args.prefill_step_tokens,
+        max_prefill_seqs_per_step=args.max_prefill_seqs_per_step,
+        prefill_token_budget=args.prefill_token_budget,
+        overlap_prefill_decode=args.overlap_prefill_decode,
+        decode_split_size=args.decode_split_size,
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
         num_kv_blocks=args.num_kv_blocks,
         dtype=args.dtype or ("bfloat16" if is_cuda else "float32"),
@@ -232,7 +280,6 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
     """The engine (built and warmed up here, before the port opens) and the FastAPI app;
     ``on_engine_failure(exc)`` runs if the engine dies."""
     from corun.api.server import create_app
-    from corun.config import EngineConfig
     from corun.default_model import DEFAULT_MODEL_NAME
     from corun.engine import LLMEngine
     from models.parallel import WorkerError

@@ -102,7 +102,7 @@ def bmm(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig) -> torch.Tensor:
     under batch_invariant, where each head is a Triton GEMM so a row never depends on M. Torch
     backend: one batched matmul under default, else each head through ``_torch_matmul``.
     """
-    if ops.backend == "triton" and ops.mode is not Mode.BATCH_INVARIANT:
+    if ops.backend == "triton" and not ops.mode.is_batch_invariant:
         return torch.matmul(x, weight.transpose(1, 2))
     if ops.backend == "torch" and ops.mode is Mode.DEFAULT:
         return torch.matmul(x, weight.transpose(1, 2))
@@ -180,7 +180,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return prefill_kernel(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                               batch.context_lens, scale, max_q_len=batch.max_q_len,
                               mode=batch.ops.mode)
-    if batch.ops.mode is Mode.BATCH_INVARIANT:
+    if batch.ops.mode.is_batch_invariant:
         return _prefill_per_query(q, k_cache, v_cache, batch, scale)
     return ref.prefill_attention_reference(q, k_cache, v_cache, batch.block_tables,
                                            batch.cu_seqlens_q, batch.context_lens, scale)
@@ -255,7 +255,7 @@ def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qb = q[cu_q[b] : cu_q[b + 1]].to(acc)
         kb, vb = k[cu_k[b] : cu_k[b + 1]].to(acc), v[cu_k[b] : cu_k[b + 1]].to(acc)
         q_pos = torch.arange(qb.shape[0], device=q.device) + (kb.shape[0] - qb.shape[0])
-        if ops.mode is Mode.BATCH_INVARIANT:
+        if ops.mode.is_batch_invariant:
             # One query at a time over exactly its causal prefix: a token's bits must not depend
             # on how the dynamic schedule chunked its prompt (see _prefill_per_query).
             for i, pos in enumerate(q_pos.tolist()):
@@ -311,8 +311,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if ops.backend == "triton":
         from kernels.moe import fused_moe as fused_moe_kernel
 
+        # Ids straight from the routers are in range: skip the host-side check (a device sync
+        # per layer that stalls the launch queue).
         return fused_moe_kernel(x, w13, w2, topk_weights, topk_ids, mode=ops.mode,
-                                token_mask=token_mask)
+                                token_mask=token_mask, check_ids=False)
     # An expert's row count depends on the other tokens' routing: 16-row tiles in every mode
     # but default, so a row's bits depend on neither that count nor its place among the rows.
     expert_mode = Mode.DEFAULT if ops.mode is Mode.DEFAULT else Mode.BATCH_INVARIANT
