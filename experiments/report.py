@@ -175,7 +175,50 @@ def columns_block(name: str, columns: list[tuple[str, str]]) -> Callable[[dict, 
     return render
 
 
+def offline_summary_block(head: dict, records: list[dict]) -> str:
+    """The offline headline as sentences, every figure read from the file."""
+    by = {r["mode"]: r for r in records}
+    lines = [_source(head, "offline-h200"), ""]
+    corun = by.get("corun")
+    if corun:
+        peers = [f"{_fmt(corun[f'throughput_vs_{p}'])}x `{p}`" for p in
+                 ("default", "batch_invariant_tuned", "batch_invariant")
+                 if f"throughput_vs_{p}" in corun]
+        lines.append(f"- **Throughput.** `corun` {_fmt(corun['output_tok_s'])} output tok/s on "
+                     f"{corun['requests']} requests: {', '.join(peers)}.")
+    audited = [r for r in records if "mismatches" in r]
+    if audited:
+        parts = [f"`{r['mode']}` {r['mismatches']} ({r['mismatches_reschedule']} of "
+                 f"{r['audit_requests']} rescheduled, {r['mismatches_alone']} of "
+                 f"{r['alone_sample']} alone)" for r in audited]
+        lines.append("- **Determinism.** Fingerprint mismatches against the main run: "
+                     + "; ".join(parts) + ".")
+    graphs = [r for r in records if "graph_vs_eager_mismatches" in r]
+    if graphs:
+        lines.append("- **Graph replay vs eager** (short requests replayed from the graphs and "
+                     "run eagerly): " + "; ".join(
+                         f"`{r['mode']}` {r['graph_vs_eager_mismatches']} of "
+                         f"{r['graph_vs_eager_requests']} differ" for r in graphs) + ".")
+    if corun and "decode_steps" in corun:
+        peer = by.get("default", {})
+        lines.append(
+            f"- **Where corun's time goes.** {corun['prefill_steps']} packed prefill steps "
+            f"({_fmt(corun['prefill_seconds'])} s, {_fmt(corun['prefill_real_token_fraction'])} "
+            f"of their rows real) and {corun['decode_steps']} decode steps "
+            f"({_fmt(corun['decode_seconds'])} s, {_fmt(corun['decode_live_mean'])} live of "
+            f"{corun['config']['decode_batch_size']} on average; p50 "
+            f"{_fmt(corun['decode_step_ms_p50'])} ms, "
+            f"{_fmt(corun['decode_step_over_own_bound_p50'])}x the step's own memory bound)"
+            + (f"; `default` ran {peer['prefill_steps']} mixed steps "
+               f"({_fmt(peer['prefill_seconds'])} s) and {peer['decode_steps']} decode steps "
+               f"({_fmt(peer['decode_seconds'])} s)" if "decode_steps" in peer else "")
+            + f". TPOT p50 is {_fmt(corun.get('tpot_p50_over_bound'))}x the decode bound at the "
+            f"mean live count.")
+    return "\n".join(lines)
+
+
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
+    "offline-h200-summary": offline_summary_block,
     "offline-h200": columns_block("offline-h200", [
         ("mode", "mode"), ("requests", "requests"), ("output_tok_s", "output tok/s"),
         ("throughput_vs_default", "vs default"),
@@ -209,7 +252,7 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "kernels-h200": kernels_block,
     "kernels-h200-summary": kernels_summary_block,
 }
-ALIASES = {"kernels-h200-summary": "kernels-h200"}
+ALIASES = {"kernels-h200-summary": "kernels-h200", "offline-h200-summary": "offline-h200"}
 
 
 def render_readme(text: str) -> str:
