@@ -125,7 +125,7 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk_size: {self.prefill_chunk_size} is not a multiple "
                              f"of {self.prefill_alignment}, the prefill kernel's query tile: "
                              f"batch_invariant chunks must end on it")
-        if self.prefill_step_tokens < self.prefill_chunk_size:
+        if self.is_packed_prefill and self.prefill_step_tokens < self.prefill_chunk_size:
             raise ValueError(f"prefill_step_tokens: {self.prefill_step_tokens} cannot hold one "
                              f"chunk of prefill_chunk_size {self.prefill_chunk_size}")
         if self.block_size & (self.block_size - 1):

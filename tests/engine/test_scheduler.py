@@ -206,3 +206,23 @@ def test_corun_decode_never_exceeds_b_and_waiting_sequences_keep_arrival_order()
             assert [c.seq.seq_id for c in out.chunks] == ready[: len(out.chunks)]
             ahead |= len(ready) > 2
     assert ahead, "no sequence ever waited for a decode slot"
+
+
+def test_batch_invariant_cuts_chunks_only_at_the_prefill_tile():
+    """batch_invariant on the Triton backend: a chunk the leftover budget cuts ends at a multiple
+    of the prefill kernel's query tile (64 rows in fp32), a prompt's last chunk anywhere; default
+    cuts wherever the budget ends (the control)."""
+    def cuts(mode: str) -> list[int]:
+        config = _config(mode, backend="triton", dtype="float32", max_num_seqs=4,
+                         max_model_len=512, prefill_chunk_size=128, max_num_batched_tokens=150)
+        assert config.prefill_alignment == 64
+        sim = Sim(config, num_blocks=512)
+        for n in (70, 300, 90, 200):
+            sim.add(n, max_tokens=2)
+        sim.run()
+        return [c.end for out in sim.steps if not out.is_decode for c in out.chunks
+                if c.seq.is_prefilling or c.end < c.seq.num_prompt_tokens]
+
+    aligned = cuts("batch_invariant")
+    assert aligned and all(end % 64 == 0 for end in aligned)
+    assert any(end % 64 for end in cuts("default")), "default never cut off the tile: vacuous"
