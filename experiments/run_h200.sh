@@ -7,6 +7,7 @@
 #   models   experiments/bench_models.py -> models-h200.json
 #   offline  experiments/bench_offline.py -> offline-h200.json (+ png); OFFLINE_ARGS adds flags
 #   sweep    experiments/sweep_offline.py -> sweep-offline-h200.json (+ png)
+#   headline  SWEEP_ARGS points -> sweep-offline-h200-run2.json, then offline at the best corun point
 #   gpuengine  tests/engine/test_gpu_engine.py (graph replay == eager, packed bits, BI-tuned)
 #   serving  experiments/bench_serving.py --launch -> serving-h200.json (+ png per mode)
 # Results land in $OUT/results (bundled as results.tgz), logs in $OUT/*.log. The image's python3
@@ -45,6 +46,14 @@ for stage in "$@"; do
     models)  run models ${MODELS_LIMIT:-150} python3 -m experiments.bench_models ;;
     offline) run offline ${OFFLINE_LIMIT:-300} python3 -m experiments.bench_offline ${OFFLINE_ARGS:-} ;;
     sweep)   run sweep ${SWEEP_LIMIT:-330} python3 -m experiments.sweep_offline --time-budget-s ${SWEEP_BUDGET:-300} ${SWEEP_ARGS:-} ;;
+    headline)  # more sweep points (SWEEP_ARGS), then the offline headline at the best corun point
+               # of every sweep file (the committed one and this run's)
+               run sweep ${SWEEP_LIMIT:-200} python3 -m experiments.sweep_offline --name sweep-offline-h200-run2 \
+                 --time-budget-s ${SWEEP_BUDGET:-170} ${SWEEP_ARGS:-}
+               best=$(python3 -m experiments.sweep_offline --print-best experiments/results/sweep-offline-h200.json \
+                 $(ls "$OUT"/results/sweep-offline-h200-run2.json 2>/dev/null))
+               echo "== best corun settings: $best"
+               run offline ${OFFLINE_LIMIT:-380} python3 -m experiments.bench_offline ${OFFLINE_ARGS:-} --corun-set $best ;;
     gpuengine) run gpuengine ${GPUENGINE_LIMIT:-150} python3 -m pytest -v --tb=short -p no:cacheprovider \
                tests/engine/test_gpu_engine.py \
                invariance_tests/test_engine_determinism.py::test_corun_graph_replay_matches_eager_on_gpu --timeout=140 ;;

@@ -24,6 +24,7 @@ import dataclasses
 import gc
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -55,6 +56,15 @@ def grid(b: int, dry_run: bool) -> list[tuple[str, dict]]:
     for step in (t // 2, 2 * t):
         points.append((f"T={step}", dict(base, prefill_step_tokens=step,
                                          prefill_token_budget=step)))
+    # The larger step with more prefill between decode steps (its own T as the unit), with and
+    # without overlap: the corners the single-axis points above point towards.
+    for mult in (2, 4):
+        points.append((f"T={2 * t},budget={mult}T", dict(base, prefill_step_tokens=2 * t,
+                                                        prefill_token_budget=2 * mult * t)))
+    points.append((f"T={2 * t},overlap,budget=2T", dict(
+        base, prefill_step_tokens=2 * t, prefill_token_budget=4 * t, overlap_prefill_decode=True)))
+    points.append((f"T={4 * t}", dict(base, prefill_step_tokens=4 * t,
+                                      prefill_token_budget=4 * t)))
     for chunk in (c // 2, 2 * c):
         points.append((f"C={chunk}", dict(base, prefill_chunk_size=chunk)))
     for mult in (2, 4):
@@ -74,6 +84,24 @@ def grid(b: int, dry_run: bool) -> list[tuple[str, dict]]:
             points.append((f"{mode},tokens={budget}", dict(mode=mode,
                                                            max_num_batched_tokens=budget)))
     return points
+
+
+SCHEDULING_FIELDS = ("decode_batch_size", "prefill_policy", "prefill_chunk_size",
+                     "prefill_step_tokens", "max_prefill_seqs_per_step", "prefill_token_budget",
+                     "overlap_prefill_decode")
+
+
+def best_corun_settings(records: list[dict]) -> list[str]:
+    """``KEY=VALUE`` overrides (bench_offline ``--corun-set``) of the corun point with the most
+    output tokens/s among ``records``."""
+    corun = [r for r in records if r["config"]["mode"] == "corun"]
+    if not corun:
+        raise ValueError("records: no corun point to choose from")
+    best = max(corun, key=lambda r: r["output_tok_s"])
+    def text(value) -> str:  # bench_offline's parse_overrides reads true / false
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return [f"{field}={text(best['config'][field])}" for field in SCHEDULING_FIELDS]
 
 
 def plot(records: list[dict], path) -> None:
@@ -112,7 +140,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-burst", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="sweep-offline-h200")
+    parser.add_argument("--print-best", metavar="RESULTS_JSON", nargs="+", default=None,
+                        help="print the best corun point's settings of these sweep files as "
+                             "bench_offline --corun-set arguments, and exit")
     args = parser.parse_args(argv)
+    if args.print_best:
+        records = [r for path in args.print_best for r in json.loads(Path(path).read_text())
+                   if not r.get("header")]
+        print(" ".join(best_corun_settings(records)))
+        return
     t0 = time.perf_counter()
     from models import build_model
 

@@ -233,7 +233,9 @@ def test_default_mode_negative_control():
 def test_corun_graph_replay_matches_eager_on_gpu():
     """On a GPU (triton kernels), a corun target's fingerprint is the same eager and replayed from
     the CUDA graph, alone and beside co-runners in other decode slots."""
-    kw = dict(TINY, device="cuda", dtype="bfloat16", block_size=16)  # triton: blocks >= 8
+    # triton: blocks >= 8; an explicit pool, since sizing from free memory would count what
+    # the previous engine of this loop still holds.
+    kw = dict(TINY, device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=64)
     corunners = [("co0", [5] * 21, SamplingParams(max_tokens=9, temperature=1.0, seed=3)),
                  ("co1", [7] * 3, SamplingParams(max_tokens=4, seed=4))]
     fingerprints = {}
