@@ -1,8 +1,12 @@
 """Row ops on the H200: rmsnorm (+ fused residual), rope, silu_mul vs torch eager, against the
 memory bound, plus bitwise invariance checks at the real shapes in bf16.
 
-``collect()`` times each op at M (tokens) in {1 ... 8192} against its torch-eager peer (the
-reference math of ``kernels/reference.py``) measured in the same call; ``bound_us`` is bytes moved /
+``collect()`` times each op at M (tokens) in {1 ... 8192} against its peers measured in the same
+call, the same way (CUDA-graph replay): torch eager (the reference math of
+``kernels/reference.py``), ``torch.compile`` of that math (dynamic shapes) and Liger-Kernel
+(``LigerRMSNormFunction``, ``LigerFusedAddRMSNormFunction``, ``LigerRopeFunction`` for the
+neox layout, ``LigerFusedGateUpSiLUMulFunction``; its wheel travels in ``.whl``). A row's ``peer``
+is the fastest of them, each one's time is kept as ``<peer>_us``. ``bound_us`` is bytes moved /
 4.3 TB/s and ``bw_fraction`` = bound_us / us (the target is >= 0.9 where launch overhead does not
 dominate, i.e. at M >= 2048; below that a few-microsecond launch is most of the time).
 
@@ -55,8 +59,11 @@ def _randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device=DEVICE, dtype=DTYPE)
 
 
-def _record(op, m, n, k, us, peer_us, num_bytes, **extra) -> dict:
+def _record(op, m, n, k, us, peers: dict[str, float], num_bytes, **extra) -> dict:
+    """One timing row against the fastest of ``peers`` (name -> us; every peer's time is kept as
+    ``<name>_us``, so the row also shows where each one stands)."""
     bound = memory_bound_us(num_bytes)
+    best = min(peers, key=peers.__getitem__)
     return kernel_record(
         op,
         str(Mode.CORUN),
@@ -65,32 +72,104 @@ def _record(op, m, n, k, us, peer_us, num_bytes, **extra) -> dict:
         k,
         DTYPE,
         us,
-        "torch-eager",
-        peer_us,
+        best,
+        peers[best],
         bound_us=round(bound, 3),
         bw_fraction=round(bound / us, 4),
-        peer_bw_fraction=round(bound / peer_us, 4),
+        peer_bw_fraction=round(bound / peers[best], 4),
+        **{f"{name.replace('-', '_')}_us": round(t, 3) for name, t in peers.items()},
         **extra,
     )
 
 
+class Peers:
+    """The peers of each row op: torch eager (the reference math), ``torch.compile`` of the same
+    math (dynamic shapes: one compile per op serves every M) and Liger-Kernel where its wheel is
+    installed (``liger_unavailable`` says why not). Timed like ours (``bench``)."""
+
+    def __init__(self, bench) -> None:
+        self.bench = bench
+        self.compiled = {name: torch.compile(fn, dynamic=True) for name, fn in (
+            ("rmsnorm", rmsnorm_reference), ("rope", rope_reference),
+            ("silu_mul", silu_mul_reference))}
+        try:
+            from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+            from liger_kernel.ops.rope import LigerRopeFunction
+            from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
+
+            self.liger = dict(rmsnorm=LigerRMSNormFunction,
+                              add_rmsnorm=LigerFusedAddRMSNormFunction, rope=LigerRopeFunction,
+                              silu_mul=LigerFusedGateUpSiLUMulFunction)
+            self.liger_unavailable = ""
+        except Exception as exc:  # recorded in the header of the run, never hidden
+            self.liger, self.liger_unavailable = {}, repr(exc)
+
+    def _time(self, peers: dict, name: str, fn) -> None:
+        try:
+            peers[name] = self.bench(fn)
+        except Exception as exc:  # a peer that fails at a shape is left out of that row only
+            print(f"peer {name} failed: {exc!r}", flush=True)
+
+    def rmsnorm(self, x, weight, residual=None) -> dict[str, float]:
+        peers = {"torch-eager": self.bench(partial(rmsnorm_reference, x, weight, 1e-6, residual))}
+        self._time(peers, "torch-compile",
+                   partial(self.compiled["rmsnorm"], x, weight, 1e-6, residual))
+        if self.liger and residual is None:
+            self._time(peers, "liger", lambda: self.liger["rmsnorm"].apply(
+                x, weight, 1e-6, 0.0, "llama", False))
+        elif self.liger:
+            self._time(peers, "liger", lambda: self.liger["add_rmsnorm"].apply(
+                x, residual, weight, 1e-6, 0.0, "llama", False))
+        return peers
+
+    def rope(self, q, k, positions, cache, is_neox: bool) -> dict[str, float]:
+        eager = partial(rope_reference, q, k, positions, cache, is_neox)
+        peers = {"torch-eager": self.bench(eager)}
+        self._time(peers, "torch-compile",
+                   partial(self.compiled["rope"], q, k, positions, cache, is_neox))
+        if self.liger and is_neox and q.is_contiguous():
+            # Liger takes cos/sin already gathered at the positions (gathered outside the timing:
+            # a small advantage to the peer) and q, k as [1, heads, tokens, dim] views.
+            cos, sin = _gathered_cos_sin(cache, positions, q.shape[-1])
+            q4, k4 = q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2)
+            self._time(peers, "liger", lambda: self.liger["rope"].apply(q4, k4, cos, sin))
+        return peers
+
+    def silu_mul(self, x) -> dict[str, float]:
+        peers = {"torch-eager": self.bench(partial(silu_mul_reference, x))}
+        self._time(peers, "torch-compile", partial(self.compiled["silu_mul"], x))
+        if self.liger:
+            self._time(peers, "liger", lambda: self.liger["silu_mul"].apply(x))
+        return peers
+
+
+def _gathered_cos_sin(cache: torch.Tensor, positions: torch.Tensor, dim: int):
+    """cos, sin [tokens, dim] (halves duplicated, the HF layout Liger reads) from our cache."""
+    half = cache.shape[-1] // 2
+    cos, sin = cache[positions, :half], cache[positions, half:]
+    return (torch.cat([cos, cos], -1).to(DTYPE).contiguous(),
+            torch.cat([sin, sin], -1).to(DTYPE).contiguous())
+
+
 def collect(quick: bool = False) -> list[dict]:
-    """Timing records: one per (op, shape, M), the torch-eager peer timed at the same point."""
+    """Timing records: one per (op, shape, M), every peer timed at the same point."""
     _require_cuda()
     torch.manual_seed(0)
     m_values = QUICK_M if quick else M_VALUES
     warmup_ms, rep_ms = (5, 20) if quick else (10, 30)
     bench = lambda fn: bench_us(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)  # noqa: E731
     records = []
+    peers = Peers(bench)
     for hidden in HIDDEN_SIZES[:1] if quick else HIDDEN_SIZES:
         weight = 1 + 0.1 * _randn(hidden)
         for m in m_values:
             x, residual = _randn(m, hidden), _randn(m, hidden)
             us = bench(partial(rmsnorm, x, weight, 1e-6))
-            peer = bench(partial(rmsnorm_reference, x, weight, 1e-6))
+            peer = peers.rmsnorm(x, weight)
             records.append(_record("rmsnorm", m, hidden, 0, us, peer, (2 * m + 1) * hidden * ELEM))
             us = bench(partial(rmsnorm, x, weight, 1e-6, residual))
-            peer = bench(partial(rmsnorm_reference, x, weight, 1e-6, residual))
+            peer = peers.rmsnorm(x, weight, residual)
             records.append(
                 _record("rmsnorm_residual", m, hidden, 0, us, peer, (4 * m + 1) * hidden * ELEM)
             )
@@ -101,7 +180,7 @@ def collect(quick: bool = False) -> list[dict]:
             k = _randn(m, k_heads, rotary_dim)
             positions = torch.randint(0, 8192, (m,), device=DEVICE)
             us = bench(partial(rope, q, k, positions, cache, is_neox, inplace=True))
-            peer = bench(partial(rope_reference, q, k, positions, cache, is_neox))
+            peer = peers.rope(q, k, positions, cache, is_neox)
             num_bytes = 2 * m * (q_heads + k_heads) * rotary_dim * ELEM + m * rotary_dim * 4
             policy = rope_config(m, q_heads, k_heads, rotary_dim, DTYPE)
             records.append(
@@ -133,7 +212,7 @@ def collect(quick: bool = False) -> list[dict]:
         for m in m_values:
             x = _randn(m, 2 * inter)
             us = bench(partial(silu_mul, x))
-            peer = bench(partial(silu_mul_reference, x))
+            peer = peers.silu_mul(x)
             records.append(_record("silu_mul", m, inter, 0, us, peer, 3 * m * inter * ELEM))
     return records
 

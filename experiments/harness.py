@@ -35,7 +35,7 @@ def bench_us(
     shapes an eager launch measures Python launch overhead rather than the kernel (METHOD.md).
     Ours and the peer are timed the same way. A function that cannot be captured (it syncs with
     the host) falls back to ``do_bench`` (CUDA events, L2 flushed between runs). Graph replays do
-    not flush L2, so operands that fit in the H200's 60 MB L2 are partly read from cache.
+    not flush L2, so operands that fit in the H200's 50 MB L2 are partly read from cache.
     """
     import triton.testing
 
