@@ -40,9 +40,10 @@ from experiments.bench_offline import (
 )
 from experiments.harness import write_results
 
+# The decode split size is baked into the captured graphs, so it keys the runner too.
 RUNNER_FIELDS = ("mode", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
                  "prefill_step_tokens", "max_prefill_seqs_per_step", "max_num_batched_tokens",
-                 "max_num_seqs")
+                 "max_num_seqs", "decode_split_size")
 
 
 def grid(b: int, dry_run: bool) -> list[tuple[str, dict]]:
@@ -63,6 +64,11 @@ def grid(b: int, dry_run: bool) -> list[tuple[str, dict]]:
                                                         prefill_token_budget=2 * mult * t)))
     points.append((f"T={2 * t},overlap,budget=2T", dict(
         base, prefill_step_tokens=2 * t, prefill_token_budget=4 * t, overlap_prefill_decode=True)))
+    # corun's decode attention split (tokens per split, fixed per config): larger splits write
+    # and combine fewer fp32 partials, which matters at B in the hundreds.
+    for split in (512, 1024):
+        points.append((f"T={2 * t},split={split}", dict(
+            base, prefill_step_tokens=2 * t, prefill_token_budget=2 * t, decode_split_size=split)))
     points.append((f"T={4 * t}", dict(base, prefill_step_tokens=4 * t,
                                       prefill_token_budget=4 * t)))
     for chunk in (c // 2, 2 * c):
@@ -88,20 +94,30 @@ def grid(b: int, dry_run: bool) -> list[tuple[str, dict]]:
 
 SCHEDULING_FIELDS = ("decode_batch_size", "prefill_policy", "prefill_chunk_size",
                      "prefill_step_tokens", "max_prefill_seqs_per_step", "prefill_token_budget",
-                     "overlap_prefill_decode")
+                     "overlap_prefill_decode", "decode_split_size")
 
 
-def best_corun_settings(records: list[dict]) -> list[str]:
-    """``KEY=VALUE`` overrides (bench_offline ``--corun-set``) of the corun point with the most
-    output tokens/s among ``records``."""
-    corun = [r for r in records if r["config"]["mode"] == "corun"]
-    if not corun:
-        raise ValueError("records: no corun point to choose from")
-    best = max(corun, key=lambda r: r["output_tok_s"])
+def best_corun_settings(runs: list[list[dict]]) -> list[str]:
+    """``KEY=VALUE`` overrides (bench_offline ``--corun-set``) of the corun point with the highest
+    output tokens/s relative to ``default`` in its own run: each run's records carry a default
+    point, so runs of other request counts or machines compare as ratios to their own peer."""
+    scored = []
+    for records in runs:
+        peers = [r["output_tok_s"] for r in records if r["config"]["mode"] == "default"]
+        if not peers:
+            raise ValueError("runs: every sweep file needs a default point to compare against")
+        scored += [(r["output_tok_s"] / max(peers), r) for r in records
+                   if r["config"]["mode"] == "corun"]
+    if not scored:
+        raise ValueError("runs: no corun point to choose from")
+    best = max(scored, key=lambda pair: pair[0])[1]
     def text(value) -> str:  # bench_offline's parse_overrides reads true / false
         return str(value).lower() if isinstance(value, bool) else str(value)
 
-    return [f"{field}={text(best['config'][field])}" for field in SCHEDULING_FIELDS]
+    def value(field: str):  # points recorded before a field was swept ran at its default
+        return best["config"].get(field, EngineConfig.__dataclass_fields__[field].default)
+
+    return [f"{field}={text(value(field))}" for field in SCHEDULING_FIELDS]
 
 
 def plot(records: list[dict], path) -> None:
@@ -145,9 +161,9 @@ def main(argv: list[str] | None = None) -> None:
                              "bench_offline --corun-set arguments, and exit")
     args = parser.parse_args(argv)
     if args.print_best:
-        records = [r for path in args.print_best for r in json.loads(Path(path).read_text())
-                   if not r.get("header")]
-        print(" ".join(best_corun_settings(records)))
+        runs = [[r for r in json.loads(Path(path).read_text()) if not r.get("header")]
+                for path in args.print_best]
+        print(" ".join(best_corun_settings(runs)))
         return
     t0 = time.perf_counter()
     from models import build_model

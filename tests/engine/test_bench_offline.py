@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from experiments import bench_offline, sweep_offline
 
 TINY = ["--model", "tiny-qwen3", "--device", "cpu", "--dtype", "float32", "--num-requests", "6",
@@ -33,3 +35,22 @@ def test_sweep_dry_run_writes_points(tmp_path, monkeypatch):
     head, *records = json.loads((tmp_path / "sweep-test.json").read_text())
     assert {r["point"] for r in records} == {"base", "overlap,budget=1T", "default,tokens=256"}
     assert all(r["output_tok_s"] > 0 for r in records)
+
+
+def test_best_corun_settings_compares_each_run_to_its_own_default():
+    """A corun point of a shorter run (lower absolute tokens/s) wins when it is further ahead of
+    the default point of its own run; points recorded before a field existed take its default."""
+    from experiments.sweep_offline import best_corun_settings
+
+    def point(mode: str, tok_s: float, **config) -> dict:
+        return {"output_tok_s": tok_s, "config": {"mode": mode, **config}}
+
+    long_run = [point("corun", 3800.0, prefill_step_tokens=4096), point("default", 3900.0)]
+    short_run = [point("corun", 3000.0, prefill_step_tokens=8192, decode_split_size=1024),
+                 point("default", 2900.0)]
+    settings = best_corun_settings([long_run, short_run])
+    assert "prefill_step_tokens=8192" in settings and "decode_split_size=1024" in settings
+    settings = best_corun_settings([long_run])
+    assert "prefill_step_tokens=4096" in settings and "decode_split_size=256" in settings
+    with pytest.raises(ValueError, match="default point"):
+        best_corun_settings([[point("corun", 1.0)]])
