@@ -46,8 +46,8 @@ def paper_claims_block(head: dict, records: list[dict]) -> str:
     corun = [r for r in records if r.get("mode") == "corun" and "error" not in r]
     lines = [_source(head, "paper-h200"), ""]
     rows = []
-    spec = (("throughput", "output throughput", "+{0}% to +{1}%".format(
-                *claims.get("throughput_gain_over_batch_invariant_pct", ("?", "?")))),
+    low, high = claims.get("throughput_gain_over_batch_invariant_pct", ("?", "?"))
+    spec = (("throughput", "output throughput", f"+{low}% to +{high}%"),
             ("ttft", "TTFT (mean)", _pct(claims.get("ttft_change_pct_mean"))),
             ("tpot", "TPOT (mean)", _pct(claims.get("tpot_change_pct_mean"))))
     for peer in PEERS:

@@ -52,7 +52,8 @@ def test_atlas_marks_changes_and_skips(tmp_path, monkeypatch):
     skipped = {"op": "all_reduce", "impl": "NCCL", "policy": "vendor", "skipped": "1 GPU"}
     text = _render(tmp_path, monkeypatch, "invariance-atlas-h200", [skipped, row],
                    "invariance-atlas-h200")
-    assert "| gemm | cuBLAS | vendor | s | 0 | 0 | **6** of 4096 | 64, 128 | 0 · position-invariant |" in text
+    assert ("| gemm | cuBLAS | vendor | s | 0 | 0 | **6** of 4096 | 64, 128 "
+            "| 0 · position-invariant |") in text
     assert "not measured: 1 GPU" in text and "Of 1 cases measured, 1 are position" in text
 
 
