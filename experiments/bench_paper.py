@@ -27,9 +27,11 @@ families on the CPU in seconds (CI runs it).
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -96,12 +98,25 @@ def add_paper_ratios(records: list[dict]) -> None:
                         100 * (corun[key] / other[key] - 1), 1)
 
 
+def earlier_records(path: str | None, rerun: set[str]) -> tuple[list[dict], dict]:
+    """(records, truncation) of an earlier results file, less the models run again now."""
+    if path is None or not Path(path).exists():
+        return [], {}
+    head, *records = json.loads(Path(path).read_text())
+    kept = [r for r in records if r.get("model") not in rerun]
+    trunc = {f: t for f, t in head.get("truncation", {}).items() if f not in rerun}
+    return kept, trunc
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = bench_offline.build_parser()
     parser.description = __doc__.split("\n")[0]
     parser.add_argument("--models", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--dry-run", action="store_true",
                         help="the tiny configs on the CPU (CI smoke)")
+    parser.add_argument("--merge", default=None, metavar="PATH",
+                        help="keep the records of the models not run now from this earlier "
+                             "results file (one model per device call; ignored if missing)")
     # ~3 min per model on the H200 with four modes (the README's estimate); bench_offline's
     # headline uses 1000 requests on an 8 B model.
     parser.set_defaults(modes=list(MODES), num_requests=200, max_num_seqs=128,
@@ -129,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
                           "arrivals": "all at t=0", "corun_overrides": args.corun_overrides},
              "timing": "wall clock of each mode's main run after its warm-up; TTFT from the "
                        "common arrival time (all requests at t=0, so it includes queueing)"}
-    records: list[dict] = []
+    records, kept = earlier_records(args.merge, {f for f, _ in runs})
+    extra["truncation"] = {**kept, **extra["truncation"]}
     bar = tqdm(total=len(runs) * len(args.modes), desc="paper", unit="run")
     for family, config_name in runs:
         args.model = config_name
@@ -143,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
         for mode in args.modes:
             bar.set_postfix_str(f"{family} {mode}")
             base = {"model": family, "model_config": config_name,
-                    "layers": model[1].num_hidden_layers, "model_build_s": build_s}
+                    "layers": model[1].num_hidden_layers, "model_build_s": build_s,
+                    "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                        timespec="seconds")}  # merged files mix runs: each record its date
             try:
                 record = {**base, **bench_offline.bench_variant(mode, model, args, work)}
             except Exception as exc:  # one mode failing (e.g. out of memory) keeps the others

@@ -250,7 +250,6 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("peak_memory_gb", "peak GB"),
     ]),
     "serving-h200": columns_block("serving-h200", SERVING_COLUMNS),
-    "ablate-serving-load-h200": columns_block("ablate-serving-load-h200", SERVING_COLUMNS),
     "kernels-h200": kernels_block,
     "kernels-h200-summary": kernels_summary_block,
 }

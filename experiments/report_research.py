@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from experiments.report import _fmt, _source, _table
+from experiments.report import SERVING_COLUMNS, _fmt, _source, _table, columns_block
 
 PEERS = ("batch_invariant", "batch_invariant_tuned")
 PEER_NAMES = {"batch_invariant": "batch-invariant (portable)",
@@ -139,7 +139,10 @@ def research_view(name: str) -> Callable[[dict, list[dict]], str] | None:
         return paper_claims_block
     if name == "invariance-atlas-h200":
         return atlas_block
-    if name.startswith("ablate-") and name != "ablate-serving-load-h200":
+    if name == "ablate-serving-load-h200":
+        table = columns_block(name, SERVING_COLUMNS)
+        return lambda head, records: f"{table(head, records)}\n\n![{name}](results/{name}.png)"
+    if name.startswith("ablate-"):
         return ablate_block(name)
     return None
 
