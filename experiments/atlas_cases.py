@@ -26,13 +26,15 @@ SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "M
 REAL = dict(dtype=torch.bfloat16, hidden=4096, gemm_n=4096, gemm_k=12288, inter=12288,
             q_heads=32, kv_heads=8, head_dim=128, vocab=151936, moe_model="qwen3-235b-a22b",
             block=16, decode_len=3000, max_len=8192, prefill_len=1024, sdpa_len=4096,
+            sdpa_prefill_len=2048,  # the math backend materialises B x 32 x L x L scores
             batch=256, sizes=(1, 2, 8, 32, 64, 128, 512, 2048),
             attn_batch=16, attn_sizes=(1, 2, 4, 8, 16, 32, 64),
             prefill_batch=8, prefill_sizes=(1, 2, 4, 8, 16), sample_batch=64,
             sample_sizes=(1, 2, 8, 32, 64, 256))
 TINY = dict(dtype=torch.float32, hidden=64, gemm_n=32, gemm_k=64, inter=64, q_heads=4,
             kv_heads=2, head_dim=16, vocab=256, moe_model="tiny-qwen3-moe", block=16,
-            decode_len=40, max_len=128, prefill_len=32, sdpa_len=32, batch=4, sizes=(1, 2, 4),
+            decode_len=40, max_len=128, prefill_len=32, sdpa_len=32, sdpa_prefill_len=32,
+            batch=4, sizes=(1, 2, 4),
             attn_batch=3, attn_sizes=(1, 2, 3), prefill_batch=2, prefill_sizes=(1, 2),
             sample_batch=3, sample_sizes=(1, 3))
 
@@ -217,10 +219,11 @@ def attention_cases(bank: Bank, s: dict) -> list[Case]:
 def _sdpa_cases(bank: Bank, s: dict) -> list[Case]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    qh, kh, d, n = s["q_heads"], s["kv_heads"], s["head_dim"], s["sdpa_len"]
+    qh, kh, d = s["q_heads"], s["kv_heads"], s["head_dim"]
     group = qh // kh
 
     def run(ids, backend, decode):
+        n = s["sdpa_len"] if decode else s["sdpa_prefill_len"]
         q = bank.rows("sq", ids, (qh, 1 if decode else n, d))
         k = bank.rows("sk", ids, (kh, n, d)).repeat_interleave(group, 1)
         v = bank.rows("sv", ids, (kh, n, d)).repeat_interleave(group, 1)
@@ -231,10 +234,11 @@ def _sdpa_cases(bank: Bank, s: dict) -> list[Case]:
     for backend in SDPA_BACKENDS:
         cases += [
             Case("decode_attention", f"sdpa {backend}", "vendor",
-                 f"q len 1, kv {n}, {qh} heads (K/V repeated from {kh}), D {d}",
+                 f"q len 1, kv {s['sdpa_len']}, {qh} heads (K/V repeated from {kh}), D {d}",
                  s["attn_batch"], s["attn_sizes"], lambda ids, b=backend: run(ids, b, True)),
             Case("prefill_attention", f"sdpa {backend}", "vendor",
-                 f"causal, len {n}, {qh} heads (K/V repeated from {kh}), D {d}",
+                 f"causal, len {s['sdpa_prefill_len']}, {qh} heads (K/V repeated from {kh}), "
+                 f"D {d}",
                  s["prefill_batch"], s["prefill_sizes"],
                  lambda ids, b=backend: run(ids, b, False))]
     return cases
