@@ -240,6 +240,14 @@ def offline_summary_block(head: dict, records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+SERVING_COLUMNS = [
+    ("mode", "mode"), ("request_rate", "rate req/s"), ("max_concurrency", "concurrency"),
+    ("completed", "completed"), ("failed", "failed"), ("request_throughput", "req/s"),
+    ("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50 ms"),
+    ("p99_ttft_ms", "TTFT p99 ms"), ("median_tpot_ms", "TPOT p50 ms"),
+    ("p99_tpot_ms", "TPOT p99 ms"), ("median_itl_ms", "ITL p50 ms"),
+    ("median_e2el_ms", "E2E p50 ms"),
+]
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "offline-h200-summary": offline_summary_block,
     "offline-h200": columns_block("offline-h200", [
@@ -264,14 +272,7 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("decode_memory_bound_us", "bound us"), ("decode_fraction_of_bound", "of bound"),
         ("peak_memory_gb", "peak GB"),
     ]),
-    "serving-h200": columns_block("serving-h200", [
-        ("mode", "mode"), ("request_rate", "rate req/s"), ("max_concurrency", "concurrency"),
-        ("completed", "completed"), ("failed", "failed"), ("request_throughput", "req/s"),
-        ("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50 ms"),
-        ("p99_ttft_ms", "TTFT p99 ms"), ("median_tpot_ms", "TPOT p50 ms"),
-        ("p99_tpot_ms", "TPOT p99 ms"), ("median_itl_ms", "ITL p50 ms"),
-        ("median_e2el_ms", "E2E p50 ms"),
-    ]),
+    "serving-h200": columns_block("serving-h200", SERVING_COLUMNS),
     "kernels-h200": kernels_block,
     "kernels-h200-summary": kernels_summary_block,
 }
@@ -281,12 +282,12 @@ ALIASES = {"kernels-h200-summary": "kernels-h200", "offline-h200-summary": "offl
 def render_readme(text: str) -> str:
     def replace(match: re.Match) -> str:
         name = match.group(1)
-        loaded = _load(ALIASES.get(name, name))
-        body = (
-            "_not measured yet_"
-            if loaded is None
-            else VIEWS.get(name, generic_block(name))(*loaded)
-        )
+        from experiments.report_research import ALIASES as RESEARCH_ALIASES
+        from experiments.report_research import research_view
+
+        loaded = _load({**ALIASES, **RESEARCH_ALIASES}.get(name, name))
+        view = VIEWS.get(name) or research_view(name) or generic_block(name)
+        body = "_not measured yet_" if loaded is None else view(*loaded)
         return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
 
     return re.sub(r"<!-- results:([\w.-]+) -->.*?<!-- /results:\1 -->", replace, text, flags=re.S)

@@ -10,6 +10,13 @@
 #   headline  SWEEP_ARGS points -> sweep-offline-h200-run2.json, then offline at the best corun point
 #   gpuengine  tests/engine/test_gpu_engine.py (graph replay == eager, packed bits, BI-tuned)
 #   serving  experiments/bench_serving.py --launch -> serving-h200.json (+ png per mode)
+#   paper    experiments/bench_paper.py -> paper-h200.json; one family a call (~3-4 min each):
+#            PAPER_MODELS=hy3 (default all three: ~11 min, past one call's 10); it merges the
+#            committed experiments/results/paper-h200.json's other families; PAPER_ARGS adds flags
+#   atlas    experiments/invariance_atlas.py -> invariance-atlas-h200.json (< 3 min)
+#   ablate-AXIS  experiments/ablate.py AXIS -> ablate-AXIS-h200.json + png, e.g. ablate-overlap;
+#            AXIS: decode-batch decode-split-size cuda-graphs prefill-policy prefill-chunk
+#            prefill-step-tokens stall-budget overlap kernel-policy serving-load; ABLATE_ARGS adds flags
 # Results land in $OUT/results (bundled as results.tgz), logs in $OUT/*.log. The image's python3
 # holds torch/triton; packages it lacks travel as wheels in .whl (carry it).
 set -uo pipefail
@@ -63,6 +70,15 @@ for stage in "$@"; do
                --time-budget-s ${SERVING_BUDGET:-110} --result-dir "$OUT/results" ;;
     gputest) run gputest ${GPUTEST_LIMIT:-60} python3 -m pytest -v --tb=short -p no:cacheprovider \
                invariance_tests/test_engine_determinism.py -k "graph" --timeout=55 ;;
+    paper)   run paper ${PAPER_LIMIT:-570} python3 -m experiments.bench_paper \
+               --models ${PAPER_MODELS:-qwen3-235b-a22b deepseek-v3 hy3} \
+               --merge experiments/results/paper-h200.json ${PAPER_ARGS:-} ;;
+    atlas)   run atlas ${ATLAS_LIMIT:-200} python3 -m experiments.invariance_atlas \
+               --time-budget-s ${ATLAS_BUDGET:-160} ${ATLAS_ARGS:-} ;;
+    ablate-serving-load) run ablate-serving-load ${ABLATE_LIMIT:-570} python3 -m experiments.ablate \
+               serving-load --time-budget-s ${ABLATE_BUDGET:-240} ${ABLATE_ARGS:-} ;;
+    ablate-*) run "$stage" ${ABLATE_LIMIT:-570} python3 -m experiments.ablate "${stage#ablate-}" \
+               --time-budget-s ${ABLATE_BUDGET:-450} ${ABLATE_ARGS:-} ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -43,7 +43,37 @@ from experiments.harness import write_results
 # The decode split size is baked into the captured graphs, so it keys the runner too.
 RUNNER_FIELDS = ("mode", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
                  "prefill_step_tokens", "max_prefill_seqs_per_step", "max_num_batched_tokens",
-                 "max_num_seqs", "decode_split_size")
+                 "max_num_seqs", "overlap_prefill_decode",  # overlap sizes the workspace
+                 "decode_split_size")
+
+
+def release_runner(runner: ModelRunner | None) -> None:
+    """Free a runner's KV cache, graphs and buffers before the next one is built (an engine
+    still referring to it no longer pins them); the shared weights stay."""
+    if runner is None:
+        return
+    cuda = runner.device.type == "cuda"
+    runner.destroy()
+    del runner
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def measure_point(config: EngineConfig, runner: ModelRunner, work, args: argparse.Namespace,
+                  label: str) -> tuple[LLMEngine, dict, dict]:
+    """One point on ``runner``: warm-up, then the whole workload timed with a per-step profile.
+    Returns (engine, index -> final output, record of throughput, latency and profile)."""
+    engine = LLMEngine(config, model_runner=runner, profile_steps=True)
+    warm_up(engine, work, args)
+    engine.step_records.clear()
+    finals, seconds = run_workload(engine, work, list(range(len(work.prompts))), desc=label)
+    outputs = list(finals.values())
+    record = {"output_tok_s": round(sum(len(o.token_ids) for o in outputs) / seconds, 2),
+              "wall_s": round(seconds, 3), **latency_stats(outputs),
+              "num_preemptions": engine.stats()["num_preemptions"],
+              **step_profile(engine.step_records, runner)}
+    return engine, finals, record
 
 
 def grid(b: int, dry_run: bool) -> list[tuple[str, dict]]:
@@ -193,30 +223,16 @@ def main(argv: list[str] | None = None) -> None:
             continue
         key = tuple(getattr(config, f) for f in RUNNER_FIELDS)
         if key != runner_key:
-            if runner is not None:
-                runner.destroy()  # frees its KV cache even while an engine still refers to it
-                del runner
-                gc.collect()
-                if base.is_cuda:
-                    torch.cuda.empty_cache()
+            release_runner(runner)
             runner, runner_key = ModelRunner(config, model=model), key
-        engine = LLMEngine(config, model_runner=runner, profile_steps=True)
-        warm_up(engine, work, args)
-        engine.step_records.clear()
-        finals, seconds = run_workload(engine, work, list(range(len(work.prompts))),
-                                       desc=label)
-        outputs = list(finals.values())
-        record = {"point": label, "output_tok_s": round(
-            sum(len(o.token_ids) for o in outputs) / seconds, 2), "wall_s": round(seconds, 3),
-            **latency_stats(outputs), **step_profile(engine.step_records, runner),
-            "config": {f: getattr(config, f) for f in (*RUNNER_FIELDS, "prefill_token_budget",
-                                                      "overlap_prefill_decode")}}
+        engine, finals, record = measure_point(config, runner, work, args, label)
+        record = {"point": label, **record, "config": {
+            f: getattr(config, f) for f in (*RUNNER_FIELDS, "prefill_token_budget")}}
         record["config"]["mode"] = config.kernel_mode.value
         records.append(record)
         print(json.dumps(record), flush=True)
         path = write_results(args.name, records, **extra)
-    if runner is not None:
-        runner.destroy()
+    release_runner(runner)
     if records:
         plot(records, path.with_suffix(".png"))
         print(f"wrote {path} in {time.perf_counter() - t0:.0f} s")

@@ -195,11 +195,16 @@ def _prefill_per_query(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     prefix, makes a token's bits a function of its own position only - the same as decode.
     """
     cu = batch.cu_seqlens_q.long()
-    q_lens = cu[1:] - cu[:-1]
-    seq_of_token = torch.repeat_interleave(torch.arange(q_lens.numel(), device=q.device), q_lens)
-    token_lens = (batch.positions + 1).to(torch.int32)
-    return ref.decode_attention_reference(q, k_cache, v_cache, batch.block_tables[seq_of_token],
-                                          token_lens, scale)
+    num_seqs = cu.numel() - 1
+    # A packed step (batch-invariant kernels under corun's schedule) ends in padding tokens that
+    # belong to no sequence: they form an extra "sequence" of length 0, whose rows are zeros.
+    q_lens = torch.cat([cu[1:] - cu[:-1], q.shape[0] - cu[-1:]])
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs + 1, device=q.device), q_lens,
+                                           output_size=q.shape[0])
+    padding = seq_of_token == num_seqs
+    token_lens = torch.where(padding, 0, batch.positions + 1).to(torch.int32)
+    tables = batch.block_tables[seq_of_token.clamp(max=num_seqs - 1)]
+    return ref.decode_attention_reference(q, k_cache, v_cache, tables, token_lens, scale)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -120,6 +120,8 @@ class MLAAttention(nn.Module):
         lengths = batch.context_lens_host
         if lengths is None:  # a direct caller without host lengths: read them (a device sync)
             lengths = tuple(batch.context_lens.tolist())
+        if not lengths:  # a packed step of padding only (warm-up): its rows are zeros
+            return q.new_zeros(q.shape[0], self.num_heads, self.v_dim)
         slots = []
         for b, length in enumerate(lengths):
             pos = torch.arange(length, device=q.device)

@@ -1,0 +1,78 @@
+"""``python -m experiments.ablate serving-load``: the load axis, over HTTP.
+
+One ``corun.serve`` per mode (``experiments.bench_serving --launch``: warm-up requests, then
+Poisson arrivals at each rate, streaming, vLLM's record format), rates from 1 req/s up to
+saturation (``inf``: every request at t=0, the server's own throughput limit). Writes
+``experiments/results/ablate-serving-load-h200.json`` (bench_serving's records) and a PNG of
+output tok/s, TTFT p50 and TPOT p50 against the rate, one line per mode. The budget
+(``--time-budget-s``) is split over the modes and rates by bench_serving and cuts each run's
+request count to fit; server start-ups come on top (about a minute each at the Qwen3-8B shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from experiments import bench_serving
+from experiments.harness import RESULTS_DIR
+
+SERVING_MODES = ("corun", "batch_invariant_tuned", "batch_invariant", "default")
+DRY_RUN = dict(modes=("corun",), rates="4,inf", server_args="--device cpu --dtype float32 "
+               "--max-num-seqs 4 --max-model-len 128", input_len=16, output_len=4, num_prompts=4,
+               warmup_requests=1)
+
+
+def serving_argv(args: argparse.Namespace, out_dir: Path) -> list[str]:
+    dry = DRY_RUN if args.dry_run else {}
+    modes = args.modes or dry.get("modes", SERVING_MODES)
+    return ["--launch", "--model", args.model, "--modes", ",".join(modes),
+            "--server-args", dry.get("server_args", args.server_args),
+            "--request-rate", dry.get("rates", args.rates),
+            "--random-input-len", str(dry.get("input_len", 1024)),
+            "--random-output-len", str(dry.get("output_len", 256)),
+            "--num-prompts", str(dry.get("num_prompts", args.num_requests)),
+            "--warmup-requests", str(dry.get("warmup_requests", 32)),
+            "--time-budget-s", str(args.time_budget_s), "--seed", str(args.seed),
+            "--result-name", args.name, "--result-dir", str(out_dir)]
+
+
+def serving_load(args: argparse.Namespace) -> None:
+    out_dir = Path(os.environ.get("CORUN_RESULTS_DIR", RESULTS_DIR))
+    if args.dry_run:
+        args.model = "tiny-qwen3"
+    bench_serving.main(serving_argv(args, out_dir))
+    path = out_dir / f"{args.name}.json"
+    records = [r for r in json.loads(path.read_text()) if not r.get("header")]
+    plot(records, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["request_rate"] for r in records},
+                   key=lambda r: float("inf") if r == "inf" else float(r))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for mode in dict.fromkeys(r["mode"] for r in records):
+        rows = sorted((r for r in records if r["mode"] == mode and r.get("max_concurrency")
+                       is None), key=lambda r: rates.index(r["request_rate"]))
+        xs = [rates.index(r["request_rate"]) for r in rows]
+        for ax, key in zip(axes, ("output_throughput", "median_ttft_ms", "median_tpot_ms"),
+                           strict=True):
+            ax.plot(xs, [r.get(key) or 0 for r in rows], "o-", label=mode)
+    for ax, label in zip(axes, ("output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)"), strict=True):
+        ax.set_xticks(range(len(rates)), [str(r) for r in rates])
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("ablation: serving load (Poisson arrivals; inf = all at once)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

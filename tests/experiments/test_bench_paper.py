@@ -1,0 +1,35 @@
+"""bench_paper's dry run: the tiny twins of the paper's three families on the CPU write a results
+file with a header that says how deep each run is, one record per (model, mode), and corun's
+changes against its peers in the paper's form."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import bench_paper
+
+
+def test_dry_run_covers_the_three_families_over_two_calls(tmp_path, monkeypatch):
+    monkeypatch.setenv("CORUN_RESULTS_DIR", str(tmp_path))
+    common = ["--dry-run", "--modes", "default", "corun", "--num-requests", "4", "--name"]
+    bench_paper.main([*common, "paper-first", "--models", "qwen3-235b-a22b", "deepseek-v3"])
+    # A second call (one model per device call) keeps the first call's models.
+    bench_paper.main([*common, "paper-test", "--models", "hy3", "--merge",
+                      str(tmp_path / "paper-first.json")])
+    head, *records = json.loads((tmp_path / "paper-test.json").read_text())
+    assert head["header"] and head["paper_claims"]["ttft_change_pct_mean"] == -51.8
+    assert set(head["truncation"]) == {"qwen3-235b-a22b", "deepseek-v3", "hy3"}
+    assert head["truncation"]["hy3"]["config"] == "tiny-hy3"
+    assert [(r["model"], r["mode"]) for r in records] == [
+        (f, m) for f in ("qwen3-235b-a22b", "deepseek-v3", "hy3") for m in ("default", "corun")]
+    assert not [r for r in records if "error" in r] and all("measured_at" in r for r in records)
+    for corun in (r for r in records if r["mode"] == "corun"):
+        assert corun["mismatches"] == 0 and corun["output_tok_s"] > 0
+        assert "throughput_change_pct_vs_default" in corun and "tpot_change_pct_vs_default" in corun
+
+
+def test_truncated_configs_fit_one_h200_with_room_for_kv():
+    for family, (name, _) in bench_paper.FAMILIES.items():
+        info = bench_paper.truncation(family, name)
+        assert info["layers"] < info["full_layers"] and info["moe_layers"] >= 1
+        assert info["bf16_weight_gb"] < 0.75 * bench_paper.H200_BYTES / 1e9

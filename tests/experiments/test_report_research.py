@@ -1,0 +1,65 @@
+"""The research views render only what a results file holds: a claim row needs corun and that
+peer for some model, failed runs say so, the atlas marks changed cells."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import report
+
+HEAD = {"header": True, "machine": "NVIDIA H200", "torch": "2.11", "triton": "3.6",
+        "date": "d", "command": "c",
+        "paper_claims": {"throughput_gain_over_batch_invariant_pct": [15, 324],
+                         "ttft_change_pct_mean": -51.8, "tpot_change_pct_mean": -48.6},
+        "truncation": {"hy3": {"config": "hy3-l14", "layers": 14, "full_layers": 80,
+                               "bf16_weight_gb": 99.2}}}
+
+
+def _render(tmp_path, monkeypatch, name, records, block):
+    (tmp_path / f"{name}.json").write_text(json.dumps([HEAD, *records]))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    return report.render_readme(f"<!-- results:{block} -->\n<!-- /results:{block} -->")
+
+
+def test_paper_claims_rows_only_where_measured(tmp_path, monkeypatch):
+    records = [
+        {"model": "hy3", "mode": "batch_invariant", "output_tok_s": 100.0},
+        {"model": "hy3", "mode": "corun", "output_tok_s": 150.0,
+         "throughput_change_pct_vs_batch_invariant": 50.0,
+         "ttft_change_pct_vs_batch_invariant": -40.0},
+        {"model": "deepseek-v3", "mode": "corun", "error": "OutOfMemoryError: x"},
+    ]
+    text = _render(tmp_path, monkeypatch, "paper-h200", records, "paper-h200-claims")
+    assert "| output throughput vs batch-invariant (portable) | +15% to +324% | hy3 +50.0%" in text
+    assert "inside the range" in text and "+11.8 points" in text  # -40 vs -51.8
+    assert "TPOT" not in text and "tuned" not in text  # neither measured
+    table = _render(tmp_path, monkeypatch, "paper-h200", records, "paper-h200")
+    assert "failed: OutOfMemoryError" in table and "`hy3-l14`, 14 of 80 layers" in table
+
+
+def test_paper_claims_without_pairs(tmp_path, monkeypatch):
+    text = _render(tmp_path, monkeypatch, "paper-h200",
+                   [{"model": "hy3", "mode": "default", "output_tok_s": 1.0}],
+                   "paper-h200-claims")
+    assert "no model has both" in text
+
+
+def test_atlas_marks_changes_and_skips(tmp_path, monkeypatch):
+    row = {"op": "gemm", "impl": "cuBLAS", "policy": "vendor", "shape": "s", "other_rows": 0,
+           "row_index": 0, "batch_size": 6, "batch_sizes_changed": [64, 128],
+           "run_to_run": 0, "row_elements": 4096, "run_to_run_elements": 10,
+           "position_invariant": True, "batch_invariant": False, "deterministic": True}
+    skipped = {"op": "all_reduce", "impl": "NCCL", "policy": "vendor", "skipped": "1 GPU"}
+    text = _render(tmp_path, monkeypatch, "invariance-atlas-h200", [skipped, row],
+                   "invariance-atlas-h200")
+    assert ("| gemm | cuBLAS | vendor | s | 0 | 0 | **6** of 4096 | 64, 128 "
+            "| 0 · position-invariant |") in text
+    assert "not measured: 1 GPU" in text and "Of 1 cases measured, 1 are position" in text
+
+
+def test_ablate_view_links_its_png(tmp_path, monkeypatch):
+    records = [{"series": "corun", "value": 256, "output_tok_s": 10.0, "mismatches": 0},
+               {"series": "corun", "value": 512, "error": "ValueError: bad"}]
+    text = _render(tmp_path, monkeypatch, "ablate-overlap-h200", records, "ablate-overlap-h200")
+    assert "![ablate-overlap-h200](results/ablate-overlap-h200.png)" in text
+    assert "| corun | 512 | failed: ValueError: bad |" in text
