@@ -28,6 +28,8 @@ DRY_RUN = dict(modes=("corun",), rates="4,inf", server_args="--device cpu --dtyp
 def serving_argv(args: argparse.Namespace, out_dir: Path) -> list[str]:
     dry = DRY_RUN if args.dry_run else {}
     modes = args.modes or dry.get("modes", SERVING_MODES)
+    if not set(modes) <= set(SERVING_MODES):  # a server runs one engine mode, no variants
+        raise ValueError(f"modes: serving-load runs {', '.join(SERVING_MODES)}, got {modes}")
     return ["--launch", "--model", args.model, "--modes", ",".join(modes),
             "--server-args", dry.get("server_args", args.server_args),
             "--request-rate", dry.get("rates", args.rates),

@@ -19,7 +19,7 @@ Writes ``experiments/results/<--name>.json`` (header + one record per (model, mo
 after each, so a cut run keeps what it measured). ``--dry-run``: the tiny configs of the same
 families on the CPU in seconds (CI runs it).
 
-    python -m experiments.bench_paper                     # H200, ~3 min per model
+    python -m experiments.bench_paper --models hy3        # H200, ~3-4 min per model
     python -m experiments.bench_paper --models hy3 --num-requests 100
     python -m experiments.bench_paper --dry-run           # CPU, tiny-*, seconds
 """
@@ -117,10 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--merge", default=None, metavar="PATH",
                         help="keep the records of the models not run now from this earlier "
                              "results file (one model per device call; ignored if missing)")
-    # ~3 min per model on the H200 with four modes (the README's estimate); bench_offline's
+    # ~3-4 min per model on the H200 with four modes (an estimate); bench_offline's
     # headline uses 1000 requests on an 8 B model.
     parser.set_defaults(modes=list(MODES), num_requests=200, max_num_seqs=128,
-                        audit_requests=32, alone_sample=4, name="paper-h200")
+                        audit_requests=32, alone_sample=2, name="paper-h200")
     return parser
 
 

@@ -91,18 +91,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-budget-s", type=float, default=150.0)
     parser.add_argument("--name", default=None)
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.dry_run
-    if not cuda:  # before any kernel module imports triton
+    # Native on a GPU unless the interpreter is on (then the CPU); tiny shapes on the CPU or
+    # with --dry-run (on a GPU machine the dry run runs natively, as the kernel tests do).
+    native = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    if not native:  # before any kernel module imports triton
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    name = args.name or ("invariance-atlas-h200" if cuda else "invariance-atlas-cpu-dry-run")
+    device = torch.device("cuda" if native else "cpu")
+    tiny = args.dry_run or not native
+    name = args.name or ("invariance-atlas-h200" if not tiny
+                         else f"invariance-atlas-{device.type}-dry-run")
     from experiments.atlas_cases import REAL, TINY, all_cases
 
     t0 = time.perf_counter()
-    device = torch.device("cuda" if cuda else "cpu")
-    cases = [c for c in all_cases(device, tiny=not cuda)
+    cases = [c for c in all_cases(device, tiny=tiny)
              if (args.ops is None or c.op in args.ops)
              and (args.impls is None or any(w in c.impl for w in args.impls))]
-    sizes = TINY if not cuda else REAL
+    sizes = TINY if tiny else REAL
     extra = {"shapes": {k: (str(v) if isinstance(v, torch.dtype) else v)
                         for k, v in sizes.items()},
              "checks": {"other_rows": "(a) same batch size, the other rows' contents changed",
