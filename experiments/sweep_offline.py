@@ -148,9 +148,10 @@ def main(argv: list[str] | None = None) -> None:
                 if base.is_cuda:
                     torch.cuda.empty_cache()
             runner, runner_key = ModelRunner(config, model=model), key
+        # Warm up on an engine of its own: with prefix caching on, the warm-up's burst would
+        # leave the first requests' prompts cached for the timed run.
+        warm_up(LLMEngine(config, model_runner=runner), work, args)
         engine = LLMEngine(config, model_runner=runner, profile_steps=True)
-        warm_up(engine, work, args)
-        engine.step_records.clear()
         finals, seconds = run_workload(engine, work, list(range(len(work.prompts))),
                                        desc=label)
         outputs = list(finals.values())
