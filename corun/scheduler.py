@@ -19,6 +19,12 @@ One ``Scheduler`` serves all three modes; what differs is the ``BatchingPolicy``
   one prefill step (a *combined* step, run on two CUDA streams), which counts against the budget.
   Every step's ``StepShape`` is decided here, so the runner only fills and replays.
 
+Prefix caching: a waiting sequence is admitted with the cached prefix of its prompt it can take
+(``cached_start``: a multiple of ``config.prefix_cache_granularity``, the unit at which the
+policies' chunks after it have the bits of an uncached prefill); its first chunk starts there.
+After each prefill chunk commits, its prompt blocks in whole units are registered for later
+sequences (``corun.kv_cache``; DESIGN.md "Prefix caching").
+
 Preemption keeps the bits: when a sequence cannot get the block it needs, the most recently
 arrived running sequence is *swapped out*: the engine copies its KV blocks to host memory and the
 blocks are freed; it is swapped back into fresh blocks (same contents, so the same bits) before any
