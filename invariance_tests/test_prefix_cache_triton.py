@@ -8,8 +8,10 @@ corun packed with C = 64 (a multiple of the tile: hits at 64, the suffix's first
 starting inside no uncached chunk boundary but on a tile) and corun packed with C = 16 below the
 tile (hits at multiples of C).
 
-Under the interpreter the kernels keep more than they promise: reuse at block granularity (8,
-below the tile) also kept these bits, so the negative controls live on the torch backend
+Negative control: blocks written by decode steps (split-KV decode attention at M = 1) served as
+prompt blocks change a later request's bits. Under the interpreter the kernels keep more than
+they promise for granularity: reuse at block granularity (8, below the 64-token tile) kept these
+bits in every model tried, so that negative control lives on the torch backend
 (tests/engine/test_prefix_cache.py), where the unpromised reuse does change them.
 """
 
@@ -20,7 +22,13 @@ import os
 import pytest
 
 from corun.config import EngineConfig
-from tests.engine.prefix_workload import Req, prompt, run_each_alone, run_workload
+from tests.engine.prefix_workload import (
+    Req,
+    prompt,
+    register_decode_blocks_too,
+    run_each_alone,
+    run_workload,
+)
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -58,3 +66,19 @@ def test_hit_equals_miss_on_the_triton_backend(model, name):
 @pytest.mark.slow
 def test_hit_equals_miss_with_chunks_below_the_tile():
     _check("tiny-qwen3", "corun-C16")
+
+
+@pytest.mark.slow
+def test_reusing_decode_written_blocks_changes_bits_negative_control(monkeypatch):
+    """b's prompt is a's prompt plus a's 50 output tokens: with a's decode-written blocks
+    registered, b hits 64 tokens of which 44 were decoded, and its bits change."""
+    config = EngineConfig(model="tiny-qwen3", **BASE, **CONFIGS["batch_invariant"])
+    first = Req("a", prompt(1, 20), max_tokens=50)
+    output = run_workload(config, [first]).results["a"][0][0]
+    requests = [first, Req("b", prompt(1, 20) + output + prompt(6, 3), arrival_step=60,
+                           max_tokens=2)]
+    alone = run_each_alone(config, requests)
+    register_decode_blocks_too(monkeypatch)
+    broken = run_workload(config, requests)
+    assert broken.stats["prefix_cache_hits"] == 64
+    assert broken.results["a"] == alone["a"] and broken.results["b"] != alone["b"]

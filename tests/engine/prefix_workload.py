@@ -8,7 +8,10 @@ from dataclasses import dataclass
 
 from corun.config import EngineConfig
 from corun.engine import LLMEngine
+from corun.kv_cache import BlockManager
+from corun.prefix_cache import prompt_block_hashes
 from corun.sampling_params import SamplingParams
+from corun.scheduler import Scheduler
 
 # A sampled sample's result: (token ids, logprobs, fingerprint).
 Result = tuple[tuple[int, ...], tuple[float, ...] | None, str]
@@ -77,3 +80,23 @@ def prompt(seed: int, length: int, vocab: int = 256) -> tuple[int, ...]:
         x = (x * 1103515245 + 12345) % (1 << 31)
         out.append(x % vocab)
     return tuple(out)
+
+
+def register_decode_blocks_too(monkeypatch) -> None:
+    """Break the prefill-only rule (negative controls): every full block a sequence computed is
+    registered after every step, the blocks its decode steps wrote included."""
+
+    def register_everything(self, seq):
+        done = seq.num_computed_tokens // self.cache_granularity * self.cache_granularity
+        hashes = prompt_block_hashes(seq.token_ids, self.block_size)
+        for index in range(seq.num_cached_blocks, done // self.block_size):
+            self.allocator.register(seq.block_table[index], hashes[index])
+        seq.num_cached_blocks = max(seq.num_cached_blocks, done // self.block_size)
+
+    def commit_all(self, chunks):
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens = chunk.end
+            self.block_manager.register_prefill(chunk.seq)
+
+    monkeypatch.setattr(BlockManager, "register_prefill", register_everything)
+    monkeypatch.setattr(Scheduler, "commit_chunks", commit_all)

@@ -25,10 +25,15 @@ from corun.config import EngineConfig
 from corun.kv_cache import BlockAllocator, BlockManager
 from corun.prefix_cache import ROOT_HASH, hash_block, prompt_block_hashes
 from corun.sampling_params import SamplingParams
-from corun.scheduler import Scheduler
 from corun.sequence import Sequence
 from tests.engine.conftest import TINY
-from tests.engine.prefix_workload import Req, prompt, run_each_alone, run_workload
+from tests.engine.prefix_workload import (
+    Req,
+    prompt,
+    register_decode_blocks_too,
+    run_each_alone,
+    run_workload,
+)
 
 # -- hashes ------------------------------------------------------------------------------------
 
@@ -293,21 +298,7 @@ def test_reusing_decode_written_blocks_changes_bits_negative_control(monkeypatch
     alone = run_each_alone(config, requests)
     assert run_workload(config, requests).results == alone
 
-    def register_everything(self, seq):  # the rule broken: every full block, decode ones too
-        unit = self.cache_granularity
-        done = seq.num_computed_tokens // unit * unit // self.block_size
-        hashes = prompt_block_hashes(seq.token_ids, self.block_size)
-        for index in range(seq.num_cached_blocks, done):
-            self.allocator.register(seq.block_table[index], hashes[index])
-        seq.num_cached_blocks = max(seq.num_cached_blocks, done)
-
-    def commit_all(self, chunks):
-        for chunk in chunks:
-            chunk.seq.num_computed_tokens = chunk.end
-            self.block_manager.register_prefill(chunk.seq)
-
-    monkeypatch.setattr(BlockManager, "register_prefill", register_everything)
-    monkeypatch.setattr(Scheduler, "commit_chunks", commit_all)
+    register_decode_blocks_too(monkeypatch)
     broken = run_workload(config, requests)
     assert broken.stats["prefix_cache_hits"] > 16, "b did not reuse a's decode-written blocks"
     assert broken.results["a"] == alone["a"] and broken.results["b"] != alone["b"]
