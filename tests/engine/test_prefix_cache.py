@@ -130,11 +130,13 @@ def test_only_whole_units_of_prompt_prefill_are_registered():
     seq.num_computed_tokens = 10
     manager.register_prefill(seq)
     assert seq.num_cached_blocks == 2 and manager.allocator.num_cached_blocks == 2
-    seq.append_token(5)
-    seq.append_token(6)
-    seq.num_computed_tokens = 12  # block 2 is full now, but decode steps wrote half of it
+    for token in range(6):
+        seq.append_token(token)
+    manager.grow(seq, 16)
+    # 16 tokens computed: a whole second unit, but decode steps wrote most of it.
+    seq.num_computed_tokens = 16
     manager.register_prefill(seq)
-    assert manager.allocator.num_cached_blocks == 2
+    assert seq.num_cached_blocks == 2 and manager.allocator.num_cached_blocks == 2
 
 
 def test_release_frees_the_tail_first():
