@@ -8,6 +8,7 @@ back: a changed config is a new value made with ``dataclasses.replace``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kernels.mode import Mode
@@ -71,6 +72,10 @@ class EngineConfig:
     - ``tensor_parallel_size``: N ranks, each holding a shard of the model and of the KV cache
       (one GPU per rank with NCCL on CUDA, one CPU process per rank with gloo). The engine's
       process is rank 0 and schedules; ranks 1..N-1 are worker processes (``corun.tp_executor``).
+    - ``enable_prefix_caching``: reuse the K/V of full prompt blocks another sequence already
+      prefilled (vLLM's automatic prefix caching). A hit keeps the bits: a request's output is
+      the same whether 0, some or all of its prompt was cached (under corun and
+      batch_invariant), because hits are rounded down to ``prefix_cache_granularity`` tokens.
     - ``distributed_timeout_s``: how long a rank waits for its peers in one collective (and at
       start-up) before it fails; a dead worker is normally noticed much sooner (its exit or its
       closed connections).
@@ -100,6 +105,7 @@ class EngineConfig:
     max_queue_len: int | None = None
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 120.0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -168,6 +174,9 @@ class EngineConfig:
         if self.overlap_prefill_decode and self.tensor_parallel_size > 1:
             raise ValueError("overlap_prefill_decode: not supported with tensor_parallel_size "
                              f"{self.tensor_parallel_size} > 1 (collectives on two streams)")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching: expected a bool, "
+                             f"got {self.enable_prefix_caching!r}")
         if isinstance(self.distributed_timeout_s, bool) or not isinstance(
                 self.distributed_timeout_s, (int, float)) or not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s: expected a positive number of seconds, "
@@ -207,6 +216,34 @@ class EngineConfig:
         if self.resolved_backend == "torch":
             return 1
         return 64 if self._dtype_name() == "float32" else 128
+
+    @property
+    def prefix_cache_granularity(self) -> int | None:
+        """Token multiple a prefix-cache hit is rounded down to (None: caching off).
+
+        A suffix prefilled after a cached prefix of P tokens must give exactly the rows of an
+        uncached prefill, and the cached blocks must hold what the uncached run would write:
+
+        - batch_invariant (and default): chunks may start anywhere the kernels keep a row's bits,
+          i.e. at multiples of ``prefill_alignment`` (the Triton prefill tile; 1 on the torch
+          backend, which attends one query at a time), so P = lcm(block_size, alignment).
+        - corun, packed prefill on the Triton backend with C a multiple of the tile: the step's
+          shapes are fixed (GEMMs at M = T) and attention is chunk-invariant at tile-aligned
+          starts, so the shorter first chunk [P, next multiple of C) keeps every row's bits:
+          lcm(block_size, alignment) again.
+        - corun otherwise (isolated prefill pads a chunk to its own bucket, so a shorter chunk
+          runs other GEMM shapes; the torch backend's corun attention multiplies a chunk's
+          queries at once): the suffix must be cut exactly as uncached, so P is a multiple of
+          C: lcm(block_size, C).
+        """
+        if not self.enable_prefix_caching:
+            return None
+        alignment = self.prefill_alignment
+        unit = alignment
+        if self.is_corun and not (self.is_packed_prefill and self.resolved_backend == "triton"
+                                  and self.prefill_chunk_size % alignment == 0):
+            unit = self.prefill_chunk_size
+        return math.lcm(self.block_size, unit)
 
     @property
     def is_packed_prefill(self) -> bool:

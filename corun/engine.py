@@ -177,8 +177,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
-    def stats(self) -> dict[str, int]:
-        allocator = self.scheduler.block_manager.allocator
+    def stats(self) -> dict[str, int | float]:
+        manager = self.scheduler.block_manager
+        allocator = manager.allocator
+        queries, hits = manager.num_prefix_queries, manager.num_prefix_hits
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -187,6 +189,13 @@ class LLMEngine:
             "num_kv_blocks": allocator.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            # Prefix cache, in prompt tokens (vLLM's queries / hits): the hit rate is hits over
+            # queries since the engine started (0.0 before any query, or with caching off).
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "num_prefix_cached_blocks": allocator.num_cached_blocks,
+            "num_prefix_evictions": allocator.num_evictions,
         }
 
     # -- one step ---------------------------------------------------------------------------------

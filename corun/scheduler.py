@@ -19,6 +19,12 @@ One ``Scheduler`` serves all three modes; what differs is the ``BatchingPolicy``
   one prefill step (a *combined* step, run on two CUDA streams), which counts against the budget.
   Every step's ``StepShape`` is decided here, so the runner only fills and replays.
 
+Prefix caching: a waiting sequence is admitted with the cached prefix of its prompt it can take
+(``cached_start``: a multiple of ``config.prefix_cache_granularity``, the unit at which the
+policies' chunks after it have the bits of an uncached prefill); its first chunk starts there.
+After each prefill chunk commits, its prompt blocks in whole units are registered for later
+sequences (``corun.kv_cache``; DESIGN.md "Prefix caching").
+
 Preemption keeps the bits: when a sequence cannot get the block it needs, the most recently
 arrived running sequence is *swapped out*: the engine copies its KV blocks to host memory and the
 blocks are freed; it is swapped back into fresh blocks (same contents, so the same bits) before any
@@ -123,7 +129,8 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
         self.config = config
-        self.block_manager = BlockManager(num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size,
+                                          config.prefix_cache_granularity)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival (seq_id) order
         self.swapped: list[Sequence] = []  # arrival (seq_id) order
@@ -182,6 +189,8 @@ class Scheduler:
         the order they are committed in changes nothing."""
         for chunk in chunks:
             chunk.seq.num_computed_tokens = chunk.end
+            if chunk.start < chunk.seq.num_prompt_tokens:  # a prefill chunk: K/V of the prompt
+                self.block_manager.register_prefill(chunk.seq)
 
     # -- primitives the policies use ------------------------------------------------------------
 
@@ -191,13 +200,26 @@ class Scheduler:
         return (bool(self.waiting) and not self.swapped
                 and len(self.running) < self.config.max_running_seqs)
 
-    def admit(self, num_tokens: int) -> Sequence | None:
-        """Start the first waiting sequence if ``num_tokens`` of it fit now; never preempts."""
+    def cached_start(self) -> int:
+        """Where the first waiting sequence's first chunk starts: the prompt tokens it would take
+        from the prefix cache (0 without caching), a multiple of ``prefix_cache_granularity``."""
+        return len(self.block_manager.cached_prefix(self.waiting[0])) * self.config.block_size
+
+    def admit(self, start: int, num_tokens: int) -> Sequence | None:
+        """Start the first waiting sequence with its first chunk [start, start + num_tokens) if
+        the blocks fit now (``start`` from ``cached_start``: the cached prefix it takes); never
+        preempts."""
         seq = self.waiting[0]
-        if not self.block_manager.can_grow(seq, num_tokens):
+        manager = self.block_manager
+        prefix = manager.cached_prefix(seq)
+        if len(prefix) * self.config.block_size != start:
+            raise RuntimeError(f"seq {seq.seq_id}: cached prefix changed between cached_start "
+                               f"({start}) and admit ({len(prefix) * self.config.block_size})")
+        if not manager.allocator.can_allocate(
+                manager.num_blocks_to_admit(seq, prefix, start + num_tokens)):
             return None
         self.waiting.popleft()
-        self.block_manager.grow(seq, num_tokens)
+        manager.admit(seq, prefix, start + num_tokens)
         seq.status = SequenceStatus.RUNNING
         self._insert_running(seq)
         self._protected.add(seq.seq_id)
@@ -281,9 +303,10 @@ class DynamicPolicy:
         self.config = config
         self.alignment = config.prefill_alignment if config.kernel_mode.is_batch_invariant else 1
 
-    def _chunk_len(self, seq: Sequence, budget: int) -> int:
-        """Tokens of ``seq``'s next prefill chunk within ``budget`` (0: no aligned cut fits)."""
-        start, remaining = seq.num_computed_tokens, seq.num_uncomputed_tokens
+    def _chunk_len(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens of ``seq``'s next prefill chunk from ``start`` within ``budget`` (0: no
+        aligned cut fits)."""
+        remaining = seq.num_tokens - start
         n = min(remaining, budget, self.config.prefill_chunk_size)
         if n < remaining and self.alignment > 1:
             n = (start + n) // self.alignment * self.alignment - start
@@ -296,17 +319,18 @@ class DynamicPolicy:
                 break
             if seq not in sched.running:  # preempted earlier in this loop
                 continue
-            n = self._chunk_len(seq, budget) if seq.is_prefilling else 1
+            n = self._chunk_len(seq, seq.num_computed_tokens, budget) if seq.is_prefilling else 1
             if n == 0 or not sched.reserve(seq, seq.num_computed_tokens + n, out):
                 continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         while budget > 0 and sched.can_admit:
-            n = self._chunk_len(sched.waiting[0], budget)
-            seq = sched.admit(n) if n else None
+            start = sched.cached_start()
+            n = self._chunk_len(sched.waiting[0], start, budget)
+            seq = sched.admit(start, n) if n else None
             if seq is None:
                 break
-            out.chunks.append(ScheduledChunk(seq, 0, n))
+            out.chunks.append(ScheduledChunk(seq, start, n))
             budget -= n
         if not out.chunks:
             return
@@ -393,15 +417,16 @@ class CoRunPolicy:
         seq = prefilling[0] if prefilling else sched.waiting[0] if sched.can_admit else None
         if seq is None:
             return []
-        n = self._chunk_len(seq, seq.num_computed_tokens)
+        start = seq.num_computed_tokens if prefilling else sched.cached_start()
+        n = self._chunk_len(seq, start)
         if room is not None and _bucket(n, self.config.prefill_buckets) > room:
             return []
         if prefilling:
-            if not sched.reserve(seq, seq.num_computed_tokens + n, out):
+            if not sched.reserve(seq, start + n, out):
                 return []
-        elif sched.admit(n) is None:
+        elif sched.admit(start, n) is None:
             return []
-        return [ScheduledChunk(seq, seq.num_computed_tokens, n)]
+        return [ScheduledChunk(seq, start, n)]
 
     def _packed(self, sched: Scheduler, out: SchedulerOutput) -> list[ScheduledChunk]:
         """Whole aligned chunks, in arrival order, while they fit in T tokens and R rows.
@@ -435,10 +460,11 @@ class CoRunPolicy:
                 add_chunks(seq, seq.num_computed_tokens, may_preempt=True)
         while sched.can_admit and len(chunks) < max_rows:
             seq = sched.waiting[0]
-            n = self._chunk_len(seq, 0)
-            if n > room or sched.admit(n) is None:
+            start = sched.cached_start()
+            n = self._chunk_len(seq, start)
+            if n > room or sched.admit(start, n) is None:
                 break
-            chunks.append(ScheduledChunk(seq, 0, n))
+            chunks.append(ScheduledChunk(seq, start, n))
             room -= n
-            add_chunks(seq, n, may_preempt=False)
+            add_chunks(seq, start + n, may_preempt=False)
         return chunks

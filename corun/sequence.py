@@ -54,6 +54,11 @@ class Sequence:
     # The generated tokens, appended in step with token_ids: outputs hand this list out without
     # copying it every step (a finished sequence's list no longer changes).
     output_ids: list[int] = field(default_factory=list)
+    # Prefix cache: chained hashes of the full prompt blocks (computed on first lookup), and how
+    # many leading blocks of block_table are cached ones (taken on a hit or registered after
+    # their prefill; ``corun.kv_cache``).
+    block_hashes: list[bytes] | None = None
+    num_cached_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="corun: each decode step carries one prefill step on a second CUDA stream",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_config_default("enable_prefix_caching"),
+        help="reuse the KV of prompt blocks another request already prefilled (hits are "
+        "rounded to a granularity that keeps a request's bits the same as a miss)",
+    )
+    p.add_argument(
         "--decode-split-size",
         type=int,
         default=_ENGINE_DEFAULTS["decode_split_size"],
@@ -236,8 +243,14 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         cuda_graphs=not args.enforce_eager,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     return kwargs
+
+
+def _config_default(field: str):
+    """A flag's default is EngineConfig's, so the two cannot drift apart."""
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == field)
 
 
 def _cuda_available() -> bool:
@@ -305,7 +318,8 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
     stats = engine.stats()
     logger.info(
         "engine ready: model %s, mode %s, device %s, backend %s, dtype %s, max_num_seqs %d, "
-        "decode buckets %s, max_model_len %d, %d KV blocks of %d tokens, tensor parallel %d",
+        "decode buckets %s, max_model_len %d, %d KV blocks of %d tokens, tensor parallel %d, "
+        "prefix caching %s",
         config.model,
         config.kernel_mode,
         config.resolved_device,
@@ -317,6 +331,8 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
         stats["num_kv_blocks"],
         config.block_size,
         config.tensor_parallel_size,
+        f"on (hits at multiples of {config.prefix_cache_granularity} tokens)"
+        if config.enable_prefix_caching else "off",
     )
     name = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
     return create_app(

@@ -25,12 +25,23 @@ Per variant:
   ``--audit-max-num-seqs`` (it binds: half of max_num_seqs), and ``--alone-sample`` (>= 16)
   requests each run alone; ``mismatches`` counts fingerprints that differ from the main run.
 
+Prefix caching: ``--prefix-caching on`` (the engine's default), ``off``, or ``both`` (each variant
+twice, the cache-off run recorded as ``<variant>_nocache``; the cache-on record then gets its
+throughput and TTFT against it and ``mismatches_vs_nocache``: requests whose fingerprints differ
+between the two main runs, 0 expected under corun and batch_invariant). Each record carries the
+prefix-cache queries, hits and hit rate of its main run. The warm-up runs on an engine of its own,
+so the main run starts with an empty cache. ``--workload shared-prefix``: ``--num-system-prompts``
+system prompts (lengths in ``--system-len``) each followed by short questions (``--question-len``)
+and, with ``--n-request N``, one more request that samples one of them N times.
+
 Writes ``experiments/results/<--name>.json`` (header + one record per variant, rewritten after
 each variant, so a cut run keeps what it measured) and a PNG beside it.
 
     python -m experiments.bench_offline                       # H200: Qwen3-8B shape, all variants
     python -m experiments.bench_offline --model tiny-qwen3 --device cpu --dtype float32 \\
         --num-requests 8 --input-len 8 32 --output-len 8 --max-num-seqs 4 --name offline-cpu-smoke
+    python -m experiments.bench_offline --workload shared-prefix --prefix-caching both \\
+        --modes corun batch_invariant default --name offline-prefix-h200     # H200, caching
 """
 
 from __future__ import annotations
@@ -84,6 +95,39 @@ def make_workload(num: int, input_len: tuple[int, int], output_len: int, vocab: 
         params.append(SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0,
                                      seed=rng.getrandbits(64)))
     return Workload(prompts, params)
+
+
+def make_shared_prefix_workload(num: int, num_system: int, system_len: tuple[int, int],
+                                question_len: tuple[int, int], output_len: int, n_request: int,
+                                vocab: int, seed: int) -> Workload:
+    """``num`` requests: system prompt ``i % num_system`` plus a question of its own, in a
+    shuffled order; with ``n_request`` > 1 the last one samples a question ``n_request`` times."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(vocab) for _ in range(rng.randint(*system_len))]
+               for _ in range(num_system)]
+    prompts, params = [], []
+    for i in range(num):
+        question = [rng.randrange(vocab) for _ in range(rng.randint(*question_len))]
+        prompts.append(systems[i % num_system] + question)
+        params.append(SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0,
+                                     seed=rng.getrandbits(64)))
+    order = list(range(num))
+    rng.shuffle(order)
+    prompts, params = [prompts[i] for i in order], [params[i] for i in order]
+    if n_request > 1:
+        prompts.append(systems[0] + [rng.randrange(vocab) for _ in range(question_len[0])])
+        params.append(SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0,
+                                     seed=rng.getrandbits(64), n=n_request))
+    return Workload(prompts, params)
+
+
+def fingerprints(out: RequestOutput) -> tuple:
+    """Every sample's fingerprint (n > 1 requests have several)."""
+    return tuple(c.fingerprint for c in out.outputs)
+
+
+def num_output_tokens(out: RequestOutput) -> int:
+    return sum(len(c.token_ids) for c in out.outputs)
 
 
 def run_workload(engine: LLMEngine, work: Workload, order: list[int],
@@ -170,12 +214,14 @@ def warm_up(engine: LLMEngine, work: Workload, args: argparse.Namespace) -> floa
     singles = Workload([[i % vocab + 1] * n for i, n in enumerate(lengths)], [short] * len(lengths))
     for i in range(len(lengths)):
         run_workload(engine, singles, [i])
+    # The burst's prompts are the workload's first ones: with prefix caching on this engine now
+    # caches them, which is why the timed run gets an engine (and an empty cache) of its own.
     burst = min(args.warmup_burst, engine.config.max_num_seqs, len(work.prompts))
     run_workload(engine, Workload(work.prompts[:burst], [short] * burst), list(range(burst)))
     return time.perf_counter() - start
 
 
-def engine_config(variant: str, args: argparse.Namespace) -> EngineConfig:
+def engine_config(variant: str, args: argparse.Namespace, caching: bool = True) -> EngineConfig:
     mode, overrides = VARIANTS[variant]
     fields = dict(
         model=args.model, dtype=args.dtype, device=args.device, mode=mode,
@@ -184,30 +230,41 @@ def engine_config(variant: str, args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.eager,
         num_kv_blocks=args.num_kv_blocks, seed=args.seed)
+    if args.workload == "shared-prefix":
+        fields["max_model_len"] = (args.system_len[1] + args.question_len[1]
+                                   + args.output_len)
     if mode == "corun":
         # B explicit, so the audit's smaller max_num_seqs keeps corun's decode shape.
         fields["decode_batch_size"] = args.decode_batch_size or args.max_num_seqs
         fields.update(args.corun_overrides)
     fields.update(overrides)
+    fields["enable_prefix_caching"] = caching
     return EngineConfig(**fields)
 
 
-def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload) -> dict:
-    config = engine_config(variant, args)
+def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload,
+                  caching: bool = True) -> tuple[dict, dict]:
+    """One variant's record, and its main run's fingerprints per request index."""
+    config = engine_config(variant, args, caching)
     build = time.perf_counter()
     runner = ModelRunner(config, model=model)
     build_s = time.perf_counter() - build
+    warmup_s = warm_up(LLMEngine(config, model_runner=runner), work, args)
     main_engine = LLMEngine(config, model_runner=runner, profile_steps=True)
-    warmup_s = warm_up(main_engine, work, args)
-    main_engine.step_records.clear()
     order = list(range(len(work.prompts)))
-    first, seconds = run_workload(main_engine, work, order, desc=f"{variant} main")
+    label = variant if caching or args.prefix_caching != "both" else f"{variant}_nocache"
+    first, seconds = run_workload(main_engine, work, order, desc=f"{label} main")
     outputs = [first[i] for i in order]
+    stats = main_engine.stats()
     record = {
-        "mode": variant, "engine_mode": config.kernel_mode.value, "requests": len(order),
-        "output_tok_s": round(sum(len(o.token_ids) for o in outputs) / seconds, 2),
+        "mode": label, "engine_mode": config.kernel_mode.value, "requests": len(order),
+        "output_tok_s": round(sum(num_output_tokens(o) for o in outputs) / seconds, 2),
         "wall_s": round(seconds, 3), **latency_stats(outputs),
-        "num_preemptions": main_engine.stats()["num_preemptions"],
+        "num_preemptions": stats["num_preemptions"],
+        "prefix_caching": caching, "prefix_cache_granularity": config.prefix_cache_granularity,
+        "prefix_cache_queries": stats["prefix_cache_queries"],
+        "prefix_cache_hits": stats["prefix_cache_hits"],
+        "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 4),
         "num_kv_blocks": runner.num_kv_blocks, "build_s": round(build_s, 1),
         "warmup_s": round(warmup_s, 1),
         "config": {k: getattr(config, k) for k in (
@@ -225,7 +282,7 @@ def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload)
     if args.graph_check and config.use_cuda_graphs:
         record.update(graph_check(runner, config, model, work, args.graph_check))
     runner.destroy()
-    return record
+    return record, {i: fingerprints(first[i]) for i in order}
 
 
 def graph_check(runner: ModelRunner, config: EngineConfig, model, work: Workload,
@@ -241,7 +298,7 @@ def graph_check(runner: ModelRunner, config: EngineConfig, model, work: Workload
     eager, _ = run_workload(LLMEngine(eager_config, model_runner=eager_runner), short, order)
     eager_runner.destroy()
     return {"graph_vs_eager_requests": num, "graph_vs_eager_mismatches": sum(
-        replayed[i].fingerprint != eager[i].fingerprint for i in order)}
+        fingerprints(replayed[i]) != fingerprints(eager[i]) for i in order)}
 
 
 def audit(runner: ModelRunner, config: EngineConfig, work: Workload, first: dict,
@@ -253,11 +310,12 @@ def audit(runner: ModelRunner, config: EngineConfig, work: Workload, first: dict
     audit_config = dataclasses.replace(config, max_num_seqs=args.audit_max_num_seqs)
     second, _ = run_workload(LLMEngine(audit_config, model_runner=runner), work, subset,
                              desc="audit reschedule")
-    rescheduled = [i for i in subset if second[i].fingerprint != first[i].fingerprint]
+    rescheduled = [i for i in subset if fingerprints(second[i]) != fingerprints(first[i])]
     sample = random.Random(args.seed + 2).sample(order, min(args.alone_sample, len(order)))
     engine = LLMEngine(config, model_runner=runner)
+    # One engine for every alone run: with caching on, later ones hit what earlier ones cached.
     alone = [i for i in tqdm(sample, desc="audit alone", leave=False)
-             if run_workload(engine, work, [i])[0][i].fingerprint != first[i].fingerprint]
+             if fingerprints(run_workload(engine, work, [i])[0][i]) != fingerprints(first[i])]
     return {"mismatches": len(set(rescheduled) | set(alone)),
             "mismatches_reschedule": len(rescheduled), "audit_requests": len(subset),
             "audit_max_num_seqs": args.audit_max_num_seqs,
@@ -265,9 +323,18 @@ def audit(runner: ModelRunner, config: EngineConfig, work: Workload, first: dict
 
 
 def add_ratios(records: list[dict]) -> None:
-    """Each corun variant's throughput against every peer measured in the same run."""
+    """Each corun variant's throughput against every peer measured in the same run (cache-on
+    records against cache-on peers); each cache-on record against its own cache-off run."""
     by_mode = {r["mode"]: r for r in records}
     for name, r in by_mode.items():
+        off = by_mode.get(f"{name}_nocache")
+        if off is not None and off["output_tok_s"]:
+            r["throughput_vs_nocache"] = round(r["output_tok_s"] / off["output_tok_s"], 3)
+            if off.get("ttft_ms_p50"):
+                r["ttft_p50_vs_nocache"] = round(r["ttft_ms_p50"] / off["ttft_ms_p50"], 3)
+    for name, r in by_mode.items():
+        if name.endswith("_nocache"):
+            continue
         if not name.startswith("corun"):
             continue
         for peer in ("default", "batch_invariant", "batch_invariant_tuned"):
@@ -349,6 +416,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="offline-h200")
+    parser.add_argument("--workload", choices=("random", "shared-prefix"), default="random",
+                        help="random: prompt lengths in --input-len; shared-prefix: system "
+                             "prompts x questions (--num-system-prompts, --system-len, "
+                             "--question-len, --n-request)")
+    parser.add_argument("--prefix-caching", choices=("on", "off", "both"), default="on",
+                        help="both: every variant with caching on and off (compared)")
+    parser.add_argument("--num-system-prompts", type=int, default=16)
+    parser.add_argument("--system-len", type=int, nargs=2, default=(1024, 2048))
+    parser.add_argument("--question-len", type=int, nargs=2, default=(16, 64))
+    parser.add_argument("--n-request", type=int, default=8,
+                        help="shared-prefix: one more request sampling n times (1: none)")
     return parser
 
 
@@ -362,25 +440,43 @@ def main(argv: list[str] | None = None) -> None:
     probe = engine_config(args.modes[0], args)
     model = build_model(args.model, dtype=probe.torch_dtype, device=probe.resolved_device,
                         seed=args.seed)
-    work = make_workload(args.num_requests, tuple(args.input_len), args.output_len,
-                         model[1].vocab_size, args.seed)
-    extra = {"model": args.model, "dtype": args.dtype,
-             "workload": {"num_requests": args.num_requests, "input_len": list(args.input_len),
-                          "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
-                          "arrivals": "all at t=0", "corun_overrides": args.corun_overrides},
+    vocab = model[1].vocab_size
+    workload = {"num_requests": args.num_requests, "input_len": list(args.input_len),
+                "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
+                "arrivals": "all at t=0", "corun_overrides": args.corun_overrides,
+                "kind": args.workload, "prefix_caching": args.prefix_caching}
+    if args.workload == "shared-prefix":
+        work = make_shared_prefix_workload(
+            args.num_requests, args.num_system_prompts, tuple(args.system_len),
+            tuple(args.question_len), args.output_len, args.n_request, vocab, args.seed)
+        workload.update(num_system_prompts=args.num_system_prompts,
+                        system_len=list(args.system_len), question_len=list(args.question_len),
+                        n_request=args.n_request)
+        del workload["input_len"]
+    else:
+        work = make_workload(args.num_requests, tuple(args.input_len), args.output_len, vocab,
+                             args.seed)
+    extra = {"model": args.model, "dtype": args.dtype, "workload": workload,
              "timing": "wall clock of the whole run; per-step profile with a device sync around "
                        "each step; decode bounds: weights + the timed step's live KV read once "
                        "at 4.3 TB/s"}
     records: list[dict] = []
     path = None
+    cachings = {"on": (True,), "off": (False,), "both": (True, False)}[args.prefix_caching]
     for variant in args.modes:
-        records.append(bench_variant(variant, model, args, work))
-        print(json.dumps(records[-1]), flush=True)
-        gc.collect()
-        if probe.is_cuda:
-            torch.cuda.empty_cache()
-        add_ratios(records)
-        path = write_results(args.name, records, **extra)  # after every variant: keep partials
+        prints = {}
+        for caching in cachings:
+            record, prints[caching] = bench_variant(variant, model, args, work, caching)
+            records.append(record)
+            if len(prints) == 2:  # the cache-on record: its outputs against cache-off's
+                records[-2]["mismatches_vs_nocache"] = sum(
+                    prints[True][i] != prints[False][i] for i in prints[True])
+            print(json.dumps(record), flush=True)
+            gc.collect()
+            if probe.is_cuda:
+                torch.cuda.empty_cache()
+            add_ratios(records)
+            path = write_results(args.name, records, **extra)  # after every run: keep partials
     plot(records, path.with_suffix(".png"))
     print(f"wrote {path} in {time.perf_counter() - t0:.0f} s")
 

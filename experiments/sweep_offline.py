@@ -64,9 +64,10 @@ def measure_point(config: EngineConfig, runner: ModelRunner, work, args: argpars
                   label: str) -> tuple[LLMEngine, dict, dict]:
     """One point on ``runner``: warm-up, then the whole workload timed with a per-step profile.
     Returns (engine, index -> final output, record of throughput, latency and profile)."""
+    # Warm up on an engine of its own: with prefix caching on, the warm-up's burst would leave
+    # the first requests' prompts cached for the timed run.
+    warm_up(LLMEngine(config, model_runner=runner), work, args)
     engine = LLMEngine(config, model_runner=runner, profile_steps=True)
-    warm_up(engine, work, args)
-    engine.step_records.clear()
     finals, seconds = run_workload(engine, work, list(range(len(work.prompts))), desc=label)
     outputs = list(finals.values())
     record = {"output_tok_s": round(sum(len(o.token_ids) for o in outputs) / seconds, 2),

@@ -224,6 +224,9 @@ def token_logprobs(
     batch, vocab = _check_logits(logits)
     _check_per_row("token_ids", token_ids, batch, INDEX_DTYPES)
     check_same_device(logits=logits, token_ids=token_ids)
+    # The kernel reads token_ids[b] at offset b: a strided view (the runner passes column 0 of
+    # its [R, 3] samples) would hand row b >= 1 another column's value.
+    token_ids = token_ids.contiguous()
     out = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch == 0:
         return out

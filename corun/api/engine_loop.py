@@ -299,3 +299,5 @@ class EngineLoop:
                 kv_used=int(stats["num_kv_blocks_used"]),
                 kv_total=int(stats["num_kv_blocks"]),
             )
+            self._metrics.observe_prefix_cache(int(stats.get("prefix_cache_queries", 0)),
+                                               int(stats.get("prefix_cache_hits", 0)))

@@ -146,6 +146,22 @@ class ServerMetrics:
         self.kv_blocks_total = Gauge(
             "corun:kv_cache_blocks_total", "KV cache blocks in the pool.", labels, registry=r
         )
+        # vLLM's prefix-cache counters, in prompt tokens: looked up at admission / found cached.
+        self.prefix_cache_queries = Counter(
+            "corun:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels,
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "corun:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (their prefill skipped).",
+            labels,
+            registry=r,
+        )
+        self._prefix_seen = (0, 0)  # the engine totals already counted
+        for counter in (self.prefix_cache_queries, self.prefix_cache_hits):
+            self.labels(counter)  # exported at 0 from the first scrape on
         self.kv_usage = Gauge(
             "corun:kv_cache_usage_perc",
             "Fraction of KV cache blocks in use (1 = full).",
@@ -163,6 +179,15 @@ class ServerMetrics:
         self.labels(self.kv_blocks_used).set(kv_used)
         self.labels(self.kv_blocks_total).set(kv_total)
         self.labels(self.kv_usage).set(kv_used / kv_total if kv_total else 0.0)
+
+    def observe_prefix_cache(self, queries: int, hits: int) -> None:
+        """Advance the counters to the engine's running totals (engine loop thread)."""
+        seen_queries, seen_hits = self._prefix_seen
+        if queries > seen_queries:
+            self.labels(self.prefix_cache_queries).inc(queries - seen_queries)
+        if hits > seen_hits:
+            self.labels(self.prefix_cache_hits).inc(hits - seen_hits)
+        self._prefix_seen = (max(queries, seen_queries), max(hits, seen_hits))
 
     def observe_finished(
         self,

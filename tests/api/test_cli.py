@@ -22,6 +22,7 @@ FLAGS = [
     "--seed",
     "--api-key",
     "--max-queue-len",
+    "--enable-prefix-caching",
 ]
 
 
@@ -61,6 +62,20 @@ def test_flags_map_to_engine_config():
     assert kwargs["model"] == "corun-default" and kwargs["mode"] == "batch_invariant"
     assert (kwargs["max_num_seqs"], kwargs["decode_batch_size"], kwargs["seed"]) == (4, 4, 9)
     assert kwargs["dtype"] == "float32" and kwargs["device"] == "cpu"
+
+
+def test_prefix_caching_flag_defaults_to_the_engine_config_and_turns_off():
+    from corun.config import EngineConfig
+
+    parser = build_parser()
+    default = engine_config_kwargs(parser.parse_args([]))["enable_prefix_caching"]
+    assert default is EngineConfig().enable_prefix_caching is True
+    off = engine_config_kwargs(parser.parse_args(["--no-enable-prefix-caching"]))
+    assert off["enable_prefix_caching"] is False
+    assert EngineConfig(**dict(off, device="cpu")).prefix_cache_granularity is None
+    on = engine_config_kwargs(parser.parse_args(["--enable-prefix-caching"]))
+    assert on["enable_prefix_caching"] is True
+    assert "--no-enable-prefix-caching" in parser.format_help()
 
 
 def test_invalid_flag_value_exits_naming_it():

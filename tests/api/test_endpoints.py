@@ -108,3 +108,20 @@ def test_queue_limit_counts_sequences(guarded_server: Server):
         )
         ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert ok.status_code == 200
+
+
+def test_prefix_cache_counters_count_a_repeated_prompt(server: Server):
+    """The second of two identical 100-token prompts hits the cache (corun on the CPU: hits at
+    multiples of lcm(16, C = 64) = 64 tokens) and returns the first one's choice bit for bit."""
+    body = {"prompt": "p" * 100, "max_tokens": 3, "seed": 11, "temperature": 0.7}
+    with server.client() as client:
+        before = server.metrics()
+        first = client.post("/v1/completions", json=body).json()["choices"][0]
+        middle = server.metrics()
+        second = client.post("/v1/completions", json=body).json()["choices"][0]
+        after = server.metrics()
+    # At least: the session's server may still be admitting another test's leftovers.
+    queries, hits = "corun:prefix_cache_queries_total", "corun:prefix_cache_hits_total"
+    assert middle[queries] - before[queries] >= 100 and after[queries] - middle[queries] >= 100
+    assert after[hits] - middle[hits] >= 64
+    assert (second["text"], second["fingerprint"]) == (first["text"], first["fingerprint"])

@@ -54,3 +54,28 @@ def test_best_corun_settings_compares_each_run_to_its_own_default():
     assert "prefill_step_tokens=4096" in settings and "decode_split_size=256" in settings
     with pytest.raises(ValueError, match="default point"):
         best_corun_settings([[point("corun", 1.0)]])
+
+
+def test_bench_offline_shared_prefix_compares_caching_on_and_off(tmp_path, monkeypatch):
+    """The shared-prefix workload, caching on and off per mode: the on record hits, both run
+    the same requests (the n = 4 one included), and corun's outputs are the same bits."""
+    monkeypatch.setenv("CORUN_RESULTS_DIR", str(tmp_path))
+    bench_offline.main([
+        "--model", "tiny-qwen3", "--device", "cpu", "--dtype", "float32", "--num-requests", "6",
+        "--workload", "shared-prefix", "--num-system-prompts", "2", "--system-len", "40", "56",
+        "--question-len", "3", "6", "--n-request", "4", "--output-len", "3",
+        "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--corun-set",
+        "prefill_step_tokens=64", "prefill_chunk_size=16", "prefill_token_budget=64",
+        "--audit-requests", "3", "--alone-sample", "3", "--prefix-caching", "both",
+        "--modes", "corun", "batch_invariant", "--name", "offline-prefix-test"])
+    head, *records = json.loads((tmp_path / "offline-prefix-test.json").read_text())
+    assert head["workload"]["kind"] == "shared-prefix"
+    assert [r["mode"] for r in records] == ["corun", "corun_nocache", "batch_invariant",
+                                            "batch_invariant_nocache"]
+    on, off = records[0], records[1]
+    assert on["prefix_caching"] and not off["prefix_caching"]
+    assert on["prefix_cache_hits"] > 0 and off["prefix_cache_queries"] == 0
+    assert 0 < on["prefix_cache_hit_rate"] < 1 and on["requests"] == off["requests"] == 7
+    for record in records[0::2]:
+        assert record["mismatches_vs_nocache"] == 0 and record["mismatches"] == 0
+        assert "throughput_vs_nocache" in record and "ttft_p50_vs_nocache" in record

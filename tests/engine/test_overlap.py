@@ -46,7 +46,9 @@ def _simulate(config: EngineConfig, prompt_lens: list[int], max_tokens: int,
     sequence was decoding when it was scheduled."""
     sched = Scheduler(config, num_blocks)
     for i, n in enumerate(prompt_lens):
-        sched.add(Sequence(i, f"r{i}", 0, [1] * n, SamplingParams(max_tokens=max_tokens), seed=1))
+        # Distinct prompts: the prefix cache would otherwise skip positions of later ones.
+        sched.add(Sequence(i, f"r{i}", 0, [i + 1] * n, SamplingParams(max_tokens=max_tokens),
+                           seed=1))
     steps, computed = [], {}
     while sched.has_unfinished():
         decoding = any(not s.is_prefilling for s in sched.running)

@@ -32,7 +32,9 @@ class Sim:
         self.swapped_out: set[int] = set()
 
     def add(self, prompt_len: int, max_tokens: int) -> Sequence:
-        seq = Sequence(self.next_id, f"r{self.next_id}", 0, [1] * prompt_len,
+        # A prompt of its own per sequence: shared prompts would hit the prefix cache and skip
+        # positions (tests/engine/test_prefix_cache.py covers that).
+        seq = Sequence(self.next_id, f"r{self.next_id}", 0, [self.next_id + 1] * prompt_len,
                        SamplingParams(max_tokens=max_tokens), seed=1)
         self.next_id += 1
         self.sched.add(seq)

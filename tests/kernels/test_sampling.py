@@ -280,6 +280,16 @@ def test_token_logprobs_matches_log_softmax(vocab, dtype):
     assert_close(out, expected, torch.float32, reduce_dim=vocab)
 
 
+def test_token_logprobs_reads_a_strided_token_column():
+    """The runner passes column 0 of its [R, 3] samples (token id, digest, digest): row b must
+    read its own id, not the next column (it did: NaN logprobs from row 1 on)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 50, generator=gen)
+    samples = torch.tensor([[4, 10**9, -7], [17, 10**9, -7], [33, 10**9, -7]])
+    expected = torch.log_softmax(logits.double(), dim=-1).gather(1, samples[:, :1])[:, 0]
+    assert_close(token_logprobs(logits, samples[:, 0]), expected, torch.float32, reduce_dim=50)
+
+
 def test_token_logprobs_out_of_range_id_is_nan():
     out = token_logprobs(torch.randn(2, 10), torch.tensor([10, -1]))
     assert torch.isnan(out).all()
