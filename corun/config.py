@@ -74,6 +74,8 @@ class EngineConfig:
     - ``distributed_timeout_s``: how long a rank waits for its peers in one collective (and at
       start-up) before it fails; a dead worker is normally noticed much sooner (its exit or its
       closed connections).
+    - ``max_logprobs``: the largest top-N a request may ask for (``logprobs``,
+      ``prompt_logprobs``; vLLM's default 20).
     """
 
     model: str = "tiny-qwen3"
@@ -100,6 +102,7 @@ class EngineConfig:
     max_queue_len: int | None = None
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 120.0
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -132,6 +135,9 @@ class EngineConfig:
             raise ValueError(f"block_size: expected a power of two, got {self.block_size}")
         if self.decode_batch_size is not None:
             _positive("decode_batch_size", self.decode_batch_size)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
+                or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: expected an int >= 0, got {self.max_logprobs!r}")
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
             # One full-length sequence must always fit, or preemption could not make progress.
