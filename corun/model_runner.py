@@ -320,7 +320,7 @@ class ModelRunner:
         out = {}
         for chunk in part.chunks:
             seq = chunk.seq
-            rows = host.prefill_rows.get(seq.seq_id)
+            rows = host.prefill_rows.get((seq.seq_id, chunk.start))
             if rows is None:
                 continue
             if chunk.start == 0:  # a prefill that starts (again, after a preemption)

@@ -83,7 +83,8 @@ def top_token_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     if k <= 0:
         return torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
     vocab = logits.shape[1]
-    bits = logits.to(torch.float32).contiguous().view(torch.int32)
+    # + 0.0 turns -0.0 into +0.0: equal logits must get equal value keys.
+    bits = (logits.to(torch.float32) + 0.0).contiguous().view(torch.int32)
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
     reversed_index = torch.arange(vocab - 1, -1, -1, dtype=torch.int64, device=logits.device)
     keys = ordered * (1 << 32) + reversed_index

@@ -63,8 +63,9 @@ class StepHost:
     want_logprobs: bool
     max_top_logprobs: int = 0  # the largest top-N a sample row asked for
     any_processing: bool = False  # a sample row's request processes its logits
-    # Rows [start, end) of each prefill chunk whose sequence wants prompt logprobs, by seq id.
-    prefill_rows: dict[int, tuple[int, int]] | None = None
+    # Rows [start, end) of each prefill chunk whose sequence wants prompt logprobs, by (seq id,
+    # chunk start): a packed step can hold several chunks of one prompt.
+    prefill_rows: dict[tuple[int, int], tuple[int, int]] | None = None
 
 
 @dataclass
@@ -196,11 +197,11 @@ class StepBuffers:
         ctx = h["context_lens"]
         cu[0] = 0
         context_lens = []
-        prompt_rows: dict[int, tuple[int, int]] = {}
+        prompt_rows: dict[tuple[int, int], tuple[int, int]] = {}
         for j, chunk in enumerate(prefills):
             seq, start, end = chunk.seq, chunk.start, chunk.end
             if seq.params.prompt_logprobs is not None and seq.sample_index == 0:
-                prompt_rows[seq.seq_id] = (num_real, num_real + chunk.num_tokens)
+                prompt_rows[seq.seq_id, start] = (num_real, num_real + chunk.num_tokens)
             table = np.asarray(seq.block_table, dtype=np.int64)
             span = slice(num_real, num_real + chunk.num_tokens)
             ids[span] = seq.token_ids[start:end]
