@@ -336,7 +336,8 @@ class ModelRunner:
     def score_prompt(self, hidden: torch.Tensor, prompt_ids: list[int],
                      top_n: int) -> list[dict[int, float] | None]:
         """Per prompt position: None for the first, then {token: logprob} of the top-N tokens
-        (most likely first) and of the prompt token (last, when not among them), from the final hidden rows [L, H] of the prompt (row i predicts token i + 1)."""
+        (most likely first) and of the prompt token (last, when not among them), from the
+        final hidden rows [L, H] of the prompt (row i predicts token i + 1)."""
         out: list[dict[int, float] | None] = [None]
         tile = PROMPT_LOGPROBS_TILE
         num_rows = len(prompt_ids) - 1
