@@ -95,16 +95,18 @@ def test_top_logprobs_are_the_n_most_likely_tokens(served):
 
 def test_prompt_logprobs_field(served):
     client, engine, _ = served
-    choice = _post(client, COMPLETIONS, {"prompt": [9, 10, 11, 12, 13], "max_tokens": 1,
+    prompt = [9, 10, 11, 12, 13]
+    choice = _post(client, COMPLETIONS, {"prompt": prompt, "max_tokens": 1,
                                          "prompt_logprobs": 2})["choices"][0]
     entries = choice["prompt_logprobs"]
-    ref = _reference_logprobs(engine, [9, 10, 11, 12, 13])
+    ref = _reference_logprobs(engine, prompt)
     assert entries[0] is None and len(entries) == 5
     for i, entry in enumerate(entries[1:], start=1):
         ranked = {int(k): v for k, v in entry.items() if v["rank"] is not None}
-        assert sorted(ranked, key=lambda t: ranked[t]["rank"]) == ref[i - 1].topk(2).indices.tolist()
-        assert entry[str([9, 10, 11, 12, 13][i])]["logprob"] == pytest.approx(
-            ref[i - 1, [9, 10, 11, 12, 13][i]].item(), abs=1e-4)
+        in_rank_order = sorted(ranked, key=lambda t: ranked[t]["rank"])
+        assert in_rank_order == ref[i - 1].topk(2).indices.tolist()
+        want = ref[i - 1, prompt[i]].item()
+        assert entry[str(prompt[i])]["logprob"] == pytest.approx(want, abs=1e-4)
 
 
 def test_sampling_extras_over_http(served):
