@@ -35,9 +35,11 @@ class EngineConfig:
       kept as given; ``torch_dtype`` normalises).
     - ``device``: ``"cuda"``, ``"cpu"``, ... or None for CUDA when present, else CPU.
     - ``backend``: ``"triton"`` or ``"torch"``; None picks triton on CUDA, torch on the CPU.
-    - ``num_kv_blocks``: KV blocks of ``block_size`` tokens; None sizes the cache from free GPU
-      memory times ``gpu_memory_utilization`` (on the CPU: enough for ``max_num_seqs`` full-length
-      sequences).
+    - ``num_kv_blocks``: KV blocks of ``block_size`` tokens; None sizes the cache to what the
+      config can use (``max_num_seqs`` + 1 full-length sequences, ``corun.memory_plan``), on a
+      GPU at most what 90% of it leaves free.
+    - ``gpu_memory_utilization``: None, or a fraction of the GPU: the cache takes all that this
+      fraction leaves after the weights and activations (room for preemption-free overload).
     - ``decode_batch_size``: ``B``, the fixed decode batch of corun mode (None = max_num_seqs).
       With ``max_num_seqs > B`` corun may prefill ahead: sequences past their prompt wait, in
       arrival order, for one of the B decode slots.
@@ -87,7 +89,7 @@ class EngineConfig:
     max_model_len: int = 2048
     block_size: int = 16
     num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
     decode_batch_size: int | None = None
     prefill_chunk_size: int = 512
     prefill_policy: str = "packed"
@@ -146,7 +148,8 @@ class EngineConfig:
                     f"num_kv_blocks: {self.num_kv_blocks} blocks of {self.block_size} tokens "
                     f"cannot hold one sequence of max_model_len {self.max_model_len}"
                 )
-        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+        if self.gpu_memory_utilization is not None \
+                and not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization: expected in (0, 1], got {self.gpu_memory_utilization}"
             )

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from corun import memory_plan
 from corun.config import EngineConfig
 from corun.fingerprint import LogitsDigest
 from corun.graph_runner import GraphRunner
@@ -45,9 +46,6 @@ from kernels.mode import Mode
 from models.forward_batch import ForwardBatch, KVCache, OpsConfig
 from models.parallel import SINGLE, ParallelContext
 
-# Memory kept free beyond the profiled peak when sizing the cache from free GPU memory: the
-# step graphs' pools and allocator fragmentation.
-_GPU_RESERVE_BYTES = 2 << 30
 # Prompt logprobs run the LM head over a prompt's rows in tiles of this many rows, tile t holding
 # prompt positions [16 t, 16 t + 16) (the last one zero-padded): the GEMM's shape and a row's
 # place in it depend on the prompt alone, never on how it was chunked or on other requests.
@@ -87,7 +85,10 @@ class ModelRunner:
         if parallel.is_parallel and self.device.type == "cuda":
             self.device = torch.device("cuda", parallel.rank)  # one GPU per rank
         self.dtype = config.torch_dtype
+        # Weights this runner builds are its own to free (``destroy``); given ones are not.
+        self._owns_model = model is None
         if model is None:
+            self._check_memory()
             model = build_model(config.model, dtype=self.dtype, device=self.device,
                                 seed=config.seed, parallel=parallel)
         self.model, self.model_config = model
@@ -173,21 +174,25 @@ class ModelRunner:
 
     # -- KV cache sizing --------------------------------------------------------------------------
 
+    def _check_memory(self) -> None:
+        """Before building anything: the weights and the KV cache this config asks for fit in
+        the device's available memory, or a ValueError says what to change."""
+        model_config = memory_plan.model_config_of(self.config.model)
+        if model_config is None:
+            return  # unreadable checkpoint config: building the model reports why
+        memory = memory_plan.plan(self.config, model_config)
+        memory_plan.check_fits(memory, memory_plan.available_bytes(self.device), self.config)
+
     def _auto_num_blocks(self, spec) -> int:
-        per_block = spec.bytes_per_block(self.config.block_size, self.dtype)
+        """What the config can use (``memory_plan.config_num_blocks``); on a GPU bounded by
+        free memory, or sized from it under an explicit ``gpu_memory_utilization``."""
         if self.device.type != "cuda":
-            # CPU: room for max_num_seqs full-length sequences (no memory to profile against).
-            return self.config.max_num_seqs * self.block_width
+            return memory_plan.config_num_blocks(self.config)
         peak = self._profile_peak_bytes(spec)
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.config.gpu_memory_utilization - (total - free) - peak
-        num_blocks = int((budget - _GPU_RESERVE_BYTES) // per_block)
-        if num_blocks * self.config.block_size < self.config.max_model_len:
-            raise ValueError(
-                f"gpu_memory_utilization: {self.config.gpu_memory_utilization} leaves room for "
-                f"{max(num_blocks, 0)} KV blocks, less than one max_model_len sequence"
-            )
-        return num_blocks
+        return memory_plan.gpu_num_blocks(self.config, free, total, peak,
+                                          spec.bytes_per_block(self.config.block_size,
+                                                               self.dtype))
 
     def _agree_num_blocks(self, num_blocks: int) -> int:
         """The same block count on every rank: the scheduler (rank 0) hands out block ids that
@@ -439,9 +444,9 @@ class ModelRunner:
         """Nothing to check at TP=1 (``TPModelRunner`` checks its workers)."""
 
     def destroy(self) -> None:
-        """Release the graphs, the KV cache and the step buffers (the model's weights belong to
-        whoever built them: a runner given ``model`` shares them). The runner cannot step again;
-        an engine still referencing it no longer pins the cache's memory."""
+        """Release the graphs, the KV cache, the step buffers and the weights this runner built
+        (a runner given ``model`` shares them with whoever built them). The runner cannot step
+        again; an engine still referencing it no longer pins their memory."""
         if self.graph_runner is not None:
             self.graph_runner.destroy()
             self.graph_runner = None
@@ -450,5 +455,7 @@ class ModelRunner:
         self._prompt_hidden.clear()
         for bufs in (self.decode_buffers, self.prefill_buffers):
             bufs.release()
+        if self._owns_model:
+            self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

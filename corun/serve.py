@@ -247,19 +247,18 @@ def _cuda_available() -> bool:
 
 
 def load_tokenizer(model: str | None):
-    from corun.default_model import ASSETS_DIR, DEFAULT_MODEL_NAME
-    from corun.tokenizer import Tokenizer
+    """``corun.tokenizer.tokenizer_for_model``: the same tokenizer ``LLM`` gets."""
+    from corun.default_model import DEFAULT_MODEL_NAME
+    from corun.tokenizer import tokenizer_for_model
 
-    if model is None or model == DEFAULT_MODEL_NAME:
-        return Tokenizer.from_dir(ASSETS_DIR)
-    if Path(model, "tokenizer.json").is_file():
-        return Tokenizer.from_dir(model)
-    if Path(model).is_dir():
-        raise SystemExit(f"--model {model}: no tokenizer.json in the checkpoint directory")
-    # A named config of random weights: the byte-level tokenizer covers ids 0..258, which every
-    # named config's vocabulary holds.
-    logger.warning("--model %s is a named config: serving it with the byte-level tokenizer", model)
-    return Tokenizer.from_dir(ASSETS_DIR)
+    try:
+        tokenizer, fallback = tokenizer_for_model(model or DEFAULT_MODEL_NAME)
+    except ValueError as exc:
+        raise SystemExit(f"--model {model}: {exc}") from None
+    if fallback:
+        logger.warning("--model %s is a named config: serving it with the byte-level tokenizer",
+                       model)
+    return tokenizer
 
 
 class _ShutDownOnEngineFailure:

@@ -140,4 +140,7 @@ def test_limits_and_unsupported_fields_are_400s(served, body, field):
     client, _, _ = served
     response = client.post(COMPLETIONS, json=body)
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == field
+    error = response.json()["error"]
+    assert error["param"] == field
+    if field in ("guided_json", "response_format", "use_beam_search"):
+        assert error["message"].startswith(f"{field}: not supported: "), error["message"]
