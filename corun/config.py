@@ -32,7 +32,8 @@ class EngineConfig:
     - ``model``: a named config of ``models`` (``tiny-qwen3``, ``qwen3-8b``, ...) or a checkpoint
       directory.
     - ``dtype``: ``"bfloat16"`` / ``"float16"`` / ``"float32"`` (a torch.dtype is accepted too and
-      kept as given; ``torch_dtype`` normalises).
+      kept as given; ``torch_dtype`` normalises); None (``"auto"``): bfloat16 on CUDA, float32 on
+      the CPU, the one default of ``LLM`` and the server.
     - ``device``: ``"cuda"``, ``"cpu"``, ... or None for CUDA when present, else CPU.
     - ``backend``: ``"triton"`` or ``"torch"``; None picks triton on CUDA, torch on the CPU.
     - ``num_kv_blocks``: KV blocks of ``block_size`` tokens; None sizes the cache to what the
@@ -81,7 +82,7 @@ class EngineConfig:
     """
 
     model: str = "tiny-qwen3"
-    dtype: object = "bfloat16"
+    dtype: object = None
     device: str | None = None
     mode: Mode | str = Mode.CORUN
     backend: str | None = None
@@ -253,6 +254,8 @@ class EngineConfig:
 
     def _dtype_name(self) -> str:
         value = self.dtype
+        if value is None or value == "auto":
+            return "bfloat16" if self.resolved_device.startswith("cuda") else "float32"
         if not isinstance(value, str):
             value = str(value).removeprefix("torch.")
         value = _DTYPE_ALIASES.get(value, value)

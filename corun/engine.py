@@ -26,6 +26,7 @@ from corun.sampling_params import SamplingParams
 from corun.scheduler import Scheduler, SchedulerOutput
 from corun.sequence import Sequence, SequenceStatus
 from corun.step import StepPart
+from corun.system_fingerprint import system_fingerprint
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,9 @@ class LLMEngine:
                *(getattr(tokenizer, "eos_token_ids", None) or ())]
         self.eos_token_ids = frozenset(int(t) for t in eos)
         self.vocab_size = self.runner.vocab_size
+        # Everything that decides this engine's bits (corun.system_fingerprint): responses of two
+        # engines are comparable bit for bit exactly when theirs are equal.
+        self.system_fingerprint = system_fingerprint(config)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()

@@ -54,6 +54,12 @@ class LLM:
         self.tokenizer = tokenizer
         self.engine = LLMEngine(self.config, self.tokenizer)
 
+    @property
+    def system_fingerprint(self) -> str:
+        """What decides this LLM's bits (``corun.system_fingerprint``); the server's responses
+        carry the same value for the same model and config."""
+        return self.engine.system_fingerprint
+
     def close(self) -> None:
         """Stop the engine (worker processes included); idempotent."""
         if self.engine is not None and not self._closed:

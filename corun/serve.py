@@ -149,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-kv-blocks",
         type=int,
         default=None,
-        help="KV cache blocks (default: sized from free memory; on the CPU, enough "
-        "for --max-num-seqs full-length sequences)",
+        help="KV cache blocks (default: enough for --max-num-seqs + 1 full-length "
+        "sequences, on a GPU at most what 90%% of it leaves free)",
     )
     p.add_argument(
         "--dtype",
@@ -215,7 +215,6 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
     from corun.default_model import DEFAULT_MODEL_NAME
 
     device = args.device
-    is_cuda = device.startswith("cuda") if device else _cuda_available()
     kwargs = dict(
         model=args.model or DEFAULT_MODEL_NAME,
         mode=args.mode,
@@ -231,19 +230,13 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         decode_split_size=args.decode_split_size,
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
         num_kv_blocks=args.num_kv_blocks,
-        dtype=args.dtype or ("bfloat16" if is_cuda else "float32"),
+        dtype=args.dtype,  # None: EngineConfig's one default (bf16 on CUDA, fp32 on the CPU)
         device=device,
         cuda_graphs=not args.enforce_eager,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     return kwargs
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def load_tokenizer(model: str | None):

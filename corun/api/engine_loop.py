@@ -91,6 +91,7 @@ class EngineLoop:
         thread after the engine died and every waiting client got its error (``corun.serve``
         shuts the server down from it)."""
         self._engine = engine
+        self.system_fingerprint: str = engine.system_fingerprint
         self._on_failure = on_failure
         self._metrics = metrics
         self.max_queue_len = max_queue_len
