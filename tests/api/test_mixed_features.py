@@ -121,9 +121,10 @@ def _fold(chunks: list[dict]) -> list[dict]:
 def _diff(a: object, b: object, where: str = "") -> list[str]:
     """Where two JSON values differ (the assertion message)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{where}.{k}")]
+        keys = sorted(set(a) | set(b))
+        return [d for k in keys for d in _diff(a.get(k), b.get(k), f"{where}.{k}")]
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{where}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _diff(x, y, f"{where}[{i}]")]
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
