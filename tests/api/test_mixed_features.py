@@ -124,7 +124,8 @@ def _diff(a: object, b: object, where: str = "") -> list[str]:
         keys = sorted(set(a) | set(b))
         return [d for k in keys for d in _diff(a.get(k), b.get(k), f"{where}.{k}")]
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _diff(x, y, f"{where}[{i}]")]
+        pairs = enumerate(zip(a, b, strict=True))
+        return [d for i, (x, y) in pairs for d in _diff(x, y, f"{where}[{i}]")]
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
