@@ -93,7 +93,7 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         # Everything that decides this engine's bits (corun.system_fingerprint): responses of two
         # engines are comparable bit for bit exactly when theirs are equal.
-        self.system_fingerprint = system_fingerprint(config)
+        self.system_fingerprint = system_fingerprint(config, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -129,8 +129,6 @@ class LLMEngine:
                                  f"[0, {self.vocab_size})")
         if params.prompt_logprobs is not None and self.config.is_parallel:
             raise ValueError("prompt_logprobs: not supported with tensor_parallel_size > 1")
-        if params.prompt_logprobs is not None and len(ids) < 1:
-            raise ValueError("prompt: expected a non-empty prompt")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (use stop_token_ids)")
         if len(ids) >= self.config.max_model_len:

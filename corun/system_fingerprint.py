@@ -4,10 +4,11 @@ Two responses (or two offline runs) are comparable bit for bit exactly when thei
 fingerprints are equal: the id hashes the weights (a named config's name and seed, or a digest of
 a checkpoint's files), the dtype, the mode and backend, the step shapes (B and the decode
 buckets, the prefill policy with C, T and R, the block size, max_model_len, which bounds the
-decode grid), the decode split size, the tuned kernel tables, tensor parallelism, the device (GPU
-name and compute capability, or the CPU's vector ISA) and the torch / triton / corun versions.
-Pure sizing and pacing knobs (KV block count, queue length, token budgets, overlap, CUDA graphs,
-which replay the eager bits) are left out: they do not change a request's bits.
+decode grid), the decode split size, the tuned kernel tables, tensor parallelism, the EOS ids,
+the device (GPU name and compute capability, or the CPU's vector ISA) and the torch / triton /
+corun versions. Pure sizing and pacing knobs (KV block count, queue length, token budgets,
+overlap, CUDA graphs, which replay the eager bits) are left out: they do not change a request's
+bits.
 """
 
 from __future__ import annotations
@@ -79,10 +80,13 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def describe(config: EngineConfig) -> dict[str, object]:
-    """What decides the bits of this engine's responses, as plain values."""
+def describe(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = ()
+             ) -> dict[str, object]:
+    """What decides the bits of this engine's responses, as plain values (``eos_token_ids``: the
+    engine's, from the model config and the tokenizer: where generation stops)."""
     return {
         "weights": weights_id(config),
+        "eos_token_ids": sorted(eos_token_ids),
         "dtype": str(config.torch_dtype).removeprefix("torch."),
         "mode": config.kernel_mode.value,
         "backend": config.resolved_backend,
@@ -104,7 +108,7 @@ def describe(config: EngineConfig) -> dict[str, object]:
     }
 
 
-def system_fingerprint(config: EngineConfig) -> str:
-    """``fp_`` and 16 hex digits of the sha256 of ``describe(config)``."""
-    text = json.dumps(describe(config), sort_keys=True)
+def system_fingerprint(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = ()) -> str:
+    """``fp_`` and 16 hex digits of the sha256 of ``describe``."""
+    text = json.dumps(describe(config, eos_token_ids), sort_keys=True)
     return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:16]

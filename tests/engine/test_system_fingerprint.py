@@ -40,3 +40,21 @@ def test_llm_and_server_share_the_cpu_dtype_default():
     assert describe(served)["dtype"] == "float32"
     for field in ("device", "torch", "triton", "tuned_tables", "weights"):
         assert field in describe(served)
+
+
+def test_eos_ids_are_part_of_the_fingerprint():
+    assert system_fingerprint(BASE, frozenset({1})) != system_fingerprint(BASE, frozenset({2}))
+
+
+def test_llm_and_server_engines_of_one_config_share_the_fingerprint():
+    from corun.engine import LLMEngine
+    from corun.llm import LLM
+    from corun.serve import load_tokenizer
+
+    args = build_parser().parse_args(["--device", "cpu", "--max-model-len", "64",
+                                      "--max-num-seqs", "2", "--prefill-chunk-size", "16"])
+    kwargs = engine_config_kwargs(args)
+    served = LLMEngine(EngineConfig(**kwargs), load_tokenizer(kwargs["model"]))
+    with LLM(**kwargs) as llm:
+        assert llm.system_fingerprint == served.system_fingerprint
+    served.close()
