@@ -399,7 +399,9 @@ def _uniform_kernel(
     tl.store(out_ptr + row * vocab + cols, u, mask=cols < vocab)
 
 
-@triton.jit
+# One compiled kernel whatever the number of ids per row: a row's logsumexp runs the same code
+# for its sampled token alone as with its top-N.
+@triton.jit(do_not_specialize=["num_ids"])
 def _token_logprobs_kernel(
     # pointers
     logits_ptr,
