@@ -110,7 +110,8 @@ def test_negative_control_row_own_position_changes_draws(seed):
 
 @settings(max_examples=8)
 @given(rows=st.integers(2, 6), row=st.integers(0, 5), k=st.integers(1, 8),
-       extra_k=st.integers(0, 4), mode=st.sampled_from(list(Mode)), seed=st.integers(0, 2**63 - 1), ties=st.booleans())
+       extra_k=st.integers(0, 4), mode=st.sampled_from(list(Mode)),
+       seed=st.integers(0, 2**63 - 1), ties=st.booleans())
 def test_top_logprobs_independent_of_batch_and_of_k(rows, row, k, extra_k, mode, seed, ties):
     """A row's top-N ids and their logprobs (corun.sampler.top_token_ids + token_logprobs on
     [B, K] ids) are the same bits alone and in a batch, and a larger K (another row asking for
