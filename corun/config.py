@@ -33,12 +33,15 @@ class EngineConfig:
     - ``model``: a named config of ``models`` (``tiny-qwen3``, ``qwen3-8b``, ...) or a checkpoint
       directory.
     - ``dtype``: ``"bfloat16"`` / ``"float16"`` / ``"float32"`` (a torch.dtype is accepted too and
-      kept as given; ``torch_dtype`` normalises).
+      kept as given; ``torch_dtype`` normalises); None (``"auto"``): bfloat16 on CUDA, float32 on
+      the CPU, the one default of ``LLM`` and the server.
     - ``device``: ``"cuda"``, ``"cpu"``, ... or None for CUDA when present, else CPU.
     - ``backend``: ``"triton"`` or ``"torch"``; None picks triton on CUDA, torch on the CPU.
-    - ``num_kv_blocks``: KV blocks of ``block_size`` tokens; None sizes the cache from free GPU
-      memory times ``gpu_memory_utilization`` (on the CPU: enough for ``max_num_seqs`` full-length
-      sequences).
+    - ``num_kv_blocks``: KV blocks of ``block_size`` tokens; None sizes the cache to what the
+      config can use (``max_num_seqs`` + 1 full-length sequences, ``corun.memory_plan``), on a
+      GPU at most what 90% of it leaves free.
+    - ``gpu_memory_utilization``: None, or a fraction of the GPU: the cache takes all that this
+      fraction leaves after the weights and activations (room for preemption-free overload).
     - ``decode_batch_size``: ``B``, the fixed decode batch of corun mode (None = max_num_seqs).
       With ``max_num_seqs > B`` corun may prefill ahead: sequences past their prompt wait, in
       arrival order, for one of the B decode slots.
@@ -79,10 +82,12 @@ class EngineConfig:
     - ``distributed_timeout_s``: how long a rank waits for its peers in one collective (and at
       start-up) before it fails; a dead worker is normally noticed much sooner (its exit or its
       closed connections).
+    - ``max_logprobs``: the largest top-N a request may ask for (``logprobs``,
+      ``prompt_logprobs``; vLLM's default 20).
     """
 
     model: str = "tiny-qwen3"
-    dtype: object = "bfloat16"
+    dtype: object = None
     device: str | None = None
     mode: Mode | str = Mode.CORUN
     backend: str | None = None
@@ -90,22 +95,23 @@ class EngineConfig:
     max_model_len: int = 2048
     block_size: int = 16
     num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
     decode_batch_size: int | None = None
     prefill_chunk_size: int = 512
     prefill_policy: str = "packed"
-    prefill_step_tokens: int = 2048
+    prefill_step_tokens: int = 4096
     max_prefill_seqs_per_step: int = 32
-    prefill_token_budget: int = 2048
+    prefill_token_budget: int = 4096
     max_num_batched_tokens: int = 2048
     overlap_prefill_decode: bool = False
-    decode_split_size: int = 256
+    decode_split_size: int = 512
     cuda_graphs: bool = True
     seed: int = 0
     max_queue_len: int | None = None
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 120.0
     enable_prefix_caching: bool = True
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -138,6 +144,9 @@ class EngineConfig:
             raise ValueError(f"block_size: expected a power of two, got {self.block_size}")
         if self.decode_batch_size is not None:
             _positive("decode_batch_size", self.decode_batch_size)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
+                or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: expected an int >= 0, got {self.max_logprobs!r}")
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
             # One full-length sequence must always fit, or preemption could not make progress.
@@ -146,7 +155,8 @@ class EngineConfig:
                     f"num_kv_blocks: {self.num_kv_blocks} blocks of {self.block_size} tokens "
                     f"cannot hold one sequence of max_model_len {self.max_model_len}"
                 )
-        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+        if self.gpu_memory_utilization is not None \
+                and not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization: expected in (0, 1], got {self.gpu_memory_utilization}"
             )
@@ -281,6 +291,8 @@ class EngineConfig:
 
     def _dtype_name(self) -> str:
         value = self.dtype
+        if value is None or value == "auto":
+            return "bfloat16" if self.resolved_device.startswith("cuda") else "float32"
         if not isinstance(value, str):
             value = str(value).removeprefix("torch.")
         value = _DTYPE_ALIASES.get(value, value)

@@ -26,6 +26,7 @@ from corun.sampling_params import SamplingParams
 from corun.scheduler import Scheduler, SchedulerOutput
 from corun.sequence import Sequence, SequenceStatus
 from corun.step import StepPart
+from corun.system_fingerprint import system_fingerprint
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,9 @@ class LLMEngine:
                *(getattr(tokenizer, "eos_token_ids", None) or ())]
         self.eos_token_ids = frozenset(int(t) for t in eos)
         self.vocab_size = self.runner.vocab_size
+        # Everything that decides this engine's bits (corun.system_fingerprint): responses of two
+        # engines are comparable bit for bit exactly when theirs are equal.
+        self.system_fingerprint = system_fingerprint(config, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -113,6 +117,18 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[0]} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        max_logprobs = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"{name}: {value} exceeds max_logprobs {max_logprobs}")
+        if params.logit_bias:
+            bad_bias = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad_bias:
+                raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        if params.prompt_logprobs is not None and self.config.is_parallel:
+            raise ValueError("prompt_logprobs: not supported with tensor_parallel_size > 1")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (use stop_token_ids)")
         if len(ids) >= self.config.max_model_len:
@@ -133,15 +149,18 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         max_queue = self.config.max_queue_len
-        if max_queue is not None and len(self.scheduler.waiting) + params.n > max_queue:
+        if max_queue is not None and len(self.scheduler.waiting) + params.num_samples > max_queue:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests waiting "
                                  f"(max_queue_len {max_queue})")
         # Drawn from the OS, never from a global generator whose state other requests move.
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         now = time.perf_counter() if arrival_time is None else arrival_time
         request = Request(request_id, ids, params, seed, now, prompt)
-        for index in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, index, ids, params, seed, now)
+        masked = frozenset(params.stop_token_set | (frozenset() if params.ignore_eos
+                                                    else self.eos_token_ids))
+        for index in range(params.num_samples):
+            seq = Sequence(next(self._seq_ids), request_id, index, ids, params, seed, now,
+                           min_tokens_masked_ids=masked)
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -154,7 +173,7 @@ class LLMEngine:
         if request is None or request.finished:
             return
         for seq in self.scheduler.abort(request_id):
-            self.runner.drop_swapped(seq.seq_id)
+            self.runner.drop_swapped(seq.seq_id)  # its swapped KV and prompt hidden rows
             seq.finish_reason = "abort"
             seq.finish_time = time.perf_counter()
         self._aborted.append(request)
@@ -259,13 +278,26 @@ class LLMEngine:
         num = len(seqs)
         samples = result.samples[:num].tolist()  # the step's one device-to-host read
         logprob_list = result.logprobs[:num].tolist() if result.logprobs is not None else None
+        id_list = result.logprob_ids[:num].tolist() if result.logprob_ids is not None else None
         now = time.perf_counter()
         for i, seq in enumerate(seqs):
+            params = seq.params
+            if seq.seq_id in result.prompt_logprobs:
+                seq.prompt_logprobs = result.prompt_logprobs[seq.seq_id]
+            if params.max_tokens == 0:  # scoring the prompt: its prefill was the whole work
+                seq.finish_reason, seq.finish_time = "length", now
+                self.scheduler.finish(seq)
+                self.runner.drop_swapped(seq.seq_id)
+                continue
             token, d1, d2 = samples[i]
             seq.append_token(token)
             seq.fingerprint.update(token, (d1, d2))
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(logprob_list[i])
+            if params.needs_logprobs:
+                seq.logprobs.append(logprob_list[i][0])
+                if params.logprobs:
+                    top = params.logprobs
+                    seq.top_logprobs.append(dict(zip(id_list[i][1:1 + top],
+                                                     logprob_list[i][1:1 + top], strict=True)))
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if self._check_stop(seq):
@@ -276,6 +308,10 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence) -> bool:
         """Set the finish reason if ``seq`` just ended; the order follows vLLM's."""
         token, params = seq.token_ids[-1], seq.params
+        if seq.num_output_tokens < params.min_tokens:  # vLLM: no stop before min_tokens
+            if seq.num_tokens >= self.config.max_model_len:
+                seq.finish_reason = "length"
+            return seq.finish_reason is not None
         if token in params.stop_token_set:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif not params.ignore_eos and token in self.eos_token_ids:
@@ -303,9 +339,21 @@ class LLMEngine:
     def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
 
+    def _reported_seqs(self, request: Request) -> list[Sequence]:
+        """The sequences a request reports: all of them, or with ``best_of`` > n, once all are
+        finished, the n with the highest cumulative logprob (ties: lowest sample index), as
+        sample indices 0..n-1 in that order (vLLM's semantics)."""
+        params = request.params
+        if params.num_samples == params.n:
+            return request.seqs
+        if not request.finished:
+            return []
+        ranked = sorted(request.seqs, key=lambda s: (-sum(s.logprobs), s.sample_index))
+        return ranked[: params.n]
+
     def _make_output(self, request: Request) -> RequestOutput:
         completions = []
-        for seq in request.seqs:
+        for index, seq in enumerate(self._reported_seqs(request)):
             tokens = seq.output_token_ids
             text = delta_text = None
             if self.tokenizer is not None:
@@ -320,11 +368,12 @@ class LLMEngine:
             # The live lists, not copies: an unfinished output's token_ids / logprobs keep growing
             # with later steps (a consumer that keeps them copies; a finished one is final).
             completions.append(CompletionOutput(
-                index=seq.sample_index, token_ids=tokens, delta_token_ids=delta, text=text,
+                index=index, token_ids=tokens, delta_token_ids=delta, text=text,
                 delta_text=delta_text, finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 fingerprint=seq.fingerprint.hexdigest() if finished else None,
                 logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                top_logprobs=seq.top_logprobs if seq.params.logprobs is not None else None,
                 num_preemptions=seq.num_preemptions,
             ))
         firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
@@ -335,4 +384,5 @@ class LLMEngine:
             num_output_tokens=max(s.num_output_tokens for s in request.seqs),
         )
         return RequestOutput(request.request_id, request.prompt_token_ids, completions,
-                             request.finished, request.seed, request.prompt, metrics)
+                             request.finished, request.seed, request.prompt, metrics,
+                             prompt_logprobs=request.seqs[0].prompt_logprobs)

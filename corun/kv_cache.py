@@ -195,7 +195,9 @@ class BlockManager:
         """The cached blocks a waiting ``seq`` may start from: its longest cached run of prompt
         blocks, cut to a multiple of ``cache_granularity`` tokens that leaves at least the last
         prompt token to compute (its row is sampled). Takes nothing."""
-        if not self.is_caching or seq.block_table:
+        # A request asking for prompt logprobs needs every prompt row's hidden state, so it
+        # computes its whole prompt (vLLM does the same); its blocks are still registered.
+        if not self.is_caching or seq.block_table or seq.params.prompt_logprobs is not None:
             return []
         unit = self.cache_granularity
         max_tokens = (seq.num_prompt_tokens - 1) // unit * unit

@@ -20,19 +20,9 @@ from corun.config import EngineConfig
 from corun.engine import LLMEngine
 from corun.outputs import RequestOutput
 from corun.sampling_params import SamplingParams
-from corun.tokenizer import Tokenizer
+from corun.tokenizer import Tokenizer, tokenizer_for_model
 
 PromptType = str | list[int] | dict
-
-
-def _default_tokenizer(model: str) -> Tokenizer | None:
-    if Path(model, "tokenizer.json").is_file():
-        return Tokenizer.from_dir(model)
-    if model == "corun-default":  # the server's embedded model ships its tokenizer
-        from corun.default_model import ASSETS_DIR
-
-        return Tokenizer.from_dir(ASSETS_DIR)
-    return None
 
 
 class LLM:
@@ -45,14 +35,30 @@ class LLM:
     """
 
     def __init__(self, model: str = "tiny-qwen3", mode: str = "corun",
-                 tokenizer: str | Tokenizer | None = None, **config) -> None:
+                 tokenizer: str | Tokenizer | None = None, skip_tokenizer_init: bool = False,
+                 **config) -> None:
+        """``tokenizer``: a directory or a Tokenizer; None = the server's for ``model``
+        (``corun.tokenizer.tokenizer_for_model``: the checkpoint's, or the byte-level one of a
+        named config), so the same request gives the same bits offline and served.
+        ``skip_tokenizer_init``: no tokenizer at all (token-id prompts, no text, no EOS from a
+        tokenizer), as vLLM's flag."""
         self.engine: LLMEngine | None = None  # set last: __del__ may run on a failed __init__
         self._closed = False
         self.config = EngineConfig(model=model, mode=mode, **config)
         if isinstance(tokenizer, (str, Path)):
             tokenizer = Tokenizer.from_dir(tokenizer)
-        self.tokenizer = tokenizer if tokenizer is not None else _default_tokenizer(model)
+        if skip_tokenizer_init:
+            tokenizer = None
+        elif tokenizer is None:
+            tokenizer = tokenizer_for_model(model)[0]
+        self.tokenizer = tokenizer
         self.engine = LLMEngine(self.config, self.tokenizer)
+
+    @property
+    def system_fingerprint(self) -> str:
+        """What decides this LLM's bits (``corun.system_fingerprint``); the server's responses
+        carry the same value for the same model and config."""
+        return self.engine.system_fingerprint
 
     def close(self) -> None:
         """Stop the engine (worker processes included); idempotent."""

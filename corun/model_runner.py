@@ -34,31 +34,39 @@ from dataclasses import dataclass
 
 import torch
 
+from corun import memory_plan
 from corun.config import EngineConfig
 from corun.fingerprint import LogitsDigest
 from corun.graph_runner import GraphRunner
-from corun.sampler import Sampler, SamplingTensors
+from corun.logits_processing import resample_processed
+from corun.sampler import Sampler, SamplingTensors, top_token_ids
 from corun.step import StepPart, StepShape
 from corun.step_inputs import BoundStep, StepBuffers, StepHost
 from kernels.mode import Mode
 from models.forward_batch import ForwardBatch, KVCache, OpsConfig
 from models.parallel import SINGLE, ParallelContext
 
-# Memory kept free beyond the profiled peak when sizing the cache from free GPU memory: the
-# step graphs' pools and allocator fragmentation.
-_GPU_RESERVE_BYTES = 2 << 30
+# Prompt logprobs run the LM head over a prompt's rows in tiles of this many rows, tile t holding
+# prompt positions [16 t, 16 t + 16) (the last one zero-padded): the GEMM's shape and a row's
+# place in it depend on the prompt alone, never on how it was chunked or on other requests.
+PROMPT_LOGPROBS_TILE = 16
 
 
 @dataclass
 class StepResult:
     """Device outputs of one executed part: ``samples`` [R, 3] int64 (token id, digest d1, d2)
-    per sample row, the first ``num_sampled`` real; ``logits`` [R, V] fp32; ``logprobs`` [R] of
-    the sampled tokens when a row asked for them."""
+    per sample row, the first ``num_sampled`` real; ``logits`` [R, V] fp32 (raw). When a row
+    asked for logprobs: ``logprob_ids`` [R, 1 + K] (the sampled token, then the K most likely)
+    and ``logprobs`` [R, 1 + K] theirs, K the largest ``logprobs`` N of the step's rows.
+    ``prompt_logprobs``: per sequence whose prompt finished its prefill in this part and asked
+    for them, the per-position lists of ``Sequence.prompt_logprobs``."""
 
     samples: torch.Tensor
     logits: torch.Tensor
     logprobs: torch.Tensor | None
     num_sampled: int
+    logprob_ids: torch.Tensor | None = None
+    prompt_logprobs: dict[int, list] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -77,7 +85,10 @@ class ModelRunner:
         if parallel.is_parallel and self.device.type == "cuda":
             self.device = torch.device("cuda", parallel.rank)  # one GPU per rank
         self.dtype = config.torch_dtype
+        # Weights this runner builds are its own to free (``destroy``); given ones are not.
+        self._owns_model = model is None
         if model is None:
+            self._check_memory()
             model = build_model(config.model, dtype=self.dtype, device=self.device,
                                 seed=config.seed, parallel=parallel)
         self.model, self.model_config = model
@@ -98,6 +109,8 @@ class ModelRunner:
         # Blocks are dim 2 of the MHA storage [L, 2, NB, ...] and dim 1 of the MLA one [L, NB, ...].
         self._block_dim = 2 if spec.kind == "mha" else 1
         self._host_kv: dict[int, torch.Tensor] = {}
+        # Final hidden rows of prompts being prefilled that want prompt logprobs, per seq id.
+        self._prompt_hidden: dict[int, list[torch.Tensor]] = {}
         self.graph_runner: GraphRunner | None = None
         if config.use_cuda_graphs:
             self.graph_runner = GraphRunner(self.device)
@@ -161,21 +174,25 @@ class ModelRunner:
 
     # -- KV cache sizing --------------------------------------------------------------------------
 
+    def _check_memory(self) -> None:
+        """Before building anything: the weights and the KV cache this config asks for fit in
+        the device's available memory, or a ValueError says what to change."""
+        model_config = memory_plan.model_config_of(self.config.model)
+        if model_config is None:
+            return  # unreadable checkpoint config: building the model reports why
+        memory = memory_plan.plan(self.config, model_config)
+        memory_plan.check_fits(memory, memory_plan.available_bytes(self.device), self.config)
+
     def _auto_num_blocks(self, spec) -> int:
-        per_block = spec.bytes_per_block(self.config.block_size, self.dtype)
+        """What the config can use (``memory_plan.config_num_blocks``); on a GPU bounded by
+        free memory, or sized from it under an explicit ``gpu_memory_utilization``."""
         if self.device.type != "cuda":
-            # CPU: room for max_num_seqs full-length sequences (no memory to profile against).
-            return self.config.max_num_seqs * self.block_width
+            return memory_plan.config_num_blocks(self.config)
         peak = self._profile_peak_bytes(spec)
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.config.gpu_memory_utilization - (total - free) - peak
-        num_blocks = int((budget - _GPU_RESERVE_BYTES) // per_block)
-        if num_blocks * self.config.block_size < self.config.max_model_len:
-            raise ValueError(
-                f"gpu_memory_utilization: {self.config.gpu_memory_utilization} leaves room for "
-                f"{max(num_blocks, 0)} KV blocks, less than one max_model_len sequence"
-            )
-        return num_blocks
+        return memory_plan.gpu_num_blocks(self.config, free, total, peak,
+                                          spec.bytes_per_block(self.config.block_size,
+                                                               self.dtype))
 
     def _agree_num_blocks(self, num_blocks: int) -> int:
         """The same block count on every rank: the scheduler (rank 0) hands out block ids that
@@ -245,10 +262,12 @@ class ModelRunner:
         return bufs.bind(shape, self.kv_cache, self.ops, max_seq_len, host)
 
     def _forward(self, bound: BoundStep, batch: ForwardBatch | None = None,
-                 all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole step on the bound views: forward, LM head on the sample rows, sampler and
-        logits digest -> (logits [R, V] fp32, samples [R, 3] int64). Captured as one graph."""
-        hidden = self.model(bound.input_ids, batch or bound.batch)
+        logits digest -> (logits [R, V] fp32, samples [R, 3] int64, hidden [T, H] of every row,
+        which prompt logprobs read). Captured as one graph."""
+        all_hidden = self.model(bound.input_ids, batch or bound.batch)
+        hidden = all_hidden
         if bound.sample_rows is not None:
             hidden = hidden.index_select(0, bound.sample_rows)
         logits = self.model.compute_logits(hidden, self.ops)
@@ -256,10 +275,10 @@ class ModelRunner:
                                   bound.sample_indices, bound.sample_positions,
                                   all_greedy=all_greedy, want_logprobs=False)
         token_ids = self.sampler.sample(logits, tensors)
-        return logits, torch.cat([token_ids.view(-1, 1), self.digest(logits)], dim=1)
+        return logits, torch.cat([token_ids.view(-1, 1), self.digest(logits)], dim=1), all_hidden
 
     def _launch(self, shape: StepShape, bufs: StepBuffers,
-                host: StepHost) -> tuple[torch.Tensor, torch.Tensor]:
+                host: StepHost) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Replay the shape's graph, or run the same forward eagerly."""
         if self.graph_runner is not None and self.graph_runner.can_replay(shape):
             return self.graph_runner.replay(shape)
@@ -284,9 +303,65 @@ class ModelRunner:
         self._launch(header.shape, bufs, header.host)
 
     def _result(self, part: StepPart, host: StepHost, logits: torch.Tensor,
-                samples: torch.Tensor) -> StepResult:
-        logprobs = self.sampler.logprobs(logits, samples[:, 0]) if host.want_logprobs else None
-        return StepResult(samples, logits, logprobs, len(part.sampling_chunks))
+                samples: torch.Tensor, hidden: torch.Tensor) -> StepResult:
+        """The part's outputs, after the per-request work that reads the step's outputs row by
+        row: logits processing (a processed row is re-sampled), logprobs, prompt logprobs."""
+        seqs = [c.seq for c in part.sampling_chunks]
+        if host.any_processing:
+            samples = resample_processed(self.sampler, logits, samples, seqs)
+        logprobs = ids = None
+        if host.want_logprobs:
+            ids = samples[:, :1]
+            if host.max_top_logprobs:
+                ids = torch.cat([ids, top_token_ids(logits, host.max_top_logprobs)], dim=1)
+            logprobs = self.sampler.logprobs(logits, ids)
+        prompt = self._prompt_logprobs(part, host, hidden) if host.prefill_rows else {}
+        return StepResult(samples, logits, logprobs, len(seqs), ids, prompt)
+
+    def _prompt_logprobs(self, part: StepPart, host: StepHost,
+                         hidden: torch.Tensor) -> dict[int, list]:
+        """Keep the hidden rows of each prompt-logprob chunk; score each prompt whose prefill
+        this part finished."""
+        out = {}
+        for chunk in part.chunks:
+            seq = chunk.seq
+            rows = host.prefill_rows.get((seq.seq_id, chunk.start))
+            if rows is None:
+                continue
+            if chunk.start == 0:  # a prefill that starts (again, after a preemption)
+                self._prompt_hidden[seq.seq_id] = []
+            self._prompt_hidden[seq.seq_id].append(hidden[rows[0]:rows[1]].clone())
+            if chunk.end >= seq.num_prompt_tokens:
+                prompt_hidden = torch.cat(self._prompt_hidden.pop(seq.seq_id))
+                out[seq.seq_id] = self.score_prompt(prompt_hidden, seq.prompt_token_ids,
+                                                    seq.params.prompt_logprobs)
+        return out
+
+    @torch.inference_mode()
+    def score_prompt(self, hidden: torch.Tensor, prompt_ids: list[int],
+                     top_n: int) -> list[dict[int, float] | None]:
+        """Per prompt position: None for the first, then {token: logprob} of the top-N tokens
+        (most likely first) and of the prompt token (last, when not among them), from the
+        final hidden rows [L, H] of the prompt (row i predicts token i + 1)."""
+        out: list[dict[int, float] | None] = [None]
+        tile = PROMPT_LOGPROBS_TILE
+        num_rows = len(prompt_ids) - 1
+        padded = -(-num_rows // tile) * tile
+        targets = torch.tensor(prompt_ids[1:] + [0] * (padded - num_rows), dtype=torch.int64,
+                               device=hidden.device).view(-1, 1)
+        hidden = hidden[:num_rows]
+        if padded > num_rows:
+            hidden = torch.cat([hidden, hidden.new_zeros(padded - num_rows, hidden.shape[1])])
+        for start in range(0, padded, tile):
+            logits = self.model.compute_logits(hidden[start:start + tile], self.ops)
+            ids = torch.cat([targets[start:start + tile], top_token_ids(logits, top_n)], dim=1)
+            lps = self.sampler.logprobs(logits, ids)
+            real = min(tile, num_rows - start)
+            for id_row, lp_row in zip(ids[:real].tolist(), lps[:real].tolist(), strict=True):
+                entry = dict(zip(id_row[1:], lp_row[1:], strict=True))  # top-N, most likely first
+                entry.setdefault(id_row[0], lp_row[0])  # then the prompt token, if not among them
+                out.append(entry)
+        return out
 
     @torch.inference_mode()
     def execute(self, part: StepPart) -> StepResult:
@@ -323,15 +398,15 @@ class ModelRunner:
         side.wait_stream(main)  # the prefill's inputs were copied on the current stream
         d_out = self._launch(decode.shape, d_bufs, d_host)
         with torch.cuda.stream(side):
-            p_logits, p_samples = self._launch(prefill.shape, p_bufs, p_host)
+            p_out = self._launch(prefill.shape, p_bufs, p_host)
         main.wait_stream(side)
         # Made on ``side`` and read on ``main``: without this the allocator could hand an eager
         # prefill's outputs to the next allocation on ``side`` while ``main`` still reads them.
-        for tensor in (p_logits, p_samples):
+        for tensor in p_out:
             if tensor.numel():
                 tensor.record_stream(main)
         return (self._result(decode, d_host, *d_out),
-                self._result(prefill, p_host, p_logits, p_samples))
+                self._result(prefill, p_host, *p_out))
 
     def _prefill_stream(self) -> torch.cuda.Stream:
         stream = getattr(self, "_side_stream", None)
@@ -357,7 +432,9 @@ class ModelRunner:
         self.kv_cache.storage.index_copy_(self._block_dim, index, host.to(self.device))
 
     def drop_swapped(self, seq_id: int) -> None:
+        """Forget a finished or aborted sequence's host state (swapped KV, prompt hidden rows)."""
         self._host_kv.pop(seq_id, None)
+        self._prompt_hidden.pop(seq_id, None)
 
     @property
     def num_swapped_bytes(self) -> int:
@@ -367,15 +444,18 @@ class ModelRunner:
         """Nothing to check at TP=1 (``TPModelRunner`` checks its workers)."""
 
     def destroy(self) -> None:
-        """Release the graphs, the KV cache and the step buffers (the model's weights belong to
-        whoever built them: a runner given ``model`` shares them). The runner cannot step again;
-        an engine still referencing it no longer pins the cache's memory."""
+        """Release the graphs, the KV cache, the step buffers and the weights this runner built
+        (a runner given ``model`` shares them with whoever built them). The runner cannot step
+        again; an engine still referencing it no longer pins their memory."""
         if self.graph_runner is not None:
             self.graph_runner.destroy()
             self.graph_runner = None
         self.kv_cache.storage = torch.empty(0, dtype=self.dtype, device=self.device)
         self._host_kv.clear()
+        self._prompt_hidden.clear()
         for bufs in (self.decode_buffers, self.prefill_buffers):
             bufs.release()
+        if self._owns_model:
+            self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -22,6 +22,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string, if any
     fingerprint: str | None = None  # hex sha256, set when the sample finished
     logprobs: list[float] | None = None  # sampled token's log-probability per step
+    # Per step, {token id: logprob} of the params.logprobs most likely tokens, most likely first.
+    top_logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
 
     @property
@@ -61,6 +63,9 @@ class RequestOutput:
     seed: int
     prompt: str | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # params.prompt_logprobs: None for the first prompt token, then per position {token id:
+    # logprob} of the top-N tokens and of the prompt token (vLLM's prompt_logprobs).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

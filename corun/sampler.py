@@ -59,10 +59,33 @@ class Sampler:
                                 t.sample_indices, t.positions)
 
     def logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """Log-probability of each row's chosen token under softmax(logits) (no temperature)."""
+        """Log-probabilities under softmax(logits) (no temperature) of each row's ids: [N] for
+        ids [N], [N, K] for ids [N, K] (a row's ids share one log-softmax of that row)."""
         if self.backend == "triton":
             from kernels.sampling import token_logprobs
 
             return token_logprobs(logits, token_ids)
         logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        if token_ids.ndim == 2:
+            return logp.gather(1, token_ids.long())
         return logp.gather(1, token_ids.view(-1, 1).long()).view(-1)
+
+
+def top_token_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of each row's ``k`` largest logits, most likely first, lowest id first on ties:
+    [N, k] int64.
+
+    Exact and per row: each logit becomes a unique int64 key (its fp32 bits in an order-preserving
+    signed form, shifted up, and the reversed vocab index below), so the top-k set and its order are
+    defined by the row's bits alone whatever algorithm ``topk`` runs and whatever rows sit beside
+    it (on float values ``topk`` may order ties differently between runs or batch sizes).
+    """
+    if k <= 0:
+        return torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
+    vocab = logits.shape[1]
+    # + 0.0 turns -0.0 into +0.0: equal logits must get equal value keys.
+    bits = (logits.to(torch.float32) + 0.0).contiguous().view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
+    reversed_index = torch.arange(vocab - 1, -1, -1, dtype=torch.int64, device=logits.device)
+    keys = ordered * (1 << 32) + reversed_index
+    return keys.topk(min(k, vocab), dim=1).indices

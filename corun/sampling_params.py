@@ -21,6 +21,12 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and value == value and abs(value) != float("inf"))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stopping.
@@ -28,12 +34,25 @@ class SamplingParams:
     - ``n``: independent samples of the prompt (sample indices 0..n-1, same seed).
     - ``temperature``: 0 = greedy (argmax, lowest id on ties); > 0 = Gumbel-max sampling.
     - ``top_p`` in (0, 1] (1 = off); ``top_k``: 0 or -1 = off, else keep the k most likely.
-    - ``max_tokens``: output tokens at most (>= 1); generation also stops at max_model_len.
+    - ``max_tokens``: output tokens at most (>= 0; 0 scores the prompt and generates nothing, with
+      ``prompt_logprobs``); generation also stops at max_model_len.
     - ``seed``: int in [0, 2**64) or None (drawn at admission and reported back).
     - ``stop``: strings that end generation (needs a tokenizer); ``stop_token_ids``: ids that do;
       ``ignore_eos``: keep going past EOS (benchmarks).
-    - ``logprobs``: None, or an int >= 0: return the sampled token's log-probability (under the
-      untempered softmax) per step; top-N alternatives are not returned.
+    - ``logprobs``: None, or an int N >= 0: per step the sampled token's log-probability and the
+      N most likely tokens' (lowest id first on ties), under the softmax of the model's raw logits
+      (before temperature, penalties and bias, as vLLM's default ``raw_logprobs``).
+    - ``prompt_logprobs``: None, or an int N >= 0: per prompt position after the first, the prompt
+      token's log-probability and the N most likely tokens' (sample 0 only).
+    - ``presence_penalty`` / ``frequency_penalty`` in [-2, 2]: subtracted from the logit of each
+      token already generated, once / once per occurrence; ``repetition_penalty`` > 0: the logit
+      of each token of the prompt or the output is divided by it when positive, multiplied when
+      not (1 = off); ``logit_bias``: token id -> bias in [-100, 100] added to its logit;
+      ``min_tokens``: EOS and the stop ids are masked until that many tokens were generated;
+      ``min_p`` in [0, 1]: tokens less likely than ``min_p`` times the most likely one (after
+      temperature) are masked. All act on the row's own logits and the request's own tokens.
+    - ``best_of`` >= n: sample ``best_of`` sequences and return the ``n`` with the highest
+      cumulative logprob (ties: lowest sample index); None = n.
     """
 
     n: int = 1
@@ -48,6 +67,14 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    min_p: float = 0.0
+    best_of: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -61,8 +88,8 @@ class SamplingParams:
             raise ValueError(f"top_p: expected a float in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k: expected an int >= -1 (0 or -1 = off), got {self.top_k!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: expected an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens: expected an int >= 0, got {self.max_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
             raise ValueError(f"seed: expected an int in [0, 2**64) or None, got {self.seed!r}")
         stop = self.stop
@@ -77,6 +104,33 @@ class SamplingParams:
                 )
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs: expected None or an int >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs: expected None or an int >= 0, "
+                             f"got {self.prompt_logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}: expected a float in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(f"repetition_penalty: expected a float in (0, 100], "
+                             f"got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t) and t >= 0 and _is_number(b) and -100.0 <= b <= 100.0
+                    for t, b in self.logit_bias.items()):
+                raise ValueError(f"logit_bias: expected token id -> float in [-100, 100], "
+                                 f"got {self.logit_bias!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens: expected an int >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens "
+                             f"{self.max_tokens}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p: expected a float in [0, 1], got {self.min_p!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of: expected None or an int >= n ({self.n}), "
+                             f"got {self.best_of!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -91,6 +145,23 @@ class SamplingParams:
     @property
     def stop_token_set(self) -> frozenset[int]:
         return frozenset(self.stop_token_ids or ())
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine runs: ``best_of`` when set, else ``n``."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """The sampled tokens' logprobs are needed: asked for, or to rank ``best_of``."""
+        return self.logprobs is not None or self.num_samples > self.n
+
+    @property
+    def has_logits_processing(self) -> bool:
+        """Some field changes the logits before sampling (``corun.logits_processing``)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias)
+                or self.min_tokens > 0 or (self.min_p > 0.0 and not self.is_greedy))
 
     @property
     def effective_top_k(self) -> int:

@@ -44,6 +44,13 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[float] = field(default_factory=list)
+    # Per step, the most likely tokens' logprobs (params.logprobs of them), most likely first.
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs: per prompt position, None first, then the prompt token's and the
+    # top-N tokens' logprobs; set when the prompt's prefill finished.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # EOS (unless ignore_eos) and the stop ids: masked while fewer than min_tokens were generated.
+    min_tokens_masked_ids: frozenset[int] = frozenset()
     fingerprint: Fingerprint = field(default_factory=Fingerprint)
     first_token_time: float | None = None
     finish_time: float | None = None

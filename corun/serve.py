@@ -156,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-kv-blocks",
         type=int,
         default=None,
-        help="KV cache blocks (default: sized from free memory; on the CPU, enough "
-        "for --max-num-seqs full-length sequences)",
+        help="KV cache blocks (default: enough for --max-num-seqs + 1 full-length "
+        "sequences, on a GPU at most what 90%% of it leaves free)",
     )
     p.add_argument(
         "--dtype",
@@ -222,7 +222,6 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
     from corun.default_model import DEFAULT_MODEL_NAME
 
     device = args.device
-    is_cuda = device.startswith("cuda") if device else _cuda_available()
     kwargs = dict(
         model=args.model or DEFAULT_MODEL_NAME,
         mode=args.mode,
@@ -238,7 +237,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         decode_split_size=args.decode_split_size,
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
         num_kv_blocks=args.num_kv_blocks,
-        dtype=args.dtype or ("bfloat16" if is_cuda else "float32"),
+        dtype=args.dtype,  # None: EngineConfig's one default (bf16 on CUDA, fp32 on the CPU)
         device=device,
         cuda_graphs=not args.enforce_eager,
         seed=args.seed,
@@ -260,19 +259,18 @@ def _cuda_available() -> bool:
 
 
 def load_tokenizer(model: str | None):
-    from corun.default_model import ASSETS_DIR, DEFAULT_MODEL_NAME
-    from corun.tokenizer import Tokenizer
+    """``corun.tokenizer.tokenizer_for_model``: the same tokenizer ``LLM`` gets."""
+    from corun.default_model import DEFAULT_MODEL_NAME
+    from corun.tokenizer import tokenizer_for_model
 
-    if model is None or model == DEFAULT_MODEL_NAME:
-        return Tokenizer.from_dir(ASSETS_DIR)
-    if Path(model, "tokenizer.json").is_file():
-        return Tokenizer.from_dir(model)
-    if Path(model).is_dir():
-        raise SystemExit(f"--model {model}: no tokenizer.json in the checkpoint directory")
-    # A named config of random weights: the byte-level tokenizer covers ids 0..258, which every
-    # named config's vocabulary holds.
-    logger.warning("--model %s is a named config: serving it with the byte-level tokenizer", model)
-    return Tokenizer.from_dir(ASSETS_DIR)
+    try:
+        tokenizer, fallback = tokenizer_for_model(model or DEFAULT_MODEL_NAME)
+    except ValueError as exc:
+        raise SystemExit(f"--model {model}: {exc}") from None
+    if fallback:
+        logger.warning("--model %s is a named config: serving it with the byte-level tokenizer",
+                       model)
+    return tokenizer
 
 
 class _ShutDownOnEngineFailure:

@@ -61,6 +61,11 @@ class StepHost:
     context_lens: tuple[int, ...]  # per prefill chunk row (real rows only)
     all_greedy: bool
     want_logprobs: bool
+    max_top_logprobs: int = 0  # the largest top-N a sample row asked for
+    any_processing: bool = False  # a sample row's request processes its logits
+    # Rows [start, end) of each prefill chunk whose sequence wants prompt logprobs, by (seq id,
+    # chunk start): a packed step can hold several chunks of one prompt.
+    prefill_rows: dict[tuple[int, int], tuple[int, int]] | None = None
 
 
 @dataclass
@@ -192,8 +197,11 @@ class StepBuffers:
         ctx = h["context_lens"]
         cu[0] = 0
         context_lens = []
+        prompt_rows: dict[tuple[int, int], tuple[int, int]] = {}
         for j, chunk in enumerate(prefills):
             seq, start, end = chunk.seq, chunk.start, chunk.end
+            if seq.params.prompt_logprobs is not None and seq.sample_index == 0:
+                prompt_rows[seq.seq_id, start] = (num_real, num_real + chunk.num_tokens)
             table = np.asarray(seq.block_table, dtype=np.int64)
             span = slice(num_real, num_real + chunk.num_tokens)
             ids[span] = seq.token_ids[start:end]
@@ -245,4 +253,7 @@ class StepBuffers:
         return StepHost(max_q_len=max((c.num_tokens for c in prefills), default=0),
                         max_seq_len=longest, context_lens=tuple(context_lens),
                         all_greedy=all(p.is_greedy for p in params),
-                        want_logprobs=any(p.logprobs is not None for p in params))
+                        want_logprobs=any(p.needs_logprobs for p in params),
+                        max_top_logprobs=max((p.logprobs or 0 for p in params), default=0),
+                        any_processing=any(p.has_logits_processing for p in params),
+                        prefill_rows=prompt_rows or None)

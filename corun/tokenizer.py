@@ -109,3 +109,18 @@ class Tokenizer:
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                      **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def tokenizer_for_model(model: str) -> tuple[Tokenizer, bool]:
+    """The tokenizer the server and ``LLM`` use for ``model``, and whether it is the embedded
+    byte-level fallback of a named config of random weights (ids 0..258 are in every named
+    config's vocabulary). ``ValueError`` for a checkpoint directory without ``tokenizer.json``."""
+    from corun.default_model import ASSETS_DIR, DEFAULT_MODEL_NAME
+
+    if model == DEFAULT_MODEL_NAME:
+        return Tokenizer.from_dir(ASSETS_DIR), False
+    if Path(model, "tokenizer.json").is_file():
+        return Tokenizer.from_dir(model), False
+    if Path(model).is_dir():
+        raise ValueError(f"model: no tokenizer.json in the checkpoint directory {model}")
+    return Tokenizer.from_dir(ASSETS_DIR), True

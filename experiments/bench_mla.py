@@ -6,7 +6,7 @@ qk 192 = 128 + 64, v 128, softmax scale 192^-0.5 * mscale^2 = 0.1352; cache bloc
 engine's default 16 tokens, scattered at random.
 
 - ``mla_decode``: batch {1, 8, 32, 64, 128} x context {1024, 4096, 16384}, every sequence at the
-  full context. Policies ``corun`` (split 256 tokens, the engine's default decode_split_size; grid
+  full context. Policies ``corun`` (split 256 tokens; grid
   for max_seq_len = the context, as max_model_len), ``corun_split1024`` and ``corun_split16384``
   (the same with larger splits: fewer fp32 partials; 16384 is one split at every context here, so
   no partial and no combine launch) and ``default`` (splits from the batch). Peer: the absorbed

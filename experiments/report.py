@@ -273,6 +273,13 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("peak_memory_gb", "peak GB"),
     ]),
     "serving-h200": columns_block("serving-h200", SERVING_COLUMNS),
+    **{name: columns_block(name, [
+        ("point", "point"), ("output_tok_s", "out tok/s"), ("ttft_ms_p50", "TTFT p50 ms"),
+        ("tpot_ms_p50", "TPOT p50 ms"), ("prefill_steps", "prefill steps"),
+        ("prefill_seconds", "prefill s"), ("decode_steps", "decode steps"),
+        ("decode_step_ms_p50", "decode step p50 ms"), ("decode_seconds", "decode s"),
+        ("combined_seconds", "overlapped s"), ("decode_live_mean", "live (mean)"),
+    ]) for name in ("sweep-offline-h200", "sweep-offline-h200-run2")},
     "kernels-h200": kernels_block,
     "kernels-h200-summary": kernels_summary_block,
 }

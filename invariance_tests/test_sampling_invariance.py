@@ -106,3 +106,28 @@ def test_negative_control_row_own_position_changes_draws(seed):
     first = sample(logits, *common, positions)
     second = sample(logits, *common, positions + 1)
     assert not torch.equal(first, second)
+
+
+@settings(max_examples=8)
+@given(rows=st.integers(2, 6), row=st.integers(0, 5), k=st.integers(1, 8),
+       extra_k=st.integers(0, 4), mode=st.sampled_from(list(Mode)),
+       seed=st.integers(0, 2**63 - 1), ties=st.booleans())
+def test_top_logprobs_independent_of_batch_and_of_k(rows, row, k, extra_k, mode, seed, ties):
+    """A row's top-N ids and their logprobs (corun.sampler.top_token_ids + token_logprobs on
+    [B, K] ids) are the same bits alone and in a batch, and a larger K (another row asking for
+    more) only appends to the row's list."""
+    from corun.sampler import top_token_ids
+
+    row = row % rows
+    gen = torch.Generator().manual_seed(seed)
+    logits = 2 * torch.randn(rows, VOCAB, generator=gen)
+    if ties:  # rounded logits: many exact ties, broken by the lowest id
+        logits = logits.round()
+    ids = top_token_ids(logits, k + extra_k)
+    lps = token_logprobs(logits, ids, mode=mode)
+    alone_ids = top_token_ids(logits[row : row + 1], k)
+    alone = token_logprobs(logits[row : row + 1], alone_ids, mode=mode)
+    assert alone_ids[0].tolist() == ids[row, :k].tolist()
+    assert_bitwise_equal(alone[0], lps[row, :k], "top-N logprobs alone vs in batch")
+    values = logits[row, ids[row]].tolist()
+    assert values == sorted(values, reverse=True)

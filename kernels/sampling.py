@@ -216,26 +216,32 @@ def sampling_uniform(
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, *, mode: Mode = Mode.CORUN
 ) -> torch.Tensor:
-    """log_softmax(logits[b])[token_ids[b]] in fp32, [B]; an id outside [0, V) gives NaN.
+    """log_softmax(logits[b])[token_ids[b]] in fp32: [B] for ids [B], [B, K] for ids [B, K] (the
+    K ids of a row share its one logsumexp); an id outside [0, V) gives NaN.
 
     Batch- and position-invariant under every mode (one program per row, fixed block order).
     """
     mode = Mode.parse(mode)
     batch, vocab = _check_logits(logits)
-    _check_per_row("token_ids", token_ids, batch, INDEX_DTYPES)
+    if isinstance(token_ids, torch.Tensor) and token_ids.ndim == 2:
+        check_tensor("token_ids", token_ids, ndim=2, dtypes=INDEX_DTYPES)
+        if token_ids.shape[0] != batch:
+            raise ValueError(f"token_ids: expected {batch} rows, got {token_ids.shape[0]}")
+        num_ids = token_ids.shape[1]
+    else:
+        _check_per_row("token_ids", token_ids, batch, INDEX_DTYPES)
+        num_ids = 1
     check_same_device(logits=logits, token_ids=token_ids)
-    # The kernel reads token_ids[b] at offset b: a strided view (the runner passes column 0 of
-    # its [R, 3] samples) would hand row b >= 1 another column's value.
-    token_ids = token_ids.contiguous()
-    out = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    if batch == 0:
+    out = torch.empty(token_ids.shape, dtype=torch.float32, device=logits.device)
+    if batch == 0 or num_ids == 0:
         return out
     cfg = sampling_config(vocab, logits.dtype, mode)
     _token_logprobs_kernel[(batch,)](
         logits,
-        token_ids,
+        token_ids.contiguous(),
         out,
         vocab,
+        num_ids,
         logits.stride(0),
         BLOCK_V=cfg.BLOCK_V,
         num_warps=cfg.sweep_warps,

@@ -399,7 +399,9 @@ def _uniform_kernel(
     tl.store(out_ptr + row * vocab + cols, u, mask=cols < vocab)
 
 
-@triton.jit
+# One compiled kernel whatever the number of ids per row: a row's logsumexp runs the same code
+# for its sampled token alone as with its top-N.
+@triton.jit(do_not_specialize=["num_ids"])
 def _token_logprobs_kernel(
     # pointers
     logits_ptr,
@@ -407,6 +409,7 @@ def _token_logprobs_kernel(
     out_ptr,
     # sizes
     vocab,
+    num_ids,
     # strides
     stride_logits_b,
     # meta
@@ -425,9 +428,13 @@ def _token_logprobs_kernel(
         alpha = tl.where(m == new_m, 1.0, tl.exp(m - new_m))  # m = new_m = -inf: keep 0, no NaN
         total = total * alpha + tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - new_m)), axis=0)
         m = new_m
-    token = tl.load(token_ids_ptr + row).to(tl.int64)
-    valid = (token >= 0) & (token < vocab)  # an out-of-range id gives NaN, never a wild read
-    x_token = tl.load(row_ptr + token, mask=valid, other=float("nan")).to(tl.float32)
-    tl.store(out_ptr + row, x_token - (m + tl.log(total)))
+    lse = m + tl.log(total)
+    # Every id of the row against the same logsumexp: a row's top-N and its sampled token's
+    # logprobs are consistent to the bit.
+    for k in range(num_ids):
+        token = tl.load(token_ids_ptr + row * num_ids + k).to(tl.int64)
+        valid = (token >= 0) & (token < vocab)  # an out-of-range id gives NaN, never a wild read
+        x_token = tl.load(row_ptr + token, mask=valid, other=float("nan")).to(tl.float32)
+        tl.store(out_ptr + row * num_ids + k, x_token - lse)
 
 

@@ -91,6 +91,7 @@ class EngineLoop:
         thread after the engine died and every waiting client got its error (``corun.serve``
         shuts the server down from it)."""
         self._engine = engine
+        self.system_fingerprint: str = engine.system_fingerprint
         self._on_failure = on_failure
         self._metrics = metrics
         self.max_queue_len = max_queue_len
@@ -140,7 +141,7 @@ class EngineLoop:
         EngineDeadError when the engine thread is gone.
         """
         sink = _Sink(asyncio.get_running_loop(), queue)
-        num_seqs = sum(params.n for _, _, params in requests)
+        num_seqs = sum(params.num_samples for _, _, params in requests)
         now = time.perf_counter()
         with self._cond:
             if not self.is_alive or self._stopped:
@@ -166,7 +167,7 @@ class EngineLoop:
             for entry in self._pending_adds:
                 if entry.request_id == request_id:
                     self._pending_adds.remove(entry)
-                    self._pending_seqs -= entry.params.n
+                    self._pending_seqs -= entry.params.num_samples
                     return
             self._pending_aborts.append(request_id)
             self._cond.notify()
@@ -224,7 +225,7 @@ class EngineLoop:
             self._pending_aborts.clear()
             # Counted as the engine's waiting until the next stats refresh, so a burst of
             # submissions cannot slip past the limit in between.
-            self._num_waiting += sum(entry.params.n for entry in adds)
+            self._num_waiting += sum(entry.params.num_samples for entry in adds)
         return adds, aborts
 
     def _add(self, entry: _Pending) -> None:
@@ -243,7 +244,7 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - this request's failure, not the engine's
             failure, status = exc, 500
         with self._cond:  # it never joined the engine's queue: stop counting it as waiting
-            self._num_waiting -= entry.params.n
+            self._num_waiting -= entry.params.num_samples
         self._fail_request(entry.request_id, failure, status)
 
     def _route(self, output: Any) -> None:

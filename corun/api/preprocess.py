@@ -132,6 +132,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     field: str,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams for one prompt; ValueErrors become 400s naming the field."""
     room = state.max_model_len - len(prompt_ids)
@@ -165,6 +166,14 @@ def sampling_params(
             include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=body.logit_bias_ids,
+            min_tokens=body.min_tokens,
+            min_p=body.min_p,
+            best_of=body.best_of,
         )
         state.validate(prompt_ids, params)
     except ValueError as exc:
@@ -172,6 +181,14 @@ def sampling_params(
         param = field if param in ("prompt", "prompt_token_ids") else param
         raise APIError(400, str(exc), param) from None
     return params
+
+
+def completion_prompt_logprobs(body: CompletionRequest) -> int | None:
+    """vLLM: ``echo`` with ``logprobs`` returns the prompt's logprobs too (the top-N of both)."""
+    echoed = body.logprobs if body.echo and body.logprobs is not None else None
+    if body.prompt_logprobs is None:
+        return echoed
+    return max(body.prompt_logprobs, echoed or 0)
 
 
 def completion_submissions(
@@ -182,7 +199,8 @@ def completion_submissions(
     subs = []
     for index, prompt in enumerate(body.prompts):
         ids = encode(state, prompt, "prompt", body.add_special_tokens)
-        params = sampling_params(state, body, ids, body.max_tokens, body.logprobs, "prompt")
+        params = sampling_params(state, body, ids, body.max_tokens, body.logprobs, "prompt",
+                                 completion_prompt_logprobs(body))
         subs.append(Submission(random_id("req"), index, ids, params))
     echo = [state.tokenizer.decode(s.prompt_ids) if body.echo else "" for s in subs]
     return subs, echo
@@ -198,5 +216,6 @@ def chat_submissions(state: ServerState, body: ChatCompletionRequest) -> list[Su
         body.chat_template_kwargs,
     )
     ids = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
-    params = sampling_params(state, body, ids, body.max_new_tokens, body.num_logprobs, "messages")
+    params = sampling_params(state, body, ids, body.max_new_tokens, body.num_logprobs, "messages",
+                             body.prompt_logprobs)
     return [Submission(random_id("req"), 0, ids, params)]

@@ -50,6 +50,8 @@ MIN_TOP_P = 2.0**-126
 # engine thread that all requests share: bound the lists (OpenAI allows 4 stop strings).
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
+# OpenAI accepts up to 300 logit_bias entries; each costs a write per sampled token.
+MAX_LOGIT_BIAS = 1024
 
 
 def _valid_unicode(text: str) -> str:
@@ -153,7 +155,44 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    # vLLM: logprobs name tokens "token_id:<id>" (token texts can collide or be partial UTF-8).
+    return_tokens_as_token_ids: bool = False
     user: Text | None = None
+    # Per-request logits processing (corun.logits_processing), vLLM's ranges.
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
+    # OpenAI: token id (a JSON object key, so a string) -> bias in [-100, 100].
+    logit_bias: dict[Text, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] \
+        | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_INT32)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    # vLLM: the top-N of every prompt position (sample 0), in the choice's prompt_logprobs.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isascii() or not key.isdigit() or int(key) > MAX_INT64:
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        return bias
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of must be >= n ({n}), got {best_of}")
+        if best_of is not None and best_of > n and info.data.get("stream"):
+            raise ValueError("best_of > n is not supported with stream (the n best are known "
+                             "only once all best_of samples finished)")
+        return best_of
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("stop")
     @classmethod
@@ -185,7 +224,8 @@ class CompletionRequest(
     """``POST /v1/completions``: text or token-id prompts, one or a batch."""
 
     prompt: Prompt
-    max_tokens: int = Field(default=16, ge=1, le=MAX_INT32)
+    # 0 with echo and logprobs scores the prompt (lm-evaluation-harness's loglikelihood).
+    max_tokens: int = Field(default=16, ge=0, le=MAX_INT32)
     # OpenAI: the number of most likely tokens to return per position (the chosen one is always in).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False

@@ -43,6 +43,19 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob`` of a prompt position: rank 1 is the most likely token; a prompt token
+    outside the top-N has no rank here (null)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (null first): token id (as a string) -> its PromptLogprob.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -53,6 +66,7 @@ class CompletionChoice(BaseModel):
     seed: int | None = None
     fingerprint: str | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -93,6 +107,7 @@ class ChatChoice(BaseModel):
     seed: int | None = None
     fingerprint: str | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -23,6 +23,7 @@ from corun.api.response_models import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprob,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -46,6 +47,7 @@ class _Builder:
         self.created = int(time.time())
         self.start = time.monotonic()
         self.n = body.n
+        self.subs_by_prompt = {sub.prompt_index: sub for sub in subs}
         decode = state.tokenizer.decode
         self.choices: dict[int, ChoiceState] = {}
         for sub in subs:
@@ -68,7 +70,8 @@ class _Builder:
             choice = self.choices[sub.prompt_index * self.n + completion.index]
             was_finished = choice.finished
             before = choice.num_output_tokens
-            for gap in choice.update(completion, output.seed):
+            prompt_lps = getattr(output, "prompt_logprobs", None)
+            for gap in choice.update(completion, output.seed, prompt_lps):
                 metrics.observe_itl(gap)
             if choice.num_output_tokens != before or choice.finished != was_finished:
                 changed.append(choice)
@@ -95,8 +98,31 @@ class _Builder:
     def _ordered(self) -> list[ChoiceState]:
         return [self.choices[i] for i in sorted(self.choices)]
 
+    def _token_text(self, token: int) -> str:
+        if self.body.return_tokens_as_token_ids:
+            return f"token_id:{token}"
+        return self.state.tokenizer.decode([token], skip_special_tokens=False)
+
     def _token_texts(self, ids: list[int]) -> list[str]:
-        return [self.state.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        return [self._token_text(t) for t in ids]
+
+    def _prompt_logprobs(self, choice: ChoiceState, first: bool) -> list | None:
+        """vLLM's ``prompt_logprobs`` of a choice, when the request asked for them."""
+        if not first or self.body.prompt_logprobs is None or choice.prompt_logprobs is None:
+            return None
+        prompt_ids = self.subs_by_prompt[choice.index // self.n].prompt_ids
+        out = []
+        for token, entry in zip(prompt_ids, choice.prompt_logprobs, strict=True):
+            if entry is None:
+                out.append(None)
+                continue
+            top = list(entry)[: self.body.prompt_logprobs]
+            out.append({
+                str(t): PromptLogprob(logprob=entry[t], rank=top.index(t) + 1 if t in top else None,
+                                      decoded_token=self._token_text(t))
+                for t in [*top, *([] if token in top else [token])]
+            })
+        return out
 
     def _is_first(self, choice: ChoiceState) -> bool:
         first = choice.index not in self._first_chunk_sent
@@ -140,20 +166,47 @@ class CompletionBuilder(_Builder):
         self.echo = echo  # per prompt: the prompt text to put first (echo=true), else ""
         self._text_offsets = {i: len(echo[c.index // self.n]) for i, c in self.choices.items()}
 
-    def _logprobs(self, choice: ChoiceState, ids: list[int], lps: list[float]):
+    def _logprobs(self, choice: ChoiceState, ids: list[int], lps: list, first: bool):
+        """OpenAI's completion logprobs: per token its text, logprob, text offset and the
+        {text: logprob} of the most likely ones plus the chosen one (vLLM's). With ``echo`` the
+        prompt's tokens come first (the first one's logprob and top list are null)."""
         if self.body.logprobs is None:
             return None
-        texts = self._token_texts(ids)
+        tokens: list[int] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[int, float] | None] = []
+        echoed = first and self.body.echo and choice.prompt_logprobs is not None
+        if echoed:
+            prompt_ids = self.subs_by_prompt[choice.index // self.n].prompt_ids
+            for token, entry in zip(prompt_ids, choice.prompt_logprobs, strict=True):
+                tokens.append(token)
+                token_lps.append(None if entry is None else entry[token])
+                tops.append(None if entry is None else entry)
+        for token, (lp, top) in zip(ids, lps, strict=True):
+            tokens.append(token)
+            token_lps.append(lp)
+            tops.append({**top, token: lp})
+        texts = self._token_texts(tokens)
         offsets = []
+        if echoed:
+            self._text_offsets[choice.index] = 0  # the echoed prompt's tokens come first
         for text in texts:
             offsets.append(self._text_offsets[choice.index])
             self._text_offsets[choice.index] += len(text)
-        # The engine returns the sampled token's logprob; it is the top-1 list entry here.
+        top_lists: list[dict[str, float] | None] = []
+        for token, top in zip(tokens, tops, strict=True):
+            if top is None:
+                top_lists.append(None)
+                continue
+            wanted = list(top)[: self.body.logprobs]  # the top-N, most likely first
+            if token not in wanted:
+                wanted.append(token)  # and the chosen (or prompt) token
+            entry: dict[str, float] = {}
+            for t in wanted:
+                entry.setdefault(self._token_text(t), top[t])
+            top_lists.append(entry)
         return CompletionLogprobs(
-            text_offset=offsets,
-            token_logprobs=list(lps),
-            tokens=texts,
-            top_logprobs=[{t: lp} for t, lp in zip(texts, lps, strict=True)],
+            text_offset=offsets, token_logprobs=token_lps, tokens=texts, top_logprobs=top_lists
         )
 
     def _choice(
@@ -163,12 +216,13 @@ class CompletionBuilder(_Builder):
         return CompletionChoice(
             index=choice.index,
             text=prefix + text,
-            logprobs=self._logprobs(choice, ids, lps),
+            logprobs=self._logprobs(choice, ids, lps, first),
             finish_reason=choice.finish_reason,
             stop_reason=choice.stop_reason,
             seed=choice.seed if (first or choice.finished) else None,
             fingerprint=choice.fingerprint,
             token_ids=ids if self.body.return_token_ids else None,
+            prompt_logprobs=self._prompt_logprobs(choice, first),
         )
 
     def chunks(self, changed: list[ChoiceState]) -> list[CompletionChunk]:
@@ -191,14 +245,19 @@ class ChatBuilder(_Builder):
     chunk_cls = ChatCompletionChunk
     response_cls = ChatCompletionResponse
 
-    def _logprobs(self, ids: list[int], lps: list[float]) -> ChatLogprobs | None:
+    def _logprobs(self, ids: list[int], lps: list) -> ChatLogprobs | None:
+        """OpenAI's chat logprobs: per token its logprob and the ``top_logprobs`` most likely."""
         if not self.body.logprobs:
             return None
         content = []
-        for text, lp in zip(self._token_texts(ids), lps, strict=True):
-            raw = list(text.encode("utf-8"))
-            top = [TopLogprob(token=text, logprob=lp, bytes=raw)] if self.body.top_logprobs else []
-            content.append(TokenLogprob(token=text, logprob=lp, bytes=raw, top_logprobs=top))
+        for token, (lp, top) in zip(ids, lps, strict=True):
+            text = self._token_text(token)
+            alternatives = [
+                TopLogprob(token=t_text, logprob=t_lp, bytes=list(t_text.encode("utf-8")))
+                for t_text, t_lp in ((self._token_text(t), t_lp) for t, t_lp in top.items())
+            ][: self.body.top_logprobs or 0]
+            content.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")),
+                                        top_logprobs=alternatives))
         return ChatLogprobs(content=content)
 
     def chunks(self, changed: list[ChoiceState]) -> list[ChatCompletionChunk]:
@@ -244,6 +303,7 @@ class ChatBuilder(_Builder):
                     seed=choice.seed,
                     fingerprint=choice.fingerprint,
                     token_ids=ids if self.body.return_token_ids else None,
+                    prompt_logprobs=self._prompt_logprobs(choice, True),
                 )
             )
         return self._response(choices)

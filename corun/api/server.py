@@ -112,7 +112,8 @@ class ServerState:
 
     @property
     def system_fingerprint(self) -> str:
-        return f"corun-{self.mode}"
+        """The engine's (``corun.system_fingerprint``): equal exactly when comparable."""
+        return self.engine_loop.system_fingerprint
 
     @property
     def model_names(self) -> frozenset[str]:

@@ -46,6 +46,9 @@ class ChoiceState:
     include_stop_str: bool = False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # The request's prompt logprobs (echo with logprobs): None first, then {token id: logprob}.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     text: str = ""  # the full text so far (cut at a stop string once finished)
     sent_text_len: int = 0  # characters already handed out as deltas
     sent_token_len: int = 0  # token ids already handed out
@@ -65,8 +68,11 @@ class ChoiceState:
     def num_output_tokens(self) -> int:
         return len(self.token_ids)
 
-    def update(self, output: Any, seed: int) -> list[float]:
-        """Take one ``CompletionOutput``; returns the inter-token gaps it adds (for metrics)."""
+    def update(self, output: Any, seed: int, prompt_logprobs: list | None = None) -> list[float]:
+        """Take one ``CompletionOutput`` (and its request's prompt logprobs); returns the
+        inter-token gaps it adds (for metrics)."""
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
         now = time.monotonic()
         gaps = []
         new_tokens = len(output.token_ids) - len(self.token_ids)
@@ -79,6 +85,8 @@ class ChoiceState:
         self.token_ids = list(output.token_ids)
         if output.logprobs is not None:
             self.logprobs = list(output.logprobs)
+        if getattr(output, "top_logprobs", None) is not None:
+            self.top_logprobs = list(output.top_logprobs)
         self.seed = seed
         if output.finish_reason is not None:
             self.finish_reason = output.finish_reason
@@ -94,8 +102,9 @@ class ChoiceState:
                 self.text = self.text[:cut]
         return gaps
 
-    def take_delta(self) -> tuple[str, list[int], list[float]]:
-        """Text, token ids and logprobs not handed out yet (text held back as described above)."""
+    def take_delta(self) -> tuple[str, list[int], list[tuple[float, dict[int, float]]]]:
+        """Text, token ids and logprobs not handed out yet (text held back as described above):
+        per token its logprob and the {id: logprob} of the most likely tokens."""
         end = len(self.text)
         if not self.finished:
             if self.stop_strings:
@@ -107,6 +116,8 @@ class ChoiceState:
         self.sent_text_len = end
         ids = self.token_ids[self.sent_token_len :]
         self.sent_token_len = len(self.token_ids)
-        logprobs = self.logprobs[self.sent_logprob_len :]
+        tops = self.top_logprobs[self.sent_logprob_len :]
+        logprobs = [(lp, tops[i] if i < len(tops) else {})
+                    for i, lp in enumerate(self.logprobs[self.sent_logprob_len :])]
         self.sent_logprob_len = len(self.logprobs)
         return text, ids, logprobs

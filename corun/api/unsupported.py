@@ -15,25 +15,16 @@ from pydantic import BaseModel, ValidationInfo, create_model, field_validator
 
 # Off values per field; () = only absent or null is accepted.
 SAMPLING: dict[str, tuple] = {
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "repetition_penalty": (1,),
-    "logit_bias": ({},),
-    "min_p": (0,),
-    "min_tokens": (0,),
-    "best_of": (1,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
     "early_stopping": (False,),
     "allowed_token_ids": (),
     "bad_words": ([],),
-    "prompt_logprobs": (),
     "truncate_prompt_tokens": (),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "logits_processors": ([],),
     "priority": (0,),
-    "return_tokens_as_token_ids": (False,),
     "response_format": ({"type": "text"},),
     "guided_json": (),
     "guided_regex": (),
@@ -60,6 +51,20 @@ CHAT: dict[str, tuple] = {
     "documents": (),
     "mm_processor_kwargs": (),
 }
+# Why a field is refused, where the bare "not supported" would leave the client guessing.
+_STRUCTURED = "structured output (a grammar mask per request) is not implemented"
+REASONS: dict[str, str] = {
+    "response_format": _STRUCTURED,
+    **{f"guided_{kind}": _STRUCTURED
+       for kind in ("json", "regex", "choice", "grammar", "decoding_backend",
+                    "whitespace_pattern")},
+    "structured_outputs": _STRUCTURED,
+    "tools": "tool calling is not implemented",
+    "tool_choice": "tool calling is not implemented",
+    "functions": "tool calling is not implemented",
+    "function_call": "tool calling is not implemented",
+    "use_beam_search": "beam search is not implemented (sample with n or best_of)",
+}
 # Fields of one chat message.
 MESSAGE: dict[str, tuple] = {"tool_calls": ([],), "function_call": (), "audio": ()}
 # Content part types a message may hold.
@@ -75,11 +80,12 @@ def _same(value: Any, off: Any) -> bool:
     return type(value) is type(off) and value == off
 
 
-def not_supported_message(off_values: tuple) -> str:
+def not_supported_message(off_values: tuple, field: str | None = None) -> str:
+    reason = f": {REASONS[field]}" if field in REASONS else ""
     if not off_values:
-        return "not supported"
+        return f"not supported{reason}"
     accepted = " or ".join(repr(v) if isinstance(v, str) else _json(v) for v in off_values)
-    return f"not supported (only {accepted}, its neutral value, is accepted)"
+    return f"not supported{reason} (only {accepted}, its neutral value, is accepted)"
 
 
 def _json(value: Any) -> str:
@@ -95,7 +101,7 @@ def refusing(table: dict[str, tuple], base: type[BaseModel], name: str) -> type[
     def check(cls, value: Any, info: ValidationInfo) -> Any:
         off_values = table[info.field_name]
         if not any(_same(value, off) for off in off_values):
-            raise ValueError(not_supported_message(off_values))
+            raise ValueError(not_supported_message(off_values, info.field_name))
         return value
 
     validator = field_validator(*table)(classmethod(check))

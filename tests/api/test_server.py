@@ -36,7 +36,7 @@ def test_health_and_models(client: httpx.Client):
 def test_completion_response_shape(client: httpx.Client):
     body = _complete(client, seed=3, return_token_ids=True)
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
-    assert body["model"] == "corun-default" and body["system_fingerprint"] == "corun-corun"
+    assert body["model"] == "corun-default" and body["system_fingerprint"].startswith("fp_")
     (choice,) = body["choices"]
     assert choice["index"] == 0 and choice["seed"] == 3
     assert choice["finish_reason"] in ("stop", "length")
@@ -159,7 +159,10 @@ def test_logprobs(client: httpx.Client):
     ).json()
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == chat["usage"]["completion_tokens"]
-    assert all(t["top_logprobs"][0]["logprob"] == t["logprob"] for t in content)
+    # The most likely token: its logprob is at least the sampled one's (seeded sampling at T=1
+    # need not pick it).
+    assert all(len(t["top_logprobs"]) == 1 for t in content)
+    assert all(t["top_logprobs"][0]["logprob"] >= t["logprob"] for t in content)
 
 
 def test_stop_token_ids_and_stop_strings(client: httpx.Client):

@@ -28,7 +28,7 @@ class IdTokenizer:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(mode="corun", **TINY)
+    return LLM(mode="corun", skip_tokenizer_init=True, **TINY)
 
 
 def _drain(engine: LLMEngine) -> dict:

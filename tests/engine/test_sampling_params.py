@@ -9,8 +9,12 @@ from corun.sampling_params import SamplingParams
 @pytest.mark.parametrize(
     "field, value",
     [("n", 0), ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0),
-     ("top_p", 1.5), ("top_k", -2), ("max_tokens", 0), ("seed", -1), ("seed", 2**64),
-     ("seed", 1.5), ("stop", [""]), ("stop_token_ids", [-3]), ("logprobs", -1)],
+     ("top_p", 1.5), ("top_k", -2), ("max_tokens", -1), ("seed", -1), ("seed", 2**64),
+     ("seed", 1.5), ("stop", [""]), ("stop_token_ids", [-3]), ("logprobs", -1),
+     ("prompt_logprobs", -1), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+     ("frequency_penalty", float("nan")), ("repetition_penalty", 0.0), ("logit_bias", {-1: 1.0}),
+     ("logit_bias", {3: 101.0}), ("min_tokens", -1), ("min_tokens", 17), ("min_p", 1.5),
+     ("best_of", 0)],
     ids=lambda v: repr(v),
 )
 def test_bad_sampling_params_name_the_field(field, value):

@@ -327,3 +327,13 @@ def test_token_logprobs_bad_input_names_argument():
         token_logprobs(torch.randn(2, 10), torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="^logits"):
         token_logprobs(torch.randn(10), torch.zeros(1, dtype=torch.int64))
+
+
+def test_token_logprobs_of_many_ids_per_row_match_one_id_per_row():
+    """[B, K] ids share each row's logsumexp: every column equals the [B] call on that column."""
+    logits = torch.randn(3, 300)
+    ids = torch.tensor([[0, 299, 5], [7, 7, 1], [150, 2, 3]])
+    many = token_logprobs(logits, ids)
+    for k in range(ids.shape[1]):
+        assert torch.equal(many[:, k], token_logprobs(logits, ids[:, k].contiguous()))
+    assert many.shape == (3, 3)

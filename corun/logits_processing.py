@@ -1,0 +1,83 @@
+"""Per-request logits processing before sampling: logit bias, min_tokens, penalties, min_p.
+
+Each processed row is a function of that row's raw logits and of its own request's params and
+tokens only (vLLM's order: ``logit_bias`` and ``min_tokens``, then the repetition, frequency and
+presence penalties, then ``min_p`` against the temperature-scaled distribution), applied to a copy
+of the row one row at a time; the row is then sampled by the same sampler with the same
+per-request noise. So a processed request's tokens do not depend on what runs beside it, and the
+rows that ask for nothing are neither touched nor re-sampled (their bits are the step's).
+
+The raw logits stay as they were: the logits digest and the reported logprobs are of the model's
+output (vLLM's default ``raw_logprobs``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+from corun.sampler import Sampler, SamplingTensors, seed_to_int64
+from corun.sequence import Sequence
+
+
+def process_row(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """The processed copy of ``row`` ([V] fp32, raw logits of ``seq``'s next token)."""
+    params = seq.params
+    out = row.to(torch.float32).clone()
+    device = out.device
+    vocab = out.shape[0]
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=device)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
+        out[ids] += bias  # keys are unique: no two writes to one token
+    if seq.num_output_tokens < params.min_tokens and seq.min_tokens_masked_ids:
+        ids = torch.tensor(sorted(seq.min_tokens_masked_ids), dtype=torch.int64, device=device)
+        out[ids[ids < vocab]] = float("-inf")
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=device)
+        values = out[seen]
+        penalty = params.repetition_penalty
+        out[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) \
+            and seq.num_output_tokens:
+        counts = sorted(Counter(seq.output_token_ids).items())
+        ids = torch.tensor([t for t, _ in counts], dtype=torch.int64, device=device)
+        count = torch.tensor([c for _, c in counts], dtype=torch.float32, device=device)
+        out[ids] -= params.frequency_penalty * count + params.presence_penalty
+    if params.min_p > 0.0 and not params.is_greedy:
+        # p_i < min_p * p_max  <=>  (l_i - l_max) / T < log(min_p)
+        floor = out.max() + params.temperature * math.log(params.min_p)
+        out = torch.where(out < floor, torch.full_like(out, float("-inf")), out)
+    return out
+
+
+def resample_processed(sampler: Sampler, logits: torch.Tensor, samples: torch.Tensor,
+                       seqs: list[Sequence]) -> torch.Tensor:
+    """``samples`` ([R, 3]: token, digest) with the token of every row whose request processes
+    its logits re-drawn from the processed row (same seed, sample index and position). Returns
+    ``samples`` itself when no row asks for processing, else a new tensor."""
+    rows = [i for i, seq in enumerate(seqs) if seq.params.has_logits_processing]
+    if not rows:
+        return samples
+    device = logits.device
+    processed = torch.stack([process_row(logits[i], seqs[i]) for i in rows])
+    chosen = [seqs[i] for i in rows]
+    params = [s.params for s in chosen]
+    tensors = SamplingTensors(
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                                 device=device),
+        top_k=torch.tensor([p.effective_top_k for p in params], dtype=torch.int32, device=device),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        seeds=torch.tensor([seed_to_int64(s.seed) for s in chosen], dtype=torch.int64,
+                           device=device),
+        sample_indices=torch.tensor([s.sample_index for s in chosen], dtype=torch.int32,
+                                    device=device),
+        # The sampled token lands at index num_tokens: the position the step's sampler used.
+        positions=torch.tensor([s.num_tokens for s in chosen], dtype=torch.int64, device=device),
+        all_greedy=all(p.is_greedy for p in params))
+    tokens = sampler.sample(processed, tensors)
+    out = samples.clone()
+    out[torch.tensor(rows, dtype=torch.int64, device=device), 0] = tokens.to(out.dtype)
+    return out

@@ -1,0 +1,114 @@
+"""The system fingerprint: one id for everything that decides a response's bits.
+
+Two responses (or two offline runs) are comparable bit for bit exactly when their system
+fingerprints are equal: the id hashes the weights (a named config's name and seed, or a digest of
+a checkpoint's files), the dtype, the mode and backend, the step shapes (B and the decode
+buckets, the prefill policy with C, T and R, the block size, max_model_len, which bounds the
+decode grid), the decode split size, the tuned kernel tables, tensor parallelism, the EOS ids,
+the device (GPU name and compute capability, or the CPU's vector ISA) and the torch / triton /
+corun versions. Pure sizing and pacing knobs (KV block count, queue length, token budgets,
+overlap, CUDA graphs, which replay the eager bits) are left out: they do not change a request's
+bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from corun.config import EngineConfig
+
+_TUNED_DIR = Path(__file__).resolve().parents[1] / "kernels" / "tuned"
+# A checkpoint's weights are identified by each file's name, size and its first and last bytes
+# (hashing many GB at every start-up would be too slow); config.json is hashed whole.
+_EDGE_BYTES = 1 << 20
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_EDGE_BYTES))
+        if size > _EDGE_BYTES:
+            f.seek(max(size - _EDGE_BYTES, _EDGE_BYTES))
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def weights_id(config: EngineConfig) -> str:
+    from models import NAMED_CONFIGS
+
+    if config.model in NAMED_CONFIGS:
+        return f"{config.model}:seed={config.seed}"
+    root = Path(config.model)
+    files = sorted(p for p in root.iterdir()
+                   if p.suffix in (".safetensors", ".bin", ".json") and p.is_file())
+    return "ckpt:" + hashlib.sha256(
+        "".join(_file_digest(p) for p in files).encode()).hexdigest()[:32]
+
+
+def _tuned_tables() -> str:
+    h = hashlib.sha256()
+    for path in sorted(_TUNED_DIR.glob("*.json")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _device(config: EngineConfig) -> str:
+    device = torch.device(config.resolved_device)
+    if device.type == "cuda":
+        index = device.index or 0
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"{torch.cuda.get_device_name(index)} sm_{major}{minor}"
+    return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"torch": torch.__version__}
+    for package in ("triton", "corun"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = "none"
+    return out
+
+
+def describe(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = ()
+             ) -> dict[str, object]:
+    """What decides the bits of this engine's responses, as plain values (``eos_token_ids``: the
+    engine's, from the model config and the tokenizer: where generation stops)."""
+    return {
+        "weights": weights_id(config),
+        "eos_token_ids": sorted(eos_token_ids),
+        "dtype": str(config.torch_dtype).removeprefix("torch."),
+        "mode": config.kernel_mode.value,
+        "backend": config.resolved_backend,
+        "decode_buckets": list(config.decode_buckets),
+        "prefill_policy": config.prefill_policy if config.is_corun else None,
+        "prefill_chunk_size": config.prefill_chunk_size,
+        "prefill_step_tokens": config.prefill_step_tokens if config.is_packed_prefill else None,
+        "max_prefill_seqs_per_step":
+            config.max_prefill_seqs_per_step if config.is_packed_prefill else None,
+        "prefill_buckets": list(config.prefill_buckets) if config.is_corun else None,
+        "max_num_batched_tokens": None if config.is_corun else config.max_num_batched_tokens,
+        "block_size": config.block_size,
+        "max_model_len": config.max_model_len,
+        "decode_split_size": config.decode_split_size,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "tuned_tables": _tuned_tables(),
+        "device": _device(config),
+        **_versions(),
+    }
+
+
+def system_fingerprint(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = ()) -> str:
+    """``fp_`` and 16 hex digits of the sha256 of ``describe``."""
+    text = json.dumps(describe(config, eos_token_ids), sort_keys=True)
+    return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:16]

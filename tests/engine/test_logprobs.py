@@ -1,0 +1,119 @@
+"""Top-N logprobs and prompt logprobs, offline: values against a direct forward of the model
+(log_softmax of its logits), ranking and tie order, and bits independent of co-running requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corun.llm import LLM
+from corun.sampler import Sampler, top_token_ids
+from corun.sampling_params import SamplingParams
+from tests.engine.conftest import TINY
+from tests.models.helpers import run_sequence
+
+PROMPT = [1, 5, 9, 22, 7, 3, 11, 40, 2, 8, 13, 17, 19, 23, 29, 31, 37, 41, 43]  # 19: 2+ tiles
+OTHERS = [[4, 4, 8], [100, 3, 7, 9, 11, 12, 13, 200, 201, 3, 5], list(range(30, 60))]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(**TINY) as llm:
+        yield llm
+
+
+def _direct_logits(llm: LLM, prompt: list[int], decode: list[int]) -> list[torch.Tensor]:
+    runner = llm.engine.runner
+    with torch.inference_mode():
+        return run_sequence(runner.model, torch.tensor(prompt), torch.tensor(decode), runner.ops,
+                            max_seq_len=TINY["max_model_len"])
+
+
+def test_top_token_ids_breaks_ties_by_lowest_id_and_orders_by_value():
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0, float("-inf")],
+                           [-0.0, 0.0, -3.0, -2.0, 1.0, -3.0]])
+    assert top_token_ids(logits, 4).tolist() == [[1, 2, 4, 0], [4, 0, 1, 3]]
+    # The same rows beside other rows or alone, at any k: the same prefix.
+    alone = top_token_ids(logits[1:], 2)
+    assert alone.tolist() == [[4, 0]]
+
+
+def test_sampler_logprobs_of_many_ids_share_the_row_log_softmax():
+    logits = torch.randn(3, 50)
+    ids = torch.tensor([[1, 2, 3], [0, 49, 7], [5, 5, 6]])
+    out = Sampler("torch", torch.device("cpu")).logprobs(logits, ids)
+    assert torch.equal(out, torch.log_softmax(logits, -1).gather(1, ids))
+
+
+def test_top_logprobs_match_a_direct_forward(llm):
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, logprobs=5),
+                       use_tqdm=False)[0].outputs[0]
+    direct = _direct_logits(llm, PROMPT, out.token_ids[:-1])
+    steps = [direct[0][-1]] + [d[0] for d in direct[1:]]
+    assert len(out.top_logprobs) == len(out.logprobs) == 4
+    for token, lp, top, logits in zip(out.token_ids, out.logprobs, out.top_logprobs, steps,
+                                      strict=True):
+        ref = torch.log_softmax(logits.double(), -1)
+        want = ref.topk(5)
+        assert list(top) == want.indices.tolist()  # most likely first
+        assert list(top.values()) == pytest.approx(want.values.tolist(), abs=1e-4)
+        assert lp == pytest.approx(ref[token].item(), abs=1e-4)
+        assert top[token] == lp  # greedy: the sampled token is the top one, to the bit
+
+
+def test_prompt_logprobs_match_a_direct_forward(llm):
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+                       use_tqdm=False)[0]
+    ref = torch.log_softmax(_direct_logits(llm, PROMPT, [])[0].double(), -1)
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(PROMPT)
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        token = PROMPT[i]
+        assert entry[token] == pytest.approx(ref[i - 1, token].item(), abs=1e-4)
+        top = [t for t in entry][:3]
+        assert top == ref[i - 1].topk(3).indices.tolist()
+        assert len(entry) == 3 + (token not in top)
+
+
+def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(llm):
+    scored, generated = llm.generate(
+        [PROMPT, PROMPT],
+        [SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=0),
+         SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)], use_tqdm=False)
+    assert scored.token_ids == [] and scored.finish_reason == "length"
+    assert scored.prompt_logprobs == generated.prompt_logprobs
+    assert len(generated.token_ids) == 2
+
+
+def test_logprobs_bits_do_not_depend_on_co_runners(llm):
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=5, logprobs=4, prompt_logprobs=2)
+    alone = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    mixed = llm.generate(OTHERS + [PROMPT], [SamplingParams(max_tokens=6, seed=1, logprobs=1,
+                                                            prompt_logprobs=1)] * 3 + [params],
+                         use_tqdm=False)[-1]
+    assert mixed.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert mixed.outputs[0].logprobs == alone.outputs[0].logprobs
+    assert mixed.outputs[0].top_logprobs == alone.outputs[0].top_logprobs
+    assert mixed.prompt_logprobs == alone.prompt_logprobs
+
+
+def test_more_logprobs_than_max_logprobs_is_refused(llm):
+    with pytest.raises(ValueError, match="logprobs: 21 exceeds max_logprobs 20"):
+        llm.generate([PROMPT], SamplingParams(logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs: 21 exceeds"):
+        llm.generate([PROMPT], SamplingParams(prompt_logprobs=21), use_tqdm=False)
+
+
+def test_prompt_logprobs_of_a_cached_prompt_are_computed_in_full():
+    """With prefix caching on, a prompt already in the cache still gets every position's prompt
+    logprobs (the request computes its whole prompt), the same bits as on an empty cache."""
+    with LLM(**TINY, enable_prefix_caching=True) as llm:
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+        first = llm.generate([PROMPT], params, use_tqdm=False)[0]
+        plain = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1),
+                             use_tqdm=False)[0]
+        again = llm.generate([PROMPT], params, use_tqdm=False)[0]
+        assert llm.engine.stats()["prefix_cache_hits"] > 0  # the plain request did hit
+    assert len(again.prompt_logprobs) == len(PROMPT)
+    assert again.prompt_logprobs == first.prompt_logprobs
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == plain.outputs[0].token_ids

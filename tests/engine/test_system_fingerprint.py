@@ -1,0 +1,60 @@
+"""The system fingerprint changes with everything that decides the bits and with nothing else;
+LLM and the server share one CPU dtype default, so the same request has one fingerprint."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from corun.config import EngineConfig
+from corun.serve import build_parser, engine_config_kwargs
+from corun.system_fingerprint import describe, system_fingerprint
+
+BASE = EngineConfig(model="tiny-qwen3", device="cpu", max_num_seqs=8, max_model_len=128)
+
+
+@pytest.mark.parametrize("change", [
+    dict(num_kv_blocks=200), dict(max_queue_len=3), dict(prefill_token_budget=64),
+    dict(cuda_graphs=False), dict(gpu_memory_utilization=0.5), dict(overlap_prefill_decode=True),
+])
+def test_sizing_and_pacing_knobs_keep_the_fingerprint(change):
+    assert system_fingerprint(dataclasses.replace(BASE, **change)) == system_fingerprint(BASE)
+
+
+@pytest.mark.parametrize("change", [
+    dict(dtype="bfloat16"), dict(mode="batch_invariant"), dict(decode_batch_size=4),
+    dict(decode_split_size=128), dict(prefill_policy="isolated"), dict(prefill_chunk_size=256),
+    dict(seed=1), dict(model="tiny-qwen3-moe"), dict(max_model_len=256), dict(block_size=32),
+    dict(prefill_step_tokens=4096), dict(max_prefill_seqs_per_step=16),
+])
+def test_every_bit_deciding_field_changes_the_fingerprint(change):
+    assert system_fingerprint(dataclasses.replace(BASE, **change)) != system_fingerprint(BASE)
+
+
+def test_llm_and_server_share_the_cpu_dtype_default():
+    args = build_parser().parse_args(["--device", "cpu", "--model", "tiny-qwen3"])
+    served = EngineConfig(**engine_config_kwargs(args))
+    offline = EngineConfig(model="tiny-qwen3", device="cpu")  # what LLM("tiny-qwen3") builds
+    assert served.torch_dtype == offline.torch_dtype
+    assert describe(served)["dtype"] == "float32"
+    for field in ("device", "torch", "triton", "tuned_tables", "weights"):
+        assert field in describe(served)
+
+
+def test_eos_ids_are_part_of_the_fingerprint():
+    assert system_fingerprint(BASE, frozenset({1})) != system_fingerprint(BASE, frozenset({2}))
+
+
+def test_llm_and_server_engines_of_one_config_share_the_fingerprint():
+    from corun.engine import LLMEngine
+    from corun.llm import LLM
+    from corun.serve import load_tokenizer
+
+    args = build_parser().parse_args(["--device", "cpu", "--max-model-len", "64",
+                                      "--max-num-seqs", "2", "--prefill-chunk-size", "16"])
+    kwargs = engine_config_kwargs(args)
+    served = LLMEngine(EngineConfig(**kwargs), load_tokenizer(kwargs["model"]))
+    with LLM(**kwargs) as llm:
+        assert llm.system_fingerprint == served.system_fingerprint
+    served.close()
