@@ -80,9 +80,13 @@ def _cell(count: int | None, of: int | None) -> str:
     return "0" if count == 0 else f"**{count}** of {of}"
 
 
-def atlas_block(head: dict, records: list[dict]) -> str:
+def atlas_block(head: dict, records: list[dict], only_variant: bool = False) -> str:
+    """The atlas table; ``only_variant`` keeps the measured cases that are not batch-invariant
+    (the README's summary: every other case changed no bit under (a)-(d))."""
     rows, measured = [], [r for r in records if "other_rows" in r]
     for r in records:
+        if only_variant and ("other_rows" not in r or r["batch_invariant"]):
+            continue
         if "other_rows" not in r:
             rows.append([r["op"], r["impl"], r["policy"], r.get("shape", "—"),
                          f"not measured: {(r.get('error') or r.get('skipped', ''))[:90]}",
@@ -105,7 +109,9 @@ def atlas_block(head: dict, records: list[dict]) -> str:
         _source(head, "invariance-atlas-h200"), "",
         f"Of {len(measured)} cases measured, {position} are position-invariant ((a) and (b) "
         f"unchanged) and {batch} of those batch-invariant too ((c) unchanged)"
-        + (f"; {len(skipped)} cases were skipped by the time budget" if skipped else "") + ".",
+        + (f"; {len(skipped)} cases were skipped by the time budget" if skipped else "") + "."
+        + (" The cases below are the ones that are not batch-invariant; the full table is in "
+           "`experiments/README.md`." if only_variant else ""),
         "", _table(["op", "implementation", "policy", "shape", "(a) other rows",
                     "(b) row index", "(c) batch size", "changed at M", "(d) run to run"],
                    rows)])
@@ -139,6 +145,8 @@ def research_view(name: str) -> Callable[[dict, list[dict]], str] | None:
         return paper_claims_block
     if name == "invariance-atlas-h200":
         return atlas_block
+    if name == "invariance-atlas-h200-summary":
+        return lambda head, records: atlas_block(head, records, only_variant=True)
     if name == "ablate-serving-load-h200":
         table = columns_block(name, SERVING_COLUMNS)
         return lambda head, records: f"{table(head, records)}\n\n![{name}](results/{name}.png)"
@@ -147,4 +155,5 @@ def research_view(name: str) -> Callable[[dict, list[dict]], str] | None:
     return None
 
 
-ALIASES = {"paper-h200-claims": "paper-h200"}
+ALIASES = {"paper-h200-claims": "paper-h200",
+           "invariance-atlas-h200-summary": "invariance-atlas-h200"}
