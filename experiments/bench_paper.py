@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                     "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
                         timespec="seconds")}  # merged files mix runs: each record its date
             try:
-                record = {**base, **bench_offline.bench_variant(mode, model, args, work)}
+                record = {**base, **bench_offline.bench_variant(mode, model, args, work)[0]}
             except Exception as exc:  # one mode failing (e.g. out of memory) keeps the others
                 record = {**base, "mode": mode, "error": f"{type(exc).__name__}: {exc}"[:500]}
             records.append(record)

@@ -36,6 +36,20 @@ AVX512_ONLY = pytest.mark.skipif(
     reason="the plain matmul's position variance at M 5..11 was measured on AVX-512")
 
 
+def _plain_matmul_keeps_row_bits(num_rows: int) -> bool:
+    """Whether this CPU's plain fp32 matmul gives the last of ``num_rows`` rows the bits of row 0
+    for the same input row (2 threads). The position variance the padded path exists for was
+    measured on an AVX-512 host; another host's BLAS may pick kernels that keep the bits, and a
+    negative control has then nothing to show (it says so and skips rather than fail)."""
+    gen = torch.Generator().manual_seed(7)
+    w, target = torch.randn(96, 64, generator=gen), torch.randn(64, generator=gen)
+    x = torch.randn(num_rows, 64, generator=gen)
+    first, last = x.clone(), x.clone()
+    first[0], last[-1] = target, target
+    with two_threads():
+        return torch.equal(F.linear(first, w)[0], F.linear(last, w)[-1])
+
+
 @contextlib.contextmanager
 def two_threads():
     """The matmul measurements hold at >= 2 intra-op threads (at 1, M 5..11 are invariant)."""
@@ -106,6 +120,9 @@ def test_linear_batch_invariant_row_bits_equal_for_every_t(shape, data, seed):
 def test_plain_linear_is_position_variant_negative_control(num_rows):
     """The check above fails for the plain matmul (default mode) at T 5..11: the last row gets
     other bits than row 0 for the same input row, while corun's padded product keeps them."""
+    if _plain_matmul_keeps_row_bits(num_rows):
+        pytest.skip(f"this CPU's plain matmul keeps row bits at M={num_rows}: no position "
+                    "variance for the padded path to remove here")
     target, w = _target(64, 0), torch.randn(96, 64, generator=torch.Generator().manual_seed(1))
     last = num_rows - 1
     x_first = _rows_with_target(num_rows, 64, 0, 1, target)
@@ -376,10 +393,12 @@ def test_batch_invariant_decode_logits_independent_of_batch_size(name, batch_siz
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_default_decode_logits_depend_on_slot_negative_control(name):
     """The checks above can fail: under default (plain matmuls) the target's logits at B=7 in
-    slot 6 differ from slot 0, and alone from B=7."""
+    slot 6 differ from slot 0 (on a CPU whose plain matmul is position-variant at M=7), and
+    alone from B=7 (gemv vs gemm, on every CPU measured)."""
     with two_threads():
         first = _decode_logits(name, Mode.DEFAULT, 7, 0, 0)
         last = _decode_logits(name, Mode.DEFAULT, 7, 6, 1)
         alone = _decode_logits(name, Mode.DEFAULT, 1, 0, 0)
-    assert not torch.equal(last, first)
+    if not _plain_matmul_keeps_row_bits(7):
+        assert not torch.equal(last, first)
     assert not torch.equal(alone, first)
