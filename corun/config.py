@@ -8,6 +8,7 @@ back: a changed config is a new value made with ``dataclasses.replace``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -334,3 +335,9 @@ class EngineConfig:
     @property
     def use_cuda_graphs(self) -> bool:
         return bool(self.cuda_graphs) and self.is_cuda
+
+
+# Each field's default, for the places that show or fall back to it (the server's flags, the
+# sweep's older records): read from the dataclass so they cannot drift from it.
+ENGINE_DEFAULTS: dict[str, object] = {
+    f.name: f.default for f in dataclasses.fields(EngineConfig)}

@@ -16,13 +16,12 @@ Example::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
 
-from corun.config import PREFILL_POLICIES, EngineConfig
+from corun.config import ENGINE_DEFAULTS, PREFILL_POLICIES, EngineConfig
 from kernels.mode import Mode
 
 # corun.api.server.DEFAULT_MAX_REQUEST_BODY_BYTES (tests/api/test_cli.py checks it), not
@@ -43,9 +42,6 @@ class _OneDefaultFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or action.default in (None, False, argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
-
-
-_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prefill-policy",
-        default=_ENGINE_DEFAULTS["prefill_policy"],
+        default=ENGINE_DEFAULTS["prefill_policy"],
         choices=list(PREFILL_POLICIES),
         help="corun: 'packed' = aligned chunks of several requests in one step of exactly "
         "--prefill-step-tokens tokens; 'isolated' = one chunk per step, padded to its bucket",
@@ -113,19 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-step-tokens",
         type=int,
-        default=_ENGINE_DEFAULTS["prefill_step_tokens"],
+        default=ENGINE_DEFAULTS["prefill_step_tokens"],
         help="T, the token count of a packed corun prefill step",
     )
     p.add_argument(
         "--max-prefill-seqs-per-step",
         type=int,
-        default=_ENGINE_DEFAULTS["max_prefill_seqs_per_step"],
+        default=ENGINE_DEFAULTS["max_prefill_seqs_per_step"],
         help="R, chunk rows of a packed corun prefill step",
     )
     p.add_argument(
         "--prefill-token-budget",
         type=int,
-        default=_ENGINE_DEFAULTS["prefill_token_budget"],
+        default=ENGINE_DEFAULTS["prefill_token_budget"],
         help="corun: padded prefill tokens that may run between two decode steps",
     )
     p.add_argument(
@@ -136,14 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=_config_default("enable_prefix_caching"),
+        default=ENGINE_DEFAULTS["enable_prefix_caching"],
         help="reuse the KV of prompt blocks another request already prefilled (hits are "
         "rounded to a granularity that keeps a request's bits the same as a miss)",
     )
     p.add_argument(
         "--decode-split-size",
         type=int,
-        default=_ENGINE_DEFAULTS["decode_split_size"],
+        default=ENGINE_DEFAULTS["decode_split_size"],
         help="decode attention split size in tokens (corun, batch_invariant)",
     )
     p.add_argument(
@@ -245,11 +241,6 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
     )
     return kwargs
-
-
-def _config_default(field: str):
-    """A flag's default is EngineConfig's, so the two cannot drift apart."""
-    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == field)
 
 
 def _cuda_available() -> bool:

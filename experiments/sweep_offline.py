@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from corun.config import EngineConfig
+from corun.config import ENGINE_DEFAULTS, EngineConfig
 from corun.engine import LLMEngine
 from corun.model_runner import ModelRunner
 from experiments.bench_offline import (
@@ -146,7 +146,7 @@ def best_corun_settings(runs: list[list[dict]]) -> list[str]:
         return str(value).lower() if isinstance(value, bool) else str(value)
 
     def value(field: str):  # points recorded before a field was swept ran at its default
-        return best["config"].get(field, EngineConfig.__dataclass_fields__[field].default)
+        return best["config"].get(field, ENGINE_DEFAULTS[field])
 
     return [f"{field}={text(value(field))}" for field in SCHEDULING_FIELDS]
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from corun.config import EngineConfig
+from corun.config import ENGINE_DEFAULTS
 from experiments import bench_offline, sweep_offline
 
 TINY = ["--model", "tiny-qwen3", "--device", "cpu", "--dtype", "float32", "--num-requests", "6",
@@ -52,7 +52,7 @@ def test_best_corun_settings_compares_each_run_to_its_own_default():
     settings = best_corun_settings([long_run, short_run])
     assert "prefill_step_tokens=8192" in settings and "decode_split_size=1024" in settings
     settings = best_corun_settings([long_run])
-    default_split = EngineConfig.__dataclass_fields__["decode_split_size"].default
+    default_split = ENGINE_DEFAULTS["decode_split_size"]
     assert "prefill_step_tokens=4096" in settings
     assert f"decode_split_size={default_split}" in settings
     with pytest.raises(ValueError, match="default point"):
