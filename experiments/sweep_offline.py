@@ -102,6 +102,16 @@ def grid(b: int, dry_run: bool) -> list[tuple[str, dict]]:
             base, prefill_step_tokens=2 * t, prefill_token_budget=2 * t, decode_split_size=split)))
     points.append((f"T={4 * t}", dict(base, prefill_step_tokens=4 * t,
                                       prefill_token_budget=4 * t)))
+    # Chunk size at the larger step: a chunk never cut to fill a step leaves up to C - 1 slots
+    # of it padded (10% at C=512, T=4096 in the headline), so smaller chunks pad less, at more
+    # rows (hence the row cap with them) and more attention passes over a prompt's prefix.
+    for chunk, rows in ((c // 4, 64), (c // 2, 32), (c // 2, 64), (2 * c, 32)):
+        points.append((f"T={2 * t},C={chunk},rows={rows}", dict(
+            base, prefill_step_tokens=2 * t, prefill_token_budget=2 * t,
+            prefill_chunk_size=chunk, max_prefill_seqs_per_step=rows, decode_split_size=512)))
+    points.append((f"T={4 * t},C={c // 2},rows=64", dict(
+        base, prefill_step_tokens=4 * t, prefill_token_budget=4 * t, prefill_chunk_size=c // 2,
+        max_prefill_seqs_per_step=64, decode_split_size=512)))
     for chunk in (c // 2, 2 * c):
         points.append((f"C={chunk}", dict(base, prefill_chunk_size=chunk)))
     for mult in (2, 4):
