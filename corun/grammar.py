@@ -53,8 +53,8 @@ def token_bytes(tokenizer: Any, vocab_size: int, exclude: frozenset[int]) -> dic
     ``ValueError`` for another kind of tokenizer."""
     hf = getattr(tokenizer, "tokenizer", None)
     if hf is None or not hasattr(hf, "get_vocab"):
-        raise ValueError("structured output needs a tokenizer (a tokenizers.Tokenizer) to "
-                         "build the grammar's vocabulary")
+        raise ValueError("needs a tokenizer (a tokenizers.Tokenizer) to build the grammar's "
+                         "vocabulary")
     decoder = json.loads(hf.to_str()).get("decoder")
     types = _decoder_types(decoder)
     added = hf.get_added_tokens_decoder()
@@ -62,7 +62,7 @@ def token_bytes(tokenizer: Any, vocab_size: int, exclude: frozenset[int]) -> dic
     byte_level = "ByteLevel" in types
     if not byte_level and not types & {"Metaspace", "ByteFallback", "Replace"}:
         names = ", ".join(sorted(map(str, types)))
-        raise ValueError(f"structured output is not supported with this tokenizer: its decoder "
+        raise ValueError(f"not supported with this tokenizer: its decoder "
                          f"({names}) is neither byte-level nor SentencePiece")
     byte_of = _byte_decoder()
     out = {}
@@ -103,8 +103,7 @@ class GrammarCompiler:
         with self._lock:
             if self._vocabulary is None:
                 if not self.eos_token_ids:
-                    raise ValueError("structured output needs an EOS token to end a match; "
-                                     "the engine has none")
+                    raise ValueError("needs an EOS token to end a match; the engine has none")
                 by_bytes: dict[bytes, list[int]] = {}
                 exclude = frozenset(self.eos_token_ids)
                 for token_id, data in token_bytes(self.tokenizer, self.vocab_size,
@@ -116,7 +115,10 @@ class GrammarCompiler:
     def _build_index(self, regex: str):
         from outlines_core import Index
 
-        return Index(regex, self.vocabulary())
+        # The match must end at the end of the output: without the anchor, outlines-core 0.2.14
+        # drops the continuations of a state that already matches (after "a", ``a(bc)?`` and
+        # ``(a|abc)`` allow only EOS), while ``[0-9]+`` happens to keep them.
+        return Index(f"(?:{regex})$", self.vocabulary())
 
     def index(self, structured: StructuredOutput):
         """The compiled index of ``structured``'s regex; ValueError naming its field when there
