@@ -7,9 +7,9 @@ buckets, the prefill policy with C, T and R, the block size, max_model_len, whic
 decode grid), the decode split size, the tuned kernel tables, tensor parallelism, the EOS ids,
 the device (GPU name and compute capability, or the CPU's vector ISA) and the torch / triton /
 corun / outlines-core versions (outlines-core compiles structured output's grammars, so it
-decides which tokens a structured request may sample). Pure sizing and pacing knobs (KV block count, queue length, token budgets,
-overlap, CUDA graphs, which replay the eager bits) are left out: they do not change a request's
-bits.
+decides which tokens a structured request may sample). Pure sizing and pacing knobs (KV block
+count, queue length, token budgets, overlap, CUDA graphs, which replay the eager bits) are left
+out: they do not change a request's bits.
 """
 
 from __future__ import annotations
