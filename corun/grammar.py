@@ -91,7 +91,9 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int], vocab_size: int,
                  max_indexes: int = 32) -> None:
         self.tokenizer = tokenizer
-        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        # The EOS ids the model can produce (a tokenizer's may lie beyond a named config's
+        # vocabulary); the lowest is the vocabulary's EOS, and every one of them ends a match.
+        self.eos_token_ids = tuple(sorted(t for t in eos_token_ids if 0 <= t < vocab_size))
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
         self._vocabulary = None
@@ -146,22 +148,30 @@ class SequenceGuide:
     def __init__(self, guide: Any, eos_token_ids: tuple[int, ...]) -> None:
         self.guide = guide
         self.eos_token_ids = eos_token_ids
+        # Set if a token the mask did not allow was committed anyway (the mask makes it
+        # impossible; the guard keeps one broken sequence from failing the engine's step):
+        # from then on only EOS is allowed.
+        self.is_dead = False
 
     def allowed_mask(self, vocab_size: int) -> torch.Tensor:
         """[vocab_size] bool on the CPU: the tokens allowed next (EOS when the match may end)."""
         words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
-        self.guide.write_mask_into(words.data_ptr(), words.numel(), 4)
+        if not self.is_dead:
+            self.guide.write_mask_into(words.data_ptr(), words.numel(), 4)
         shifts = torch.arange(32, dtype=torch.int32)
         mask = ((words.view(-1, 1) >> shifts) & 1).view(-1)[:vocab_size].bool()
         eos = torch.tensor(self.eos_token_ids, dtype=torch.int64)
-        eos = eos[eos < vocab_size]
         if mask[eos].any() or not mask.any():  # EOS stands for all EOS ids; a dead end stops
             mask[eos] = True
         return mask
 
     def advance(self, token_id: int) -> None:
-        if token_id not in self.eos_token_ids:
+        if token_id in self.eos_token_ids or self.is_dead:
+            return
+        try:
             self.guide.advance(token_id, return_tokens=False)
+        except ValueError:
+            self.is_dead = True
 
     @property
     def is_finished(self) -> bool:

@@ -134,6 +134,18 @@ def test_choices_are_literals():
     assert not re.fullmatch(json_object_regex(), '{"k": [{"x": 1}]}')  # three deep
 
 
+def test_a_disallowed_token_leaves_only_eos():
+    """The guard behind the mask: a token the grammar rejects ends the match instead of
+    failing the step; EOS ids beyond the model's vocabulary are ignored."""
+    tokenizer, _ = tokenizer_for_model("corun-default")
+    compiler = GrammarCompiler(tokenizer, frozenset({*EOS_TOKEN_IDS, 10**6}), VOCAB_SIZE)
+    assert compiler.eos_token_ids == EOS_TOKEN_IDS
+    guide = compiler.guide(StructuredOutput("regex", "[0-9]+"))
+    guide.advance(ord("x"))
+    assert guide.is_dead
+    assert guide.allowed_mask(VOCAB_SIZE).nonzero().view(-1).tolist() == list(EOS_TOKEN_IDS)
+
+
 def test_the_mask_comes_before_every_other_processor():
     """A masked token stays masked whatever its bias; the allowed ones get their bias."""
     tokenizer, _ = tokenizer_for_model("corun-default")
