@@ -15,6 +15,7 @@ _EXPORTS = {
     "QueueFullError": "corun.engine",
     "EngineConfig": "corun.config",
     "SamplingParams": "corun.sampling_params",
+    "StructuredOutput": "corun.structured_output",
     "RequestOutput": "corun.outputs",
     "CompletionOutput": "corun.outputs",
     "Tokenizer": "corun.tokenizer",

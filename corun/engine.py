@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from corun.config import EngineConfig
+from corun.grammar import GrammarCompiler
 from corun.model_runner import ModelRunner, StepResult
 from corun.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from corun.sampling_params import SamplingParams
@@ -91,6 +92,8 @@ class LLMEngine:
                *(getattr(tokenizer, "eos_token_ids", None) or ())]
         self.eos_token_ids = frozenset(int(t) for t in eos)
         self.vocab_size = self.runner.vocab_size
+        # Structured output's token grammars over this tokenizer (built on first use, cached).
+        self.grammar = GrammarCompiler(tokenizer, self.eos_token_ids, self.vocab_size)
         # Everything that decides this engine's bits (corun.system_fingerprint): responses of two
         # engines are comparable bit for bit exactly when theirs are equal.
         self.system_fingerprint = system_fingerprint(config, self.eos_token_ids)
@@ -131,6 +134,8 @@ class LLMEngine:
             raise ValueError("prompt_logprobs: not supported with tensor_parallel_size > 1")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (use stop_token_ids)")
+        if params.structured is not None:
+            self.grammar.index(params.structured)  # compiled here, cached for add_request
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
                              f"max_model_len {self.config.max_model_len}")
@@ -161,6 +166,8 @@ class LLMEngine:
         for index in range(params.num_samples):
             seq = Sequence(next(self._seq_ids), request_id, index, ids, params, seed, now,
                            min_tokens_masked_ids=masked)
+            if params.structured is not None:  # each sample walks the grammar on its own
+                seq.guide = self.grammar.guide(params.structured)
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -291,6 +298,8 @@ class LLMEngine:
                 continue
             token, d1, d2 = samples[i]
             seq.append_token(token)
+            if seq.guide is not None:
+                seq.guide.advance(token)
             seq.fingerprint.update(token, (d1, d2))
             if params.needs_logprobs:
                 seq.logprobs.append(logprob_list[i][0])

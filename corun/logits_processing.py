@@ -1,8 +1,10 @@
-"""Per-request logits processing before sampling: logit bias, min_tokens, penalties, min_p.
+"""Per-request logits processing before sampling: grammar mask, logit bias, min_tokens, penalties,
+min_p.
 
 Each processed row is a function of that row's raw logits and of its own request's params and
-tokens only (vLLM's order: ``logit_bias`` and ``min_tokens``, then the repetition, frequency and
-presence penalties, then ``min_p`` against the temperature-scaled distribution), applied to a copy
+tokens only (the structured-output mask first, then vLLM's order: ``logit_bias`` and
+``min_tokens``, then the repetition, frequency and presence penalties, then ``min_p`` against the
+temperature-scaled distribution), applied to a copy
 of the row one row at a time; the row is then sampled by the same sampler with the same
 per-request noise. So a processed request's tokens do not depend on what runs beside it, and the
 rows that ask for nothing are neither touched nor re-sampled (their bits are the step's).
@@ -28,6 +30,9 @@ def process_row(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     out = row.to(torch.float32).clone()
     device = out.device
     vocab = out.shape[0]
+    if seq.guide is not None:  # the grammar's disallowed tokens can never come back
+        allowed = seq.guide.allowed_mask(vocab).to(device)
+        out = torch.where(allowed, out, torch.full_like(out, float("-inf")))
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=device)
         bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from corun.structured_output import StructuredOutput
+
 MAX_SEED = 2**64  # seeds are 64-bit unsigned keys of the Philox generator
 
 
@@ -53,6 +55,10 @@ class SamplingParams:
       temperature) are masked. All act on the row's own logits and the request's own tokens.
     - ``best_of`` >= n: sample ``best_of`` sequences and return the ``n`` with the highest
       cumulative logprob (ties: lowest sample index); None = n.
+    - ``structured``: a ``StructuredOutput`` (JSON schema, any JSON object, regex or choice) the
+      output must match: every token the grammar does not allow is masked before the other
+      processors run, and the output ends (EOS, "stop") when the match is complete. Not with
+      ``ignore_eos`` or ``min_tokens`` (both would force tokens past the end of the match).
     """
 
     n: int = 1
@@ -75,6 +81,7 @@ class SamplingParams:
     min_tokens: int = 0
     min_p: float = 0.0
     best_of: int | None = None
+    structured: StructuredOutput | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -131,6 +138,17 @@ class SamplingParams:
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of: expected None or an int >= n ({self.n}), "
                              f"got {self.best_of!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError(f"structured: expected a StructuredOutput or None, "
+                                 f"got {type(self.structured).__name__}")
+            # Both would force tokens the grammar may not allow (EOS is its only way out).
+            if self.ignore_eos:
+                raise ValueError(f"ignore_eos: not supported with structured output "
+                                 f"({self.structured.field})")
+            if self.min_tokens > 0:
+                raise ValueError(f"min_tokens: not supported with structured output "
+                                 f"({self.structured.field})")
 
     @property
     def is_greedy(self) -> bool:
@@ -161,7 +179,8 @@ class SamplingParams:
         """Some field changes the logits before sampling (``corun.logits_processing``)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0 or bool(self.logit_bias)
-                or self.min_tokens > 0 or (self.min_p > 0.0 and not self.is_greedy))
+                or self.min_tokens > 0 or (self.min_p > 0.0 and not self.is_greedy)
+                or self.structured is not None)
 
     @property
     def effective_top_k(self) -> int:

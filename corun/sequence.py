@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from corun.fingerprint import Fingerprint
 from corun.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from corun.grammar import SequenceGuide
 
 
 class SequenceStatus(enum.Enum):
@@ -66,6 +70,9 @@ class Sequence:
     # their prefill; ``corun.kv_cache``).
     block_hashes: list[bytes] | None = None
     num_cached_blocks: int = 0
+    # Structured output: this sample's own position in the request's grammar (corun.grammar),
+    # advanced by each of its tokens; None without params.structured.
+    guide: SequenceGuide | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

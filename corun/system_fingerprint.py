@@ -6,9 +6,10 @@ a checkpoint's files), the dtype, the mode and backend, the step shapes (B and t
 buckets, the prefill policy with C, T and R, the block size, max_model_len, which bounds the
 decode grid), the decode split size, the tuned kernel tables, tensor parallelism, the EOS ids,
 the device (GPU name and compute capability, or the CPU's vector ISA) and the torch / triton /
-corun versions. Pure sizing and pacing knobs (KV block count, queue length, token budgets,
-overlap, CUDA graphs, which replay the eager bits) are left out: they do not change a request's
-bits.
+corun / outlines-core versions (outlines-core compiles structured output's grammars, so it
+decides which tokens a structured request may sample). Pure sizing and pacing knobs (KV block
+count, queue length, token budgets, overlap, CUDA graphs, which replay the eager bits) are left
+out: they do not change a request's bits.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"torch": torch.__version__}
-    for package in ("triton", "corun"):
+    for package in ("triton", "corun", "outlines-core"):
         try:
             out[package] = version(package)
         except PackageNotFoundError:

@@ -72,9 +72,12 @@ class APIError(Exception):
 
 
 def param_of(message: str, default: str | None) -> str | None:
-    """The engine's ValueErrors start with the field they name (``"top_p: expected ..."``)."""
+    """The engine's ValueErrors start with the field they name (``"top_p: expected ..."``, or a
+    path such as ``"response_format.json_schema: ..."``)."""
     head, sep, _ = message.partition(":")
-    return head.strip() if sep and head.strip().isidentifier() else default
+    head = head.strip()
+    is_path = bool(head) and all(part.isidentifier() for part in head.split("."))
+    return head if sep and is_path else default
 
 
 def validation_error(errors: Sequence[Any]) -> APIError:

@@ -174,6 +174,7 @@ def sampling_params(
             min_tokens=body.min_tokens,
             min_p=body.min_p,
             best_of=body.best_of,
+            structured=body.structured,
         )
         state.validate(prompt_ids, params)
     except ValueError as exc:

@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from corun.api import unsupported
+from corun.structured_output import StructuredOutput
 
 # OpenAI caps top_logprobs at 20; vLLM's default max_logprobs is 20 too.
 MAX_LOGPROBS = 20
@@ -137,6 +138,73 @@ StopStrings = Annotated[
 ]
 
 
+# -- structured output ------------------------------------------------------------------------
+
+
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchema(_Request):
+    """OpenAI's ``response_format.json_schema``; the output matches ``schema`` whether or not
+    ``strict`` is set (there is no best-effort mode)."""
+
+    name: Text
+    description: Text | None = None
+    # "schema" would shadow BaseModel.schema.
+    schema_: Annotated[dict[str, Any], AfterValidator(_check_json_strings)] = Field(alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _compiles(self) -> JsonSchema:
+        self.structured  # noqa: B018 - an unsupported schema is a 400 here, naming the field
+        return self
+
+    @property
+    def structured(self) -> StructuredOutput:
+        return StructuredOutput.from_schema(self.schema_, field="response_format.json_schema")
+
+
+class JsonSchemaFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+class OtherFormat(_Request):
+    """A ``response_format`` of another type: refused by name."""
+
+    type: Any
+
+    @field_validator("type")
+    @classmethod
+    def _refuse(cls, kind: Any) -> Any:
+        allowed = ", ".join(repr(t) for t in RESPONSE_FORMAT_TYPES)
+        raise ValueError(f"not supported (only {allowed}; got {kind!r})")
+
+
+def _format_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"{kind}-format".replace("_", "-") if kind in RESPONSE_FORMAT_TYPES else "other-format"
+
+
+ResponseFormat = Annotated[
+    Annotated[TextFormat, Tag("text-format")]
+    | Annotated[JsonObjectFormat, Tag("json-object-format")]
+    | Annotated[JsonSchemaFormat, Tag("json-schema-format")]
+    | Annotated[OtherFormat, Tag("other-format")],
+    Discriminator(_format_kind),
+]
+# Per-request structured output: OpenAI's response_format and vLLM's guided_* fields.
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
 class _SamplingFields(_Request):
     """The sampling fields both endpoints share (OpenAI's plus vLLM's ``top_k`` etc.)."""
 
@@ -170,6 +238,53 @@ class _SamplingFields(_Request):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     # vLLM: the top-N of every prompt position (sample 0), in the choice's prompt_logprobs.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Structured output (corun.grammar): at most one of these.
+    response_format: ResponseFormat | None = None
+    # vLLM: a JSON schema (an object, or its JSON text), a regex matched in full, or a list of
+    # strings the output is exactly one of.
+    guided_json: Annotated[dict[str, Any], AfterValidator(_check_json_strings)] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Annotated[Text, Field(min_length=1)]] | None = Field(default=None,
+                                                                             min_length=1)
+
+    @field_validator("guided_json")
+    @classmethod
+    def _check_guided_json(cls, schema: dict | str | None) -> dict | str | None:
+        if schema is not None:
+            StructuredOutput.from_schema(schema, field="guided_json")
+        return schema
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> _SamplingFields:
+        given = [name for name in STRUCTURED_FIELDS if self._structured_of(name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: only one of {', '.join(STRUCTURED_FIELDS)} may be "
+                             f"set (got {' and '.join(given)})")
+        return self
+
+    def _structured_of(self, name: str) -> StructuredOutput | None:
+        if name == "response_format":
+            kind = getattr(self.response_format, "type", "text")
+            if kind == "json_object":
+                return StructuredOutput("json_object", field="response_format")
+            return self.response_format.json_schema.structured if kind == "json_schema" else None
+        value = getattr(self, name)
+        if value is None:
+            return None
+        if name == "guided_json":
+            return StructuredOutput.from_schema(value, field=name)
+        if name == "guided_regex":
+            return StructuredOutput("regex", value, field=name)
+        return StructuredOutput.from_choices(value, field=name)
+
+    @property
+    def structured(self) -> StructuredOutput | None:
+        """The request's structured output, if any (``SamplingParams.structured``)."""
+        for name in STRUCTURED_FIELDS:
+            structured = self._structured_of(name)
+            if structured is not None:
+                return structured
+        return None
 
     @field_validator("logit_bias")
     @classmethod

@@ -25,12 +25,9 @@ SAMPLING: dict[str, tuple] = {
     "spaces_between_special_tokens": (True,),
     "logits_processors": ([],),
     "priority": (0,),
-    "response_format": ({"type": "text"},),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
     "guided_grammar": (),
-    "guided_decoding_backend": (),
+    # The one backend there is (outlines-core); naming it is accepted.
+    "guided_decoding_backend": ("outlines",),
     "guided_whitespace_pattern": (),
     "structured_outputs": (),
 }
@@ -52,13 +49,12 @@ CHAT: dict[str, tuple] = {
     "mm_processor_kwargs": (),
 }
 # Why a field is refused, where the bare "not supported" would leave the client guessing.
-_STRUCTURED = "structured output (a grammar mask per request) is not implemented"
+_STRUCTURED = "use response_format, guided_json, guided_regex or guided_choice"
 REASONS: dict[str, str] = {
-    "response_format": _STRUCTURED,
-    **{f"guided_{kind}": _STRUCTURED
-       for kind in ("json", "regex", "choice", "grammar", "decoding_backend",
-                    "whitespace_pattern")},
-    "structured_outputs": _STRUCTURED,
+    "guided_grammar": f"grammar-guided decoding is not implemented ({_STRUCTURED})",
+    "guided_decoding_backend": "structured output has one backend, outlines (outlines-core)",
+    "guided_whitespace_pattern": "JSON whitespace is fixed (at most one space between tokens)",
+    "structured_outputs": f"vLLM's structured_outputs object is not implemented ({_STRUCTURED})",
     "tools": "tool calling is not implemented",
     "tool_choice": "tool calling is not implemented",
     "functions": "tool calling is not implemented",

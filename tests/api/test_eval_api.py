@@ -132,8 +132,8 @@ def test_sampling_extras_over_http(served):
 @pytest.mark.parametrize("body, field", [
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
-    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ({"prompt": "x", "structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
 ])
 def test_limits_and_unsupported_fields_are_400s(served, body, field):
@@ -142,5 +142,5 @@ def test_limits_and_unsupported_fields_are_400s(served, body, field):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field
-    if field in ("guided_json", "response_format", "use_beam_search"):
+    if field in ("guided_grammar", "structured_outputs", "use_beam_search"):
         assert error["message"].startswith(f"{field}: not supported: "), error["message"]

@@ -1,7 +1,8 @@
 """64 clients at once, each request mixing the features evaluation and RL users need (top-N
 logprobs, echo + prompt logprobs, max_tokens 0 scoring, prompt_logprobs, penalties, logit_bias,
-min_tokens, min_p, best_of, n, stop strings, chat, streaming): everything is answered, and every
-response is identical to its replay alone (the drawn seed reused where the client gave none)."""
+min_tokens, min_p, best_of, n, stop strings, chat, streaming, structured output): everything is
+answered, and every response is identical to its replay alone (the drawn seed reused where the
+client gave none)."""
 
 from __future__ import annotations
 
@@ -60,18 +61,23 @@ def _requests(rng: random.Random) -> list[tuple[str, dict]]:
             out.append(("/v1/completions", {"prompt": [rng.randrange(256) for _ in range(6)],
                                             "max_tokens": 6, "n": 2, "stream": True,
                                             "stop": ["a"], "logprobs": 2, **extras}))
-        elif kind == 4:  # chat with top_logprobs
+        elif kind == 4:  # chat with top_logprobs (a choice among strings, beside min_tokens 0)
+            structured = {} if extras["min_tokens"] else {"guided_choice": ["yes", "no", "a b"]}
             out.append(("/v1/chat/completions", {
                 "messages": [{"role": "user", "content": words}], "max_tokens": 5,
-                "logprobs": True, "top_logprobs": 2, **extras}))
+                "logprobs": True, "top_logprobs": 2, **structured, **extras}))
         elif kind == 5:  # streamed chat
             out.append(("/v1/chat/completions", {
                 "messages": [{"role": "system", "content": "be brief"},
                              {"role": "user", "content": words}],
                 "max_tokens": 6, "stream": True, **extras}))
-        elif kind == 6:  # prompt_logprobs
-            out.append(("/v1/completions", {"prompt": words, "max_tokens": 3,
-                                            "prompt_logprobs": 2, **extras}))
+        elif kind == 6:  # prompt_logprobs (and a JSON schema, beside min_tokens 0)
+            schema = {"type": "object", "properties": {"k": {"type": "integer"}}}
+            structured = {} if extras["min_tokens"] else {
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "k", "schema": schema}}}
+            out.append(("/v1/completions", {"prompt": words, "max_tokens": 8,
+                                            "prompt_logprobs": 2, **structured, **extras}))
         else:  # a longer plain generation
             out.append(("/v1/completions", {"prompt": words, "max_tokens": 12, "ignore_eos": True,
                                             **extras}))

@@ -162,11 +162,12 @@ def test_openai_client_sending_none(server: Server):
     assert chat.choices[0].message.role == "assistant"
 
 
-# Realistic non-neutral values of the fields the engine does not implement (the list).
+# Realistic non-neutral values of the fields the engine does not implement (the list;
+# response_format and guided_json/regex/choice are implemented: tests/api/test_structured_output).
 UNSUPPORTED_VALUES = [
-    (COMPLETIONS, "response_format", {"type": "json_object"}),
-    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
-    (COMPLETIONS, "guided_json", {"type": "object"}),
+    (COMPLETIONS, "guided_grammar", "root ::= 'a'"),
+    (CHAT, "structured_outputs", {"json": {"type": "object"}}),
+    (COMPLETIONS, "guided_decoding_backend", "xgrammar"),
     (COMPLETIONS, "use_beam_search", True),
     (CHAT, "tool_choice", "auto"),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),

@@ -38,7 +38,7 @@ def test_llm_and_server_share_the_cpu_dtype_default():
     offline = EngineConfig(model="tiny-qwen3", device="cpu")  # what LLM("tiny-qwen3") builds
     assert served.torch_dtype == offline.torch_dtype
     assert describe(served)["dtype"] == "float32"
-    for field in ("device", "torch", "triton", "tuned_tables", "weights"):
+    for field in ("device", "torch", "triton", "outlines-core", "tuned_tables", "weights"):
         assert field in describe(served)
 
 

@@ -17,8 +17,10 @@ shard); one spawned worker process is rank 1.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -30,7 +32,7 @@ import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from corun import LLM, SamplingParams
+from corun import LLM, SamplingParams, StructuredOutput
 from corun.config import EngineConfig
 from corun.outputs import RequestOutput
 from models.parallel import WorkerError
@@ -87,6 +89,33 @@ def test_tp2_greedy_matches_tp1(model):
         worst = max(worst, float(diff.abs().max()))
     print(f"{model}: max |logprob TP2 - TP1| = {worst:.3g}")
     assert worst <= LOGPROB_ATOL
+
+
+def test_tp2_structured_output_matches_tp1():
+    """Structured output at TP=2 (the mask is applied on rank 0, which samples): the outputs
+    match their grammar and equal TP=1's."""
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 4}},
+              "required": ["k"]}
+    params = [SamplingParams(seed=3, max_tokens=40,
+                             structured=StructuredOutput.from_schema(schema)),
+              SamplingParams(temperature=0.0, max_tokens=8,
+                             structured=StructuredOutput("regex", "[a-f]{3}[0-9]")),
+              SamplingParams(seed=4, n=2, max_tokens=6,
+                             structured=StructuredOutput.from_choices(["on", "off"]))]
+    prompts = ["json: ", "hex: ", "switch: "]
+    config = {**TINY, "max_model_len": 128}
+    with LLM("corun-default", **config) as tp1:
+        expected = tp1.generate(prompts, params, use_tqdm=False)
+    with LLM("corun-default", tensor_parallel_size=2, **config) as tp2:
+        got = tp2.generate(prompts, params, use_tqdm=False)
+    assert _no_workers_left()
+    assert [[o.token_ids for o in r.outputs] for r in got] == \
+        [[o.token_ids for o in r.outputs] for r in expected]
+    json_out, hex_out, switch = got
+    assert json_out.outputs[0].finish_reason == "stop"
+    assert set(json.loads(json_out.outputs[0].text)) == {"k"}
+    assert re.fullmatch("[a-f]{3}[0-9]", hex_out.outputs[0].text)
+    assert all(o.text in ("on", "off") for o in switch.outputs)
 
 
 # -- determinism at TP=2 ---------------------------------------------------------------------
