@@ -98,11 +98,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float | None = None
     decode_batch_size: int | None = None
-    prefill_chunk_size: int = 512
+    prefill_chunk_size: int = 256
     prefill_policy: str = "packed"
-    prefill_step_tokens: int = 4096
-    max_prefill_seqs_per_step: int = 32
-    prefill_token_budget: int = 4096
+    prefill_step_tokens: int = 8192
+    max_prefill_seqs_per_step: int = 64
+    prefill_token_budget: int = 8192
     max_num_batched_tokens: int = 2048
     overlap_prefill_decode: bool = False
     decode_split_size: int = 512

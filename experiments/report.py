@@ -179,9 +179,7 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
 # operands that fit the 50 MB L2 resident, so small elementwise shapes can run above it.
 L2_NOTE = ("A bound fraction marked * is above 1. In the graph-replayed families the operands fit "
            "the H200's 50 MB L2 and stay resident between replays, so the HBM bound (4.3 TB/s "
-           "copy rate) does not bind there. The MoE layer (do_bench, L2 flushed) reaches 1.02 of "
-           "a bound taken at the 4.3 TB/s copy rate, which the expert-weight stream can exceed "
-           "by a few percent (the H200's peak is 4.8 TB/s).")
+           "copy rate) does not bind there.")
 
 
 def _bound_fraction(value: float | None) -> str:
