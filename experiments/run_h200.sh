@@ -18,7 +18,8 @@
 #            AXIS: decode-batch decode-split-size cuda-graphs prefill-policy prefill-chunk
 #            prefill-step-tokens stall-budget overlap kernel-policy serving-load; ABLATE_ARGS adds flags
 # Results land in $OUT/results (bundled as results.tgz), logs in $OUT/*.log. The image's python3
-# holds torch/triton; packages it lacks travel as wheels in .whl (carry it).
+# holds torch/triton; packages it lacks travel as wheels in .whl (carry it): experiments/device_wheels.sh
+# downloads them (the server's stack for serving, Liger-Kernel, outlines-core).
 set -uo pipefail
 OUT=${OUT:-/tmp/corun-out}
 mkdir -p "$OUT/results"
@@ -64,7 +65,9 @@ for stage in "$@"; do
     gpuengine) run gpuengine ${GPUENGINE_LIMIT:-150} python3 -m pytest -v --tb=short -p no:cacheprovider \
                tests/engine/test_gpu_engine.py \
                invariance_tests/test_engine_determinism.py::test_corun_graph_replay_matches_eager_on_gpu --timeout=140 ;;
-    serving) run serving ${SERVING_LIMIT:-170} python3 -m experiments.bench_serving --launch \
+    serving) python3 -c 'import uvicorn, fastapi' 2>/dev/null \
+               || echo "== serving needs the server's wheels: bash experiments/device_wheels.sh, carry .whl"
+             run serving ${SERVING_LIMIT:-170} python3 -m experiments.bench_serving --launch \
                --model qwen3-8b --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
                --request-rate 4,16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
                --time-budget-s ${SERVING_BUDGET:-110} --result-dir "$OUT/results" ;;
