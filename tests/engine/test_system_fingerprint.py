@@ -24,9 +24,9 @@ def test_sizing_and_pacing_knobs_keep_the_fingerprint(change):
 
 @pytest.mark.parametrize("change", [
     dict(dtype="bfloat16"), dict(mode="batch_invariant"), dict(decode_batch_size=4),
-    dict(decode_split_size=128), dict(prefill_policy="isolated"), dict(prefill_chunk_size=256),
+    dict(decode_split_size=128), dict(prefill_policy="isolated"), dict(prefill_chunk_size=128),
     dict(seed=1), dict(model="tiny-qwen3-moe"), dict(max_model_len=256), dict(block_size=32),
-    dict(prefill_step_tokens=8192), dict(max_prefill_seqs_per_step=16),
+    dict(prefill_step_tokens=4096), dict(max_prefill_seqs_per_step=16),
 ])
 def test_every_bit_deciding_field_changes_the_fingerprint(change):
     assert system_fingerprint(dataclasses.replace(BASE, **change)) != system_fingerprint(BASE)
