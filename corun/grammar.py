@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from corun.structured_output import StructuredOutput
+from corun.structured_output import StructuredOutput, outlines_core
 
 # -- the tokenizer's vocabulary as bytes ----------------------------------------------------------
 
@@ -100,7 +100,7 @@ class GrammarCompiler:
         self._index = functools.lru_cache(maxsize=max_indexes)(self._build_index)
 
     def vocabulary(self):
-        from outlines_core import Vocabulary
+        Vocabulary = outlines_core().Vocabulary
 
         with self._lock:
             if self._vocabulary is None:
@@ -115,7 +115,7 @@ class GrammarCompiler:
             return self._vocabulary
 
     def _build_index(self, regex: str):
-        from outlines_core import Index
+        Index = outlines_core().Index
 
         # The match must end at the end of the output: without the anchor, outlines-core 0.2.14
         # drops the continuations of a state that already matches (after "a", ``a(bc)?`` and
@@ -137,7 +137,7 @@ class GrammarCompiler:
                              f"{detail}") from None
 
     def guide(self, structured: StructuredOutput) -> SequenceGuide:
-        from outlines_core import Guide
+        Guide = outlines_core().Guide
 
         return SequenceGuide(Guide(self.index(structured)), self.eos_token_ids)
 

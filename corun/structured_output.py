@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import threading
+from types import ModuleType
 
 KINDS = ("json_schema", "json_object", "regex", "choice")
 
@@ -120,10 +122,22 @@ class StructuredOutput:
         return _schema_regex(self.spec, self.field)
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
+def outlines_core() -> ModuleType:
+    """outlines-core, imported on first use (only structured output needs it) under a lock: its
+    ``__init__`` registers ``outlines_core.json_schema`` in ``sys.modules`` last, so a request
+    thread importing that name while another thread is still in the package's ``__init__`` gets a
+    ModuleNotFoundError (seen with 64 concurrent clients)."""
+    with _IMPORT_LOCK:
+        import outlines_core as module
+    return module
+
+
 @functools.lru_cache(maxsize=64)
 def _schema_regex(schema: str, field: str) -> str:
-    from outlines_core.json_schema import build_regex_from_schema
-
+    build_regex_from_schema = outlines_core().json_schema.build_regex_from_schema
     try:
         return build_regex_from_schema(schema)
     except (ValueError, TypeError) as exc:
