@@ -277,7 +277,16 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("prefill_seconds", "prefill s"), ("decode_steps", "decode steps"),
         ("decode_step_ms_p50", "decode step p50 ms"), ("decode_seconds", "decode s"),
         ("combined_seconds", "overlapped s"), ("decode_live_mean", "live (mean)"),
-    ]) for name in ("sweep-offline-h200", "sweep-offline-h200-run2")},
+        ("prefill_real_token_fraction", "prefill rows real"),
+    ]) for name in ("sweep-offline-h200", "sweep-offline-h200-run2", "sweep-offline-h200-run3")},
+    "offline-prefix-h200": columns_block("offline-prefix-h200", [
+        ("mode", "mode"), ("prefix_caching", "prefix cache"), ("requests", "sequences"),
+        ("output_tok_s", "out tok/s"), ("throughput_vs_nocache", "vs cache off"),
+        ("ttft_ms_p50", "TTFT p50 ms"), ("ttft_p50_vs_nocache", "TTFT vs cache off"),
+        ("tpot_ms_p50", "TPOT p50 ms"), ("prefix_cache_hit_rate", "hit rate"),
+        ("prefill_real_token_fraction", "prefill rows real"), ("mismatches", "mismatches"),
+        ("mismatches_vs_nocache", "differ from cache off"),
+    ]),
     "kernels-h200": kernels_block,
     "kernels-h200-summary": kernels_summary_block,
 }
