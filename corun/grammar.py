@@ -148,6 +148,8 @@ class SequenceGuide:
     def __init__(self, guide: Any, eos_token_ids: tuple[int, ...]) -> None:
         self.guide = guide
         self.eos_token_ids = eos_token_ids
+        self._eos = torch.tensor(eos_token_ids, dtype=torch.int64)
+        self._bit_shifts = torch.arange(32, dtype=torch.int32)  # the mask's 32 bits per word
         # Set if a token the mask did not allow was committed anyway (the mask makes it
         # impossible; the guard keeps one broken sequence from failing the engine's step):
         # from then on only EOS is allowed.
@@ -158,11 +160,9 @@ class SequenceGuide:
         words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
         if not self.is_dead:
             self.guide.write_mask_into(words.data_ptr(), words.numel(), 4)
-        shifts = torch.arange(32, dtype=torch.int32)
-        mask = ((words.view(-1, 1) >> shifts) & 1).view(-1)[:vocab_size].bool()
-        eos = torch.tensor(self.eos_token_ids, dtype=torch.int64)
-        if mask[eos].any() or not mask.any():  # EOS stands for all EOS ids; a dead end stops
-            mask[eos] = True
+        mask = ((words.view(-1, 1) >> self._bit_shifts) & 1).view(-1)[:vocab_size].bool()
+        if mask[self._eos].any() or not mask.any():  # EOS stands for all EOS ids; a dead end stops
+            mask[self._eos] = True
         return mask
 
     def advance(self, token_id: int) -> None:

@@ -32,7 +32,7 @@ def process_row(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     vocab = out.shape[0]
     if seq.guide is not None:  # the grammar's disallowed tokens can never come back
         allowed = seq.guide.allowed_mask(vocab).to(device)
-        out = torch.where(allowed, out, torch.full_like(out, float("-inf")))
+        out = out.masked_fill(~allowed, float("-inf"))
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=device)
         bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)

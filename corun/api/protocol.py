@@ -27,6 +27,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationInfo,
     field_validator,
@@ -238,7 +239,9 @@ class _SamplingFields(_Request):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     # vLLM: the top-N of every prompt position (sample 0), in the choice's prompt_logprobs.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # Structured output (corun.grammar): at most one of these.
+    # Structured output (corun.grammar): at most one of these; the one given, built once by
+    # the validator below.
+    _structured: StructuredOutput | None = PrivateAttr(default=None)
     response_format: ResponseFormat | None = None
     # vLLM: a JSON schema (an object, or its JSON text), a regex matched in full, or a list of
     # strings the output is exactly one of.
@@ -256,10 +259,13 @@ class _SamplingFields(_Request):
 
     @model_validator(mode="after")
     def _one_structured_output(self) -> _SamplingFields:
-        given = [name for name in STRUCTURED_FIELDS if self._structured_of(name) is not None]
+        given = {name: structured for name in STRUCTURED_FIELDS
+                 if (structured := self._structured_of(name)) is not None}
         if len(given) > 1:
-            raise ValueError(f"{given[1]}: only one of {', '.join(STRUCTURED_FIELDS)} may be "
-                             f"set (got {' and '.join(given)})")
+            names = list(given)
+            raise ValueError(f"{names[1]}: only one of {', '.join(STRUCTURED_FIELDS)} may be "
+                             f"set (got {' and '.join(names)})")
+        self._structured = next(iter(given.values()), None)
         return self
 
     def _structured_of(self, name: str) -> StructuredOutput | None:
@@ -280,11 +286,7 @@ class _SamplingFields(_Request):
     @property
     def structured(self) -> StructuredOutput | None:
         """The request's structured output, if any (``SamplingParams.structured``)."""
-        for name in STRUCTURED_FIELDS:
-            structured = self._structured_of(name)
-            if structured is not None:
-                return structured
-        return None
+        return self._structured
 
     @field_validator("logit_bias")
     @classmethod
