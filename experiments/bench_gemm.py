@@ -2,7 +2,8 @@
 
 ``collect()`` times ``kernels.gemm.gemm`` under ``corun`` and ``batch_invariant`` against
 ``torch.nn.functional.linear`` (cuBLAS) measured in the same call, at the real (N, K) of
-``experiments.tune_gemm.gemm_shapes`` and decode/prefill M. ``check_invariance_gpu()`` checks
+``experiments.tune_gemm.gemm_shapes(BENCH_MODELS)`` (every GEMM of Qwen3-8B, Qwen3-30B-A3B and
+DeepSeek-V3, LM heads included) and decode/prefill M. ``check_invariance_gpu()`` checks
 position invariance (every mode), batch invariance (batch_invariant) and runs the negative controls
 (default mode across M; another BLOCK_K) in bf16 at real shapes.
 
@@ -23,7 +24,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.harness import bench_us, family_main, kernel_record, memory_bound_us  # noqa: E402
-from experiments.tune_gemm import gemm_shapes  # noqa: E402
+from experiments.tune_gemm import BENCH_MODELS, gemm_shapes  # noqa: E402
 from kernels.gemm import GemmConfig, gemm, gemm_config  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
 
@@ -49,7 +50,7 @@ def _data(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
 def collect(quick: bool = False) -> list[dict]:
     """Timing records: one per (layer, M, policy), peer cuBLAS timed at the same point."""
     _require_cuda()
-    shapes = [s for s in gemm_shapes() if not quick or s[0] in QUICK_LAYERS]
+    shapes = [s for s in gemm_shapes(BENCH_MODELS) if not quick or s[0] in QUICK_LAYERS]
     m_values = (1, 64, 2048) if quick else DECODE_M + PREFILL_M
     warmup_ms, rep_ms = (5, 20) if quick else (10, 30)
     records = []

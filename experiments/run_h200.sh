@@ -45,7 +45,7 @@ for stage in "$@"; do
   case $stage in
     tests)   run tests ${TESTS_LIMIT:-110} python3 -m pytest -v --tb=short -n 8 -p no:cacheprovider tests/kernels invariance_tests \
                --ignore=invariance_tests/test_engine_determinism.py --timeout=60 ;;
-    tune)    run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-120} && cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
+    tune)    run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-250} ${TUNE_ARGS:-} && cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
     tune_moe) run tune_moe ${TUNE_MOE_LIMIT:-150} python3 -m experiments.tune_moe --budget-s ${TUNE_MOE_BUDGET:-120} \
                && cp kernels/tuned/moe_h200.json "$OUT/results/" ;;
     tune_mla) run tune_mla ${TUNE_MLA_LIMIT:-150} python3 -m experiments.tune_mla --budget-s ${TUNE_MLA_BUDGET:-110} \

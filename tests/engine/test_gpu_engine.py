@@ -149,20 +149,11 @@ def test_packed_prefill_keeps_bits_at_real_shapes(name, monkeypatch):
 
 
 def _real_gemm_shapes() -> list[tuple[int, int]]:
-    shapes = []
-    for name in ("qwen3-8b", "qwen3-30b-a3b", "deepseek-v3"):
-        c = NAMED_CONFIGS[name]
-        if c.is_mla:
-            shapes += [(c.q_lora_rank, c.hidden_size), (c.hidden_size,
-                                                        c.num_attention_heads * c.v_head_dim)]
-        else:
-            q = c.num_attention_heads * c.head_dim
-            shapes += [(q + 2 * c.num_key_value_heads * c.head_dim, c.hidden_size),
-                       (c.hidden_size, q)]
-            if not c.num_experts:
-                shapes += [(2 * c.intermediate_size, c.hidden_size),
-                           (c.hidden_size, c.intermediate_size)]
-    return shapes
+    """(N, K) of every GEMM of Qwen3-8B, Qwen3-30B-A3B and DeepSeek-V3 (LM heads included): the
+    shapes the tuned table covers and the kernels benchmark times."""
+    from experiments.tune_gemm import BENCH_MODELS, gemm_shapes
+
+    return [(n, k) for _, n, k in gemm_shapes(BENCH_MODELS)]
 
 
 M_VALUES = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)

@@ -1,0 +1,76 @@
+"""tune_gemm's logic on the CPU: the shapes come from the named models (every linear layer and
+the LM head, each (N, K) once), the candidate sets carry the split-K variants the mid-M points
+need, the portable choice is the pool's geometric-mean winner, and a cut run resumes where it
+stopped (the dry run, through the Triton interpreter)."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import tune_gemm
+from kernels.gemm import GemmConfig, load_tuned_table
+from models.config import NAMED_CONFIGS
+
+
+def test_shapes_are_every_gemm_of_the_named_models_once():
+    shapes = tune_gemm.gemm_shapes()
+    by_label = {label: (n, k) for label, n, k in shapes}
+    assert len({(n, k) for _, n, k in shapes}) == len(shapes)
+    q8 = NAMED_CONFIGS["qwen3-8b"]
+    assert by_label["qwen3-8b.qkv"] == (6144, q8.hidden_size)
+    assert by_label["qwen3-8b.lm_head"] == (q8.vocab_size, q8.hidden_size)
+    # DeepSeek-V3: MLA projections, the dense MLP of the first layers and the shared expert.
+    assert by_label["deepseek-v3.kv_a"] == (576, 7168)
+    assert by_label["deepseek-v3.q_b"] == (128 * 192, 1536)
+    assert by_label["deepseek-v3.dense_gate_up"] == (2 * 18432, 7168)
+    assert by_label["deepseek-v3.shared.down"] == (7168, 2048)
+    assert by_label["hy3.shared.gate_up"] == (2 * 1536, 4096)
+    assert by_label["qwen3-30b-a3b.router"] == (128, 2048)
+    # Every model of the sweep contributes, and the bench's subset is a prefix of it.
+    assert {label.rsplit(".", 1)[0].split(".shared")[0] for label in by_label} == set(
+        tune_gemm.TUNED_MODELS)
+    bench = tune_gemm.gemm_shapes(tune_gemm.BENCH_MODELS)
+    assert bench == shapes[: len(bench)]
+
+
+def test_mid_m_candidates_split_k_where_k_allows():
+    configs = tune_gemm.candidates(128, 6144, 4096, with_pool=False)
+    splits = {c.split_k for c in configs}
+    assert {1, 2, 4} <= splits
+    for c in configs:  # every split keeps at least two K blocks
+        assert -(-4096 // c.block_k) >= 2 * c.split_k
+    assert not set(tune_gemm.BATCH_INVARIANT_POOL) & set(configs)
+    assert set(tune_gemm.BATCH_INVARIANT_POOL) <= set(tune_gemm.candidates(128, 6144, 4096))
+    # Large M splits only where the tiles leave SMs idle (the N = 576 projection, not 24576).
+    assert any(c.split_k == 2 for c in tune_gemm.candidates(2048, 576, 7168, with_pool=False))
+    assert all(c.split_k == 1 for c in tune_gemm.candidates(2048, 24576, 4096, with_pool=False))
+
+
+def test_pool_choice_is_the_geometric_mean_winner():
+    pool = tune_gemm.BATCH_INVARIANT_POOL
+    entries = [{"pool_us": [10.0, 1.0, 5.0, 5.0]}, {"pool_us": [10.0, 100.0, 5.0, 6.0]},
+               {"pool_us": [1.0, 2.0]}]  # a point with part of the pool timed is left out
+    assert tune_gemm._pool_choice(entries) == pool[2]
+    assert tune_gemm._pool_choice([{"m": 1}]) is None
+
+
+def test_dry_run_writes_a_table_the_policy_reads_and_resumes(tmp_path):
+    out = tmp_path / "gemm_tuned.json"
+    assert tune_gemm.main(["--dry-run", "--out", str(out), "--budget-s", "0"]) == 0
+    cut = json.loads(out.read_text())
+    assert cut["header"]["complete"] is False and cut["header"]["dry_run"] is True
+    assert len(cut["entries"]) == 1  # the budget is checked before each point after the first
+    assert tune_gemm.main(["--dry-run", "--out", str(out), "--resume"]) == 0
+    data = json.loads(out.read_text())
+    setup = tune_gemm.dry_run_setup()
+    assert data["header"]["complete"] is True
+    assert len(data["header"]["runs"]) == 2
+    assert data["entries"][0] == cut["entries"][0]  # kept, not re-tuned
+    points = {(e["m"], e["n"], e["k"]) for e in data["entries"]}
+    assert points == {(m, n, k) for _, n, k in setup.shapes for m in setup.m_values}
+    for e in data["entries"]:
+        assert e["ratio_vs_cublas"] > 0 and e["candidates"] >= 1
+        assert GemmConfig.from_dict(e["no_split_config"]).split_k == 1
+    table = load_tuned_table(out)
+    assert table.lookup(100, 48, 64, __import__("torch").bfloat16) == GemmConfig.from_dict(
+        next(e["config"] for e in data["entries"] if (e["m"], e["n"]) == (128, 48)))
