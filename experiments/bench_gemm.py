@@ -129,20 +129,23 @@ def check_invariance_gpu() -> list[dict]:
         bad = {m: d for m, d in differing.items() if d}
         records.append(_record("batch_invariance_vs_m2048", Mode.BATCH_INVARIANT, (2048, n, k),
                                not bad, f"{label}: differing elements per M: {bad or 'none'}"))
-        # Negative control: default mode at an M pair whose configs order the sum differently.
-        # Compare 8 rows, not 1: a changed fp32 sum flips a bf16 output bit rarely (DESIGN.md:
-        # cuBLAS changes ~6 of 4096 elements per row).
-        pairs = ((8, 2048), (8, 256), (1, 2048), (1, 64))
-        pair = next((p for p in pairs if _order(p[0], n, k) != _order(p[1], n, k)), None)
+        # Negative control: default mode at an M pair whose configs split K differently (on the
+        # H200 split-K is what reorders a row's sum; BLOCK_K and the tile do not, see the
+        # explicit controls below). Compare 8 rows, not 1: a changed fp32 sum flips a bf16 output
+        # bit rarely (DESIGN.md: cuBLAS changes ~6 of 4096 elements per row).
+        m_values = (1, 8, 32, 64, 128, 256, 512, 2048)
+        pair = next(((a, b) for a in m_values for b in m_values
+                     if a < b and _split_k(a, n, k) != _split_k(b, n, k)), None)
         if pair is None:
             records.append(_record("negative_control_default_across_m", Mode.DEFAULT, (8, n, k),
-                                   False, f"{label}: policy orders the sum alike at every M"))
+                                   False, f"{label}: the policy splits K alike at every M "
+                                   f"(split_k {_split_k(8, n, k)}): no pair can differ"))
         else:
             diff = _rows_differ_across_m(n, k, pair[0], pair[1], Mode.DEFAULT)
             records.append(_record(
                 "negative_control_default_across_m", Mode.DEFAULT, (pair[1], n, k), diff > 0,
-                f"{label}: M={pair[0]} {_order(pair[0], n, k)} vs M={pair[1]} "
-                f"{_order(pair[1], n, k)} (block_k, split_k): {diff} elements differ "
+                f"{label}: M={pair[0]} split_k {_split_k(pair[0], n, k)} vs M={pair[1]} "
+                f"split_k {_split_k(pair[1], n, k)}: {diff} elements differ "
                 "(passed = the check can fail)"))
     # Negative controls at one shape and M (passed = the bits changed, i.e. the check can fail):
     # another BLOCK_K (on Hopper the MMA may chain k=16 steps alike at any BLOCK_K: informative),
@@ -163,9 +166,8 @@ def check_invariance_gpu() -> list[dict]:
     return records
 
 
-def _order(m: int, n: int, k: int) -> tuple[int, int]:
-    config = gemm_config(m, n, k, DTYPE, Mode.DEFAULT)
-    return config.block_k, config.split_k
+def _split_k(m: int, n: int, k: int) -> int:
+    return gemm_config(m, n, k, DTYPE, Mode.DEFAULT).split_k
 
 
 def summarize(records: list[dict]) -> None:

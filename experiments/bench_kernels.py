@@ -8,12 +8,20 @@ invariance records ``{"op", "check", "mode", "shape", "passed", "detail"}``. A P
 goes beside it.
 
     python -m experiments.bench_kernels [--quick] [--families gemm,attention,...] [--out DIR]
+        [--merge experiments/results/kernels-h200.json]
+    python -m experiments.bench_kernels --merge BASE.json --merge-from NEW.json [NEW2.json ...]
+
+``--merge`` folds this run into an earlier file: the ops this run timed or checked replace that
+file's records of the same ops, every record keeps the name of the run it came from, and the
+header lists each run's command, date and timing method (one device call rarely has the time for
+every family). ``--merge-from`` merges files that earlier runs wrote, without running anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 import time
 import traceback
@@ -79,12 +87,63 @@ def plot_ratios(records: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def merge_runs(base: list[dict], new: list[dict]) -> list[dict]:
+    """``base`` (a merged or single-run file) with ``new``'s ops replaced by ``new``'s records.
+
+    Records carry the run they came from (``run``: ``run<N>`` in the merged header's ``runs``);
+    a single-run base becomes ``run1``; runs none of whose records are left drop out of ``runs``.
+    The merged header is the newest run's, its command saying that the file is merged."""
+    base_head, *base_records = base
+    new_head, *new_records = new
+    runs = list(base_head.get("runs") or [])
+    if not runs:
+        runs = [{key: base_head.get(key) for key in ("command", "date", "families", "timing")}
+                | {"run": "run1"}]
+        base_records = [{**r, "run": r.get("run", "run1")} for r in base_records]
+    run_name = f"run{max(int(r['run'].removeprefix('run')) for r in runs) + 1}"
+    new_ops = {r["op"] for r in new_records if "op" in r}
+    families = new_head.get("families")
+    runs.append({"command": new_head.get("command"), "date": new_head.get("date"),
+                 "families": families.split(",") if isinstance(families, str) else families,
+                 "run": run_name, "timing": new_head.get("timing")})
+    kept = [r for r in base_records if r.get("op") not in new_ops]
+    live = {r.get("run") for r in kept} | {run_name}
+    runs = [run for run in runs if run["run"] in live]  # a run every record replaced is gone
+    head = {key: value for key, value in new_head.items() if key not in ("families", "quick")}
+    head.update(
+        command=f"merged from {len(runs)} runs of experiments/bench_kernels.py on the H200 (bash "
+                "experiments/run_h200.sh kernels): each op from its latest run; see runs",
+        timing="per run, see runs; each record names its run", runs=runs)
+    return [head, *kept, *({**r, "run": run_name} for r in new_records)]
+
+
+def _merge_files(base_path: Path, new_paths: list[Path], out_dir: str | None) -> Path:
+    merged = json.loads(base_path.read_text())
+    for path in new_paths:
+        merged = merge_runs(merged, json.loads(path.read_text()))
+    out = Path(out_dir) if out_dir else base_path.parent
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "kernels-h200.json"
+    path.write_text(json.dumps(merged, indent=1) + "\n")
+    plot_ratios([r for r in merged[1:] if "us" in r], path.with_suffix(".png"))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a handful of shapes per op")
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated subset")
     parser.add_argument("--out", default=None, help="results folder (default experiments/results)")
+    parser.add_argument("--merge", type=Path, default=None, metavar="BASE",
+                        help="fold this run (or --merge-from files) into BASE's records")
+    parser.add_argument("--merge-from", type=Path, nargs="+", default=None, metavar="NEW",
+                        help="with --merge: files of earlier runs to fold in; nothing is run")
     args = parser.parse_args(argv)
+    if args.merge_from:
+        if args.merge is None:
+            parser.error("--merge-from needs --merge BASE")
+        print(f"wrote {_merge_files(args.merge, args.merge_from, args.out)}")
+        return 0
 
     import torch
 
@@ -107,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
             timing="harness.bench_us: CUDA-graph replay medians, do_bench where not capturable",
         )
     plot_ratios(timings, path.with_suffix(".png"))
+    if args.merge is not None:
+        # The merged file replaces this run's: keep this run's own records beside it.
+        single = path.with_name("kernels-h200-lastrun.json")
+        path.replace(single)
+        path = _merge_files(args.merge, [single], args.out or str(path.parent))
     failed = [c for c in checks if not c.get("passed") and not c.get("negative_control")]
     print(
         f"wrote {path}: {len(timings)} timings, {len(checks)} checks "

@@ -243,7 +243,7 @@ SERVING_COLUMNS = [
     ("completed", "completed"), ("failed", "failed"), ("request_throughput", "req/s"),
     ("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT p50 ms"),
     ("p99_ttft_ms", "TTFT p99 ms"), ("median_tpot_ms", "TPOT p50 ms"),
-    ("p99_tpot_ms", "TPOT p99 ms"), ("median_itl_ms", "ITL p50 ms"),
+    ("p99_tpot_ms", "TPOT p99 ms"), ("median_itl_ms", "ITL p50 ms"), ("p99_itl_ms", "ITL p99 ms"),
     ("median_e2el_ms", "E2E p50 ms"),
 ]
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {

@@ -1,0 +1,44 @@
+"""bench_kernels --merge: a run's ops replace the merged file's records of the same ops, every
+record names its run, and a run whose records were all replaced leaves the header."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import bench_kernels
+
+
+def _run(date: str, families: str, ops: dict[str, int]) -> list[dict]:
+    head = {"header": True, "date": date, "command": f"bench_kernels --families {families}",
+            "families": families, "timing": f"timing of {date}", "machine": "NVIDIA H200"}
+    return [head, *({"op": op, "policy": "corun", "M": i, "N": 8, "K": 8, "us": float(i + 1),
+                     "peer": "cublas", "peer_us": 1.0, "ratio": 1.0}
+                    for op, count in ops.items() for i in range(count))]
+
+
+def test_merge_replaces_ops_and_keeps_each_records_run(tmp_path):
+    first = _run("d1", "gemm,mla", {"gemm": 3, "mla_decode": 2})
+    merged = bench_kernels.merge_runs(first, _run("d2", "mla", {"mla_decode": 4}))
+    head, *records = merged
+    assert [r["run"] for r in head["runs"]] == ["run1", "run2"]
+    assert head["runs"][1] == {"command": "bench_kernels --families mla", "date": "d2",
+                               "families": ["mla"], "run": "run2", "timing": "timing of d2"}
+    assert [(r["op"], r["run"]) for r in records] == [("gemm", "run1")] * 3 + [
+        ("mla_decode", "run2")] * 4
+    assert head["date"] == "d2" and "merged from 2 runs" in head["command"]
+    # gemm re-run too: run1 no longer holds any record and leaves the header.
+    again = bench_kernels.merge_runs(merged, _run("d3", "gemm", {"gemm": 1}))
+    assert [r["run"] for r in again[0]["runs"]] == ["run2", "run3"]
+    assert {(r["op"], r["run"]) for r in again[1:]} == {("mla_decode", "run2"), ("gemm", "run3")}
+
+
+def test_merge_from_files_writes_the_merged_file(tmp_path):
+    base, new = tmp_path / "base.json", tmp_path / "new.json"
+    base.write_text(json.dumps(_run("d1", "gemm", {"gemm": 2})))
+    new.write_text(json.dumps(_run("d2", "attention", {"decode_attention": 1})))
+    out = tmp_path / "out"
+    assert bench_kernels.main(["--merge", str(base), "--merge-from", str(new),
+                               "--out", str(out)]) == 0
+    head, *records = json.loads((out / "kernels-h200.json").read_text())
+    assert {r["op"] for r in records} == {"gemm", "decode_attention"}
+    assert (out / "kernels-h200.png").exists()
