@@ -76,9 +76,9 @@ def check_case(case) -> dict:
 def all_reduce_record() -> dict:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {"op": "all_reduce", "impl": "NCCL", "policy": "vendor", "shape": "—",
-            "skipped": f"{count} GPU(s) visible: an all-reduce needs at least 2 (the gloo "
-                       "measurement on the CPU is in DESIGN.md: not position-invariant beyond "
-                       "2 ranks)"}
+            "skipped": f"{count} GPU(s) visible: an all-reduce needs at least 2 (on 4 gloo CPU "
+                       "ranks a ring all-reduce is not position-invariant: "
+                       "tests/parallel/test_reduction.py, docs/DESIGN.md)"}
 
 
 def main(argv: list[str] | None = None) -> None:

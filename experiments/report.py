@@ -238,6 +238,47 @@ def offline_summary_block(head: dict, records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _span(values: list[float], digits: int = 1, unit: str = "") -> str:
+    low, high = min(values), max(values)
+    return (f"{low:.{digits}f}{unit}" if round(low, digits) == round(high, digits)
+            else f"{low:.{digits}f}-{high:.{digits}f}{unit}")
+
+
+def serving_summary_block(head: dict, records: list[dict]) -> str:
+    """corun against the other servers at each load, as sentences, every figure read from the
+    file (and the packed prefill step's time from the offline headline's)."""
+    rates: dict[str, dict[str, dict]] = {}
+    for r in records:
+        rate = (f"concurrency {r['max_concurrency']}" if r["request_rate"] == "inf"
+                else f"{_fmt(r['request_rate'], 0)} req/s")
+        rates.setdefault(rate, {})[r["mode"]] = r
+    lines = [_source(head, "serving-h200"), ""]
+    for rate, by in rates.items():
+        corun = by.get("corun")
+        peers = {m: r for m, r in by.items() if m != "corun"}
+        if corun is None or not peers:
+            continue
+        tput = ", ".join(f"`{m}` {_fmt(r['output_throughput'], 0)}" for m, r in by.items())
+        tpot = [corun[f"{q}_tpot_ms"] / r[f"{q}_tpot_ms"] for r in peers.values()
+                for q in ("median", "p99")]
+        peer_itl = [r["p99_itl_ms"] for r in peers.values()]
+        itl = [corun["p99_itl_ms"] / value for value in peer_itl]
+        lines.append(
+            f"- **{rate}.** Output tok/s: {tput}. corun's TPOT p50 and p99 are "
+            f"{_span(tpot, unit='x')} the other modes', its ITL p99 "
+            f"{_fmt(corun['p99_itl_ms'], 0)} ms against {_span(peer_itl, 0)} ms "
+            f"({_span(itl, unit='x')}).")
+    offline = _load("offline-h200")
+    corun_offline = next((r for r in offline[1] if r.get("mode") == "corun"), None) \
+        if offline else None
+    if corun_offline and "prefill_step_ms_p50" in corun_offline:
+        lines.append(
+            f"- **One packed prefill step** of the offline headline (T = "
+            f"{corun_offline['config']['prefill_step_tokens']}): p50 "
+            f"{_fmt(corun_offline['prefill_step_ms_p50'], 0)} ms (`offline-h200.json`).")
+    return "\n".join(lines)
+
+
 SERVING_COLUMNS = [
     ("mode", "mode"), ("request_rate", "rate req/s"), ("max_concurrency", "concurrency"),
     ("completed", "completed"), ("failed", "failed"), ("request_throughput", "req/s"),
@@ -271,6 +312,7 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("peak_memory_gb", "peak GB"),
     ]),
     "serving-h200": columns_block("serving-h200", SERVING_COLUMNS),
+    "serving-h200-summary": serving_summary_block,
     **{name: columns_block(name, [
         ("point", "point"), ("output_tok_s", "out tok/s"), ("ttft_ms_p50", "TTFT p50 ms"),
         ("tpot_ms_p50", "TPOT p50 ms"), ("prefill_steps", "prefill steps"),
@@ -290,7 +332,8 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "kernels-h200": kernels_block,
     "kernels-h200-summary": kernels_summary_block,
 }
-ALIASES = {"kernels-h200-summary": "kernels-h200", "offline-h200-summary": "offline-h200"}
+ALIASES = {"kernels-h200-summary": "kernels-h200", "offline-h200-summary": "offline-h200",
+           "serving-h200-summary": "serving-h200"}
 
 
 def render_readme(text: str) -> str:

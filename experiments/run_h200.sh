@@ -68,10 +68,16 @@ for stage in "$@"; do
                invariance_tests/test_engine_determinism.py::test_corun_graph_replay_matches_eager_on_gpu --timeout=140 ;;
     serving) python3 -c 'import uvicorn, fastapi' 2>/dev/null \
                || echo "== serving needs the server's wheels: bash experiments/device_wheels.sh, carry .whl"
-             run serving ${SERVING_LIMIT:-170} python3 -m experiments.bench_serving --launch \
-               --model qwen3-8b --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
+             # SERVING_MODES / SERVING_SERVER_ARGS / SERVING_NAME: e.g. corun at a smaller packed
+             # step, SERVING_MODES=corun SERVING_SERVER_ARGS="--prefill-step-tokens 2048
+             # --prefill-token-budget 2048" SERVING_NAME=serving-h200-corun-t2048
+             run serving ${SERVING_LIMIT:-330} python3 -m experiments.bench_serving --launch \
+               --modes ${SERVING_MODES:-corun,batch_invariant_tuned,batch_invariant,default} \
+               --model qwen3-8b \
+               --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096 ${SERVING_SERVER_ARGS:-}" \
                --request-rate 4,16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
-               --time-budget-s ${SERVING_BUDGET:-110} --result-dir "$OUT/results" ;;
+               --time-budget-s ${SERVING_BUDGET:-120} --result-name ${SERVING_NAME:-serving-h200} \
+               --result-dir "$OUT/results" ;;
     gputest) run gputest ${GPUTEST_LIMIT:-60} python3 -m pytest -v --tb=short -p no:cacheprovider \
                invariance_tests/test_engine_determinism.py -k "graph" --timeout=55 ;;
     paper)   run paper ${PAPER_LIMIT:-570} python3 -m experiments.bench_paper \

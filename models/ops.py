@@ -4,10 +4,10 @@
 use, so the torch path never depends on a launcher file.
 
 ``backend="torch"`` is the CPU engine's path. A CPU's BLAS and SIMD kernels do not keep the
-invariances on their own (measured on AVX-512, torch 2.13): an fp32 ``F.linear`` at M in 5..11
-gives rows 4+ other bits than row 0 for the same input row (M = 2, 3 too when K % 4 != 0; any M
-when N is 1, 3 or 8 and K % 4 != 0); ``torch.sigmoid`` / ``F.silu`` round the SIMD body and the
-scalar tail of each thread's chunk differently. So the torch path computes:
+invariances on their own (measured on AVX-512 and AVX2, torch 2.13): an fp32 ``F.linear`` at M
+in 5..11 gives rows 4+ other bits than row 0 for the same input row (M = 2, 3 too when
+K % 4 != 0; any M when N is 1, 3 or 8 and K % 4 != 0); ``torch.sigmoid`` / ``F.silu`` round the
+SIMD body and the scalar tail of each thread's chunk differently. So the torch path computes:
 
 - matmuls by mode: ``default`` a plain ``F.linear`` on the rows given (position- and
   batch-variant here: the negative control); ``corun`` one product on operands zero-padded to

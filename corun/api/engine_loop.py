@@ -11,6 +11,12 @@ thread owns it:
   through ``loop.call_soon_threadsafe``, then refreshes the metrics gauges from ``stats()``; with
   nothing to do it sleeps on the condition.
 
+Pause (``pause`` / ``resume``, the server's ``POST /pause`` and ``POST /resume``, as vLLM's and
+SGLang's RL endpoints): the engine thread stops stepping after its current step; requests in
+flight keep their place and KV blocks, new ones are handed to the engine's waiting queue and
+aborts are still carried out, so a client that leaves is still aborted. In ``corun`` mode a pause
+changes no request's bits (its shapes depend on itself alone, not on when it runs).
+
 Failure isolation: an exception while serving one request (adding it, aborting it, routing one
 of its outputs) fails that request only (``EngineError`` on its queue, the request aborted in the
 engine) and the loop carries on. Only an exception of ``step()`` itself, which cannot be pinned
@@ -103,6 +109,8 @@ class EngineLoop:
         self._sinks: dict[str, _Sink] = {}
         self._num_waiting = 0  # the engine's waiting sequences after the last step
         self._stopped = False
+        self._paused = False
+        self._pause_seen = False  # the engine thread has parked since the pause was asked for
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="corun-engine", daemon=True)
 
@@ -115,9 +123,32 @@ class EngineLoop:
     def stop(self, timeout_s: float = 10.0) -> None:
         with self._cond:
             self._stopped = True
-            self._cond.notify()
+            self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+
+    def pause(self) -> None:
+        """Stop stepping; returns once the engine thread has finished its current step, so no
+        step runs until ``resume``. Blocks for up to one step: call it off the event loop.
+        Raises EngineDeadError when the engine thread is gone."""
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+            while not self._pause_seen:
+                if not self.is_alive or self._stopped:
+                    raise EngineDeadError(f"the engine is not running: {self._error!r}")
+                self._cond.wait(self._idle_timeout_s)
+
+    def resume(self) -> None:
+        """Step again (a no-op when not paused)."""
+        with self._cond:
+            self._paused = False
+            self._pause_seen = False
+            self._cond.notify_all()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
 
     @property
     def is_alive(self) -> bool:
@@ -156,7 +187,7 @@ class EngineLoop:
                 self._sinks[request_id] = sink
                 self._pending_adds.append(_Pending(request_id, prompt_token_ids, params, now))
             self._pending_seqs += num_seqs
-            self._cond.notify()
+            self._cond.notify_all()
 
     def abort(self, request_id: str) -> None:
         """Abort a request (client gone): the engine frees its KV; idempotent."""
@@ -170,7 +201,7 @@ class EngineLoop:
                     self._pending_seqs -= entry.params.num_samples
                     return
             self._pending_aborts.append(request_id)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's queue."""
@@ -204,15 +235,18 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - it may never have reached the engine
             logger.exception("could not abort failed request %s", request_id)
 
-    def _take_work(self) -> tuple[list[_Pending], list[str]] | None:
-        """Wait for work; None when stopped."""
+    def _take_work(self) -> tuple[list[_Pending], list[str], bool] | None:
+        """Wait for work: (requests to add, aborts, paused); None when stopped. While paused,
+        only adds and aborts are work (``pause`` waits for this thread to get here)."""
         with self._cond:
-            while (
-                not self._stopped
-                and not self._pending_adds
-                and not self._pending_aborts
-                and not self._engine.has_unfinished_requests()
-            ):
+            while True:
+                if self._paused and not self._pause_seen:
+                    self._pause_seen = True
+                    self._cond.notify_all()
+                if (self._stopped or self._pending_adds or self._pending_aborts
+                        or (not self._paused and self._engine.has_unfinished_requests())):
+                    break
+                # (notify_all everywhere: pause() waits on this condition too)
                 self._cond.wait(self._idle_timeout_s)
                 # Idle is when nothing else would notice a dead tensor-parallel worker.
                 self._check_health()
@@ -226,7 +260,7 @@ class EngineLoop:
             # Counted as the engine's waiting until the next stats refresh, so a burst of
             # submissions cannot slip past the limit in between.
             self._num_waiting += sum(entry.params.num_samples for entry in adds)
-        return adds, aborts
+            return adds, aborts, self._paused
 
     def _add(self, entry: _Pending) -> None:
         try:
@@ -260,7 +294,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while (work := self._take_work()) is not None:
-                adds, aborts = work
+                adds, aborts, paused = work
                 for request_id in aborts:
                     try:
                         self._engine.abort_request(request_id)
@@ -268,7 +302,8 @@ class EngineLoop:
                         logger.exception("abort of request %s failed", request_id)
                 for entry in adds:
                     self._add(entry)
-                outputs = self._engine.step() if self._engine.has_unfinished_requests() else []
+                stepping = not paused and self._engine.has_unfinished_requests()
+                outputs = self._engine.step() if stepping else []
                 # Before routing: a client that gets its last token and sends the next request
                 # at once must see the queue as this step left it.
                 self._refresh_stats()

@@ -146,8 +146,10 @@ class ServerState:
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests, let those in flight finish for up to ``timeout_s``, then end the
-        rest with an error (their clients get it, their engine requests are aborted)."""
+        rest with an error (their clients get it, their engine requests are aborted). A paused
+        engine is resumed: those in flight can only finish if it steps."""
         self.draining = True
+        self.engine_loop.resume()
         logger.info("draining: %d request(s) in flight, up to %.1f s", len(self._active), timeout_s)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
@@ -243,6 +245,27 @@ def create_app(
         preprocess.check_model(state, model_id)
         return state.model_card()
 
+    @app.post("/pause")
+    async def pause(raw: Request) -> JSONResponse:
+        """Stop generating after the current step (RL weight syncs, as vLLM's ``/pause``): requests
+        in flight keep their place and finish after ``/resume``; new ones queue."""
+        _refuse_query_params(raw)
+        try:
+            await state.run_blocking(state.engine_loop.pause)
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), None, code="engine_dead") from exc
+        return JSONResponse({"status": "paused"})
+
+    @app.post("/resume")
+    async def resume(raw: Request) -> JSONResponse:
+        _refuse_query_params(raw)
+        state.engine_loop.resume()
+        return JSONResponse({"status": "resumed"})
+
+    @app.get("/is_paused")
+    async def is_paused() -> JSONResponse:
+        return JSONResponse({"is_paused": state.engine_loop.is_paused})
+
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(raw: Request) -> TokenizeResponse:
@@ -268,6 +291,14 @@ def create_app(
         return await _respond(state, raw, subs, build, body.stream)
 
     return app
+
+
+def _refuse_query_params(raw: Request) -> None:
+    """``/pause`` and ``/resume`` take no options: vLLM's ``wait_for_inflight_requests`` and
+    ``clear_cache`` are not implemented, so they are refused, not ignored."""
+    for name in raw.query_params:
+        raise APIError(400, f"{name}: not supported by /pause and /resume (in-flight requests "
+                       "are kept and resume where they stopped)", name)
 
 
 # -- preprocessing, on a worker thread -------------------------------------------------------------

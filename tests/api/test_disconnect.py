@@ -64,26 +64,38 @@ def _wait_for(server: Server, ready, what: str, timeout_s: float = 60.0) -> dict
 
 
 def test_disconnect_while_waiting_for_a_whole_response(server: Server):
-    """A non-streamed request whose client goes away while it runs is aborted too."""
+    """A non-streamed request whose client goes away before its response is aborted too.
+
+    The engine is paused first (``POST /pause``), so the request waits in the engine's queue
+    until the client has left and the server has noticed: it cannot finish first, whatever the
+    host's speed (the server polls the connection every 0.5 s)."""
     aborted = "corun:request_success_total[abort]"
-    aborted_before = _wait_for_idle(server).get(aborted, 0.0)
+    waiting = "corun:num_requests_waiting"
+    before = _wait_for_idle(server)
+    aborted_before = before.get(aborted, 0.0)
     body = json.dumps(LONG).encode()
     host, port = server.base_url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=30)
-    try:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        # The client leaves once its request is running (100 tokens are ~1 s of decoding).
-        _wait_for(server, lambda m: m["corun:num_requests_running"] == 1, "the request to run")
-    finally:
-        sock.close()
-    # Aborted, not run to its 100 tokens after the client left: the abort counter moves.
-    _wait_for(server, lambda m: m.get(aborted, 0.0) > aborted_before, "the abort")
+    with server.client() as client:
+        assert client.post("/pause").json() == {"status": "paused"}
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            try:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                             b"Content-Type: application/json\r\n"
+                             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                # Negative control: the request reached the engine and is held there, so the
+                # abort counter below can only move because the client left.
+                _wait_for(server, lambda m: m[waiting] == 1, "the request to wait in the engine")
+            finally:
+                sock.close()
+            _wait_for(server, lambda m: m.get(aborted, 0.0) > aborted_before, "the abort")
+            assert server.metrics()[waiting] == 0
+        finally:
+            client.post("/resume")
     after = _wait_for_idle(server)
     assert after[aborted] == aborted_before + 1
+    assert after["corun:generation_tokens_total"] == before["corun:generation_tokens_total"]
     assert after["corun:kv_cache_blocks_used"] == 0
-    assert after["corun:num_requests_running"] == 0
     # And the server carries on.
     with server.client() as client:
         assert (
