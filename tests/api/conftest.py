@@ -63,6 +63,29 @@ class Server:
                 out[key] = sample.value
         return out
 
+    def wait_for_metrics(self, ready, what: str, timeout_s: float = 60.0) -> dict[str, float]:
+        """Poll /metrics until ``ready(metrics)``: waits on the event, the deadline only bounds
+        it (a test that gets there failed)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            metrics = self.metrics()
+            if ready(metrics):
+                return metrics
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {metrics}"
+            time.sleep(0.05)
+
+    def wait_for_idle(self, timeout_s: float = 20.0) -> dict[str, float]:
+        """The metrics once no request runs and no KV block is used (or at the deadline: the
+        caller's assertions on them then fail)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            metrics = self.metrics()
+            idle = (metrics["corun:kv_cache_blocks_used"] == 0
+                    and metrics["corun:num_requests_running"] == 0)
+            if idle or time.monotonic() > deadline:
+                return metrics
+            time.sleep(0.2)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

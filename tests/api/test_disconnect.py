@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import pytest
 
@@ -15,22 +14,9 @@ pytestmark = pytest.mark.timeout(120)
 LONG = {"prompt": "tell me everything", "max_tokens": 100, "ignore_eos": True, "seed": 1}
 
 
-def _wait_for_idle(server: Server, timeout_s: float = 20.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        metrics = server.metrics()
-        idle = (
-            metrics["corun:kv_cache_blocks_used"] == 0
-            and metrics["corun:num_requests_running"] == 0
-        )
-        if idle or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.2)
-
-
 def test_disconnect_mid_stream_frees_kv(server: Server):
     """Closing a stream after two chunks aborts the request: KV usage returns to 0."""
-    before = _wait_for_idle(server)
+    before = server.wait_for_idle()
     assert before["corun:kv_cache_blocks_used"] == 0
     aborted_before = before.get("corun:request_success_total[abort]", 0.0)
     with server.client() as client:
@@ -46,21 +32,10 @@ def test_disconnect_mid_stream_frees_kv(server: Server):
                     break  # leaving the iterator closes the connection
     assert during["corun:kv_cache_blocks_used"] > 0
     assert during["corun:num_requests_running"] == 1
-    after = _wait_for_idle(server)
+    after = server.wait_for_idle()
     assert after["corun:kv_cache_blocks_used"] == 0
     assert after["corun:num_requests_running"] == 0
     assert after["corun:request_success_total[abort]"] == aborted_before + 1
-
-
-def _wait_for(server: Server, ready, what: str, timeout_s: float = 60.0) -> dict[str, float]:
-    """Poll /metrics until ``ready(metrics)``: waits on the event, the deadline only bounds it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        metrics = server.metrics()
-        if ready(metrics):
-            return metrics
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {metrics}"
-        time.sleep(0.05)
 
 
 def test_disconnect_while_waiting_for_a_whole_response(server: Server):
@@ -71,7 +46,7 @@ def test_disconnect_while_waiting_for_a_whole_response(server: Server):
     host's speed (the server polls the connection every 0.5 s)."""
     aborted = "corun:request_success_total[abort]"
     waiting = "corun:num_requests_waiting"
-    before = _wait_for_idle(server)
+    before = server.wait_for_idle()
     aborted_before = before.get(aborted, 0.0)
     body = json.dumps(LONG).encode()
     host, port = server.base_url.removeprefix("http://").split(":")
@@ -85,14 +60,15 @@ def test_disconnect_while_waiting_for_a_whole_response(server: Server):
                              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
                 # Negative control: the request reached the engine and is held there, so the
                 # abort counter below can only move because the client left.
-                _wait_for(server, lambda m: m[waiting] == 1, "the request to wait in the engine")
+                server.wait_for_metrics(lambda m: m[waiting] == 1,
+                                        "the request to wait in the engine")
             finally:
                 sock.close()
-            _wait_for(server, lambda m: m.get(aborted, 0.0) > aborted_before, "the abort")
+            server.wait_for_metrics(lambda m: m.get(aborted, 0.0) > aborted_before, "the abort")
             assert server.metrics()[waiting] == 0
         finally:
             client.post("/resume")
-    after = _wait_for_idle(server)
+    after = server.wait_for_idle()
     assert after[aborted] == aborted_before + 1
     assert after["corun:generation_tokens_total"] == before["corun:generation_tokens_total"]
     assert after["corun:kv_cache_blocks_used"] == 0

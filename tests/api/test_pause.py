@@ -10,7 +10,6 @@ import threading
 import pytest
 
 from tests.api.conftest import Server
-from tests.api.test_disconnect import _wait_for, _wait_for_idle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,7 +28,7 @@ def _stream_text(lines) -> str:
 
 
 def test_pause_holds_a_stream_and_resume_finishes_it_with_the_same_text(server: Server):
-    _wait_for_idle(server)
+    server.wait_for_idle()
     with server.client() as client:
         reference = client.post("/v1/completions", json=REQUEST).json()["choices"][0]
         with client.stream("POST", "/v1/completions", json={**REQUEST, "stream": True}) as resp:
@@ -57,7 +56,7 @@ def test_pause_holds_a_stream_and_resume_finishes_it_with_the_same_text(server: 
 
 
 def test_requests_sent_while_paused_queue_and_keep_their_bits(server: Server):
-    _wait_for_idle(server)
+    server.wait_for_idle()
     with server.client() as client:
         reference = client.post("/v1/completions", json=REQUEST).json()["choices"][0]
         results: list[dict] = []
@@ -67,8 +66,8 @@ def test_requests_sent_while_paused_queue_and_keep_their_bits(server: Server):
                 client.post("/v1/completions", json=REQUEST).json()))
             worker.start()
             # Handed to the engine, which holds it: waiting, not running, nothing generated.
-            held = _wait_for(server, lambda m: m["corun:num_requests_waiting"] == 1,
-                             "the request to wait in the engine")
+            held = server.wait_for_metrics(lambda m: m["corun:num_requests_waiting"] == 1,
+                                          "the request to wait in the engine")
             assert held["corun:num_requests_running"] == 0
         finally:
             client.post("/resume")
