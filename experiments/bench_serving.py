@@ -21,7 +21,9 @@ Two ways to run it:
   corun,batch_invariant_tuned,batch_invariant,default --model qwen3-8b --request-rate 2,8,32
   --max-concurrency 64 --time-budget-s 480``. ``--time-budget-s`` splits the budget over the modes
   and the runs and cuts
-  each run's request count to fit it.
+  each run's request count to fit it. ``--variant LABEL=MODE FLAGS`` adds a server of MODE with
+  more flags under its own label (e.g. ``--variant "corun-t2048=corun --prefill-step-tokens
+  2048 --prefill-token-budget 2048"``), timed in the same run as the plain modes.
 """
 
 from __future__ import annotations
@@ -358,8 +360,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_server(mode: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
-    """Start ``python -m corun.serve`` for one mode and wait for /health."""
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server of a ``--launch`` run: its engine mode, the flags it adds to
+    ``--server-args``, and the label its records carry (the mode itself for a plain mode)."""
+
+    label: str
+    mode: str
+    extra_args: str = ""
+
+
+def parse_variant(text: str) -> ServerSpec:
+    """``LABEL=MODE FLAGS...`` -> ServerSpec (``--variant``)."""
+    label, sep, rest = text.partition("=")
+    mode, _, extra = rest.strip().partition(" ")
+    if not sep or not label.strip() or not mode:
+        raise argparse.ArgumentTypeError(
+            f"--variant: expected LABEL=MODE [FLAGS...], got {text!r}")
+    return ServerSpec(label.strip(), mode, extra.strip())
+
+
+def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
+    specs = [ServerSpec(m.strip(), m.strip()) for m in args.modes.split(",") if m.strip()]
+    specs += args.variant
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"--modes/--variant: labels must be unique, got {labels}")
+    return specs
+
+
+def launch_server(spec: ServerSpec, port: int, args: argparse.Namespace) -> subprocess.Popen:
+    """Start ``python -m corun.serve`` for one server and wait for /health."""
+    mode = spec.mode
     command = [
         sys.executable,
         "-m",
@@ -371,6 +403,7 @@ def launch_server(mode: str, port: int, args: argparse.Namespace) -> subprocess.
         "--port",
         str(port),
         *args.server_args.split(),
+        *spec.extra_args.split(),
     ]
     if args.model:
         command += ["--model", args.model]
@@ -379,7 +412,7 @@ def launch_server(mode: str, port: int, args: argparse.Namespace) -> subprocess.
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server for mode {mode} exited with {proc.returncode}")
+            raise RuntimeError(f"server {spec.label} exited with {proc.returncode}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
@@ -387,7 +420,7 @@ def launch_server(mode: str, port: int, args: argparse.Namespace) -> subprocess.
             pass
         time.sleep(1.0)
     proc.kill()
-    raise TimeoutError(f"server for mode {mode} did not become healthy")
+    raise TimeoutError(f"server {spec.label} did not become healthy")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -399,15 +432,16 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def plot(records: list[dict], mode: str, out_dir: Path, name: str) -> Path:
-    """Median and p99 TTFT, TPOT and E2EL against the request rate, for one mode."""
+def plot(records: list[dict], label: str, out_dir: Path, name: str) -> Path:
+    """Median and p99 TTFT, TPOT and E2EL against the request rate, for one server."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = sorted(
-        (r for r in records if r["mode"] == mode and r["request_rate"] != "inf"),
+        (r for r in records if r.get("label", r["mode"]) == label
+         and r["request_rate"] != "inf"),
         key=lambda r: r["request_rate"],
     )
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
@@ -419,9 +453,9 @@ def plot(records: list[dict], mode: str, out_dir: Path, name: str) -> Path:
         ax.set_ylabel(f"{metric.upper()} (ms)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{name}: latency vs request rate, mode {mode}")
+    fig.suptitle(f"{name}: latency vs request rate, {label}")
     fig.tight_layout()
-    path = out_dir / f"{name}-{mode}.png"
+    path = out_dir / f"{name}-{label}.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -443,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--modes", default="corun,batch_invariant_tuned,batch_invariant,default",
                    help="with --launch")
+    p.add_argument("--variant", type=parse_variant, action="append", default=[],
+                   metavar="LABEL=MODE FLAGS", help="with --launch: one more server, of MODE "
+                   "with FLAGS after --server-args, whose records carry LABEL (repeatable)")
     p.add_argument("--warmup-requests", type=int, default=64,
                    help="untimed requests sent to each server before its timed runs (0: none)")
     p.add_argument("--model", default=None, help="with --launch: --model of the server")
@@ -500,16 +537,18 @@ def main(argv: list[str] | None = None) -> None:
         records = sweep(args, args.base_url, mode="external", budget_s=args.time_budget_s)
         print(json.dumps(records, indent=1))
         return
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    budget = args.time_budget_s / len(modes) if args.time_budget_s else None
+    specs = server_specs(args)
+    budget = args.time_budget_s / len(specs) if args.time_budget_s else None
     records: list[dict] = []
-    for mode in modes:
+    for spec in specs:
         port = free_port()
-        proc = launch_server(mode, port, args)
+        proc = launch_server(spec, port, args)
         try:
-            records += sweep(args, f"http://127.0.0.1:{port}", mode, budget)
+            runs = sweep(args, f"http://127.0.0.1:{port}", spec.mode, budget)
         finally:
             stop_server(proc)
+        records += [{"label": spec.label, **r, "extra_server_args": spec.extra_args}
+                    for r in runs]
         path = write_results(
             args.result_name,
             records,
@@ -517,7 +556,7 @@ def main(argv: list[str] | None = None) -> None:
             bench="serving",
             args={k: str(v) for k, v in vars(args).items()},
         )
-        plot(records, mode, out_dir, args.result_name)
+        plot(records, spec.label, out_dir, args.result_name)
     print(f"wrote {path}")
 
 

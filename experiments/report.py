@@ -251,7 +251,7 @@ def serving_summary_block(head: dict, records: list[dict]) -> str:
     for r in records:
         rate = (f"concurrency {r['max_concurrency']}" if r["request_rate"] == "inf"
                 else f"{_fmt(r['request_rate'], 0)} req/s")
-        rates.setdefault(rate, {})[r["mode"]] = r
+        rates.setdefault(rate, {})[r.get("label", r["mode"])] = r
     lines = [_source(head, "serving-h200"), ""]
     for rate, by in rates.items():
         corun = by.get("corun")
@@ -312,6 +312,8 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("peak_memory_gb", "peak GB"),
     ]),
     "serving-h200": columns_block("serving-h200", SERVING_COLUMNS),
+    "serving-step-h200": columns_block("serving-step-h200", [
+        ("label", "server"), ("extra_server_args", "flags"), *SERVING_COLUMNS[1:]]),
     "serving-h200-summary": serving_summary_block,
     **{name: columns_block(name, [
         ("point", "point"), ("output_tok_s", "out tok/s"), ("ttft_ms_p50", "TTFT p50 ms"),

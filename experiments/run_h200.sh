@@ -10,6 +10,8 @@
 #   headline  SWEEP_ARGS points -> sweep-offline-h200-run2.json, then offline at the best corun point
 #   gpuengine  tests/engine/test_gpu_engine.py (graph replay == eager, packed bits, BI-tuned)
 #   serving  experiments/bench_serving.py --launch -> serving-h200.json (+ png per mode)
+#   serving-step  corun at several packed steps T beside default and the tuned peer under the
+#            serving load -> serving-step-h200.json
 #   paper    experiments/bench_paper.py -> paper-h200.json; one family a call (~3-4 min each):
 #            PAPER_MODELS=hy3 (default all three: ~11 min, past one call's 10); it merges the
 #            committed experiments/results/paper-h200.json's other families; PAPER_ARGS adds flags
@@ -77,6 +79,18 @@ for stage in "$@"; do
                --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096 ${SERVING_SERVER_ARGS:-}" \
                --request-rate 4,16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
                --time-budget-s ${SERVING_BUDGET:-120} --result-name ${SERVING_NAME:-serving-h200} \
+               --result-dir "$OUT/results" ;;
+    serving-step)  # corun's packed step T under serving load, beside default and the tuned peer in
+               # the same run: SERVING_STEPS (T values; the stall budget follows T)
+             variants=()
+             for t in ${SERVING_STEPS:-1024 2048 4096}; do
+               variants+=(--variant "corun-t$t=corun --prefill-step-tokens $t --prefill-token-budget $t")
+             done
+             run serving-step ${SERVING_LIMIT:-540} python3 -m experiments.bench_serving --launch \
+               --modes corun,default,batch_invariant_tuned "${variants[@]}" --model qwen3-8b \
+               --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
+               --request-rate 4,16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
+               --time-budget-s ${SERVING_BUDGET:-240} --result-name serving-step-h200 \
                --result-dir "$OUT/results" ;;
     gputest) run gputest ${GPUTEST_LIMIT:-60} python3 -m pytest -v --tb=short -p no:cacheprovider \
                invariance_tests/test_engine_determinism.py -k "graph" --timeout=55 ;;

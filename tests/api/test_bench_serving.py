@@ -45,3 +45,30 @@ def test_summarize_uses_vllm_definitions():
     assert record["median_itl_ms"] == pytest.approx(25.0)
     assert record["p99_e2el_ms"] == pytest.approx(200.0)
     assert record["errors"] == ["HTTP 503"]
+
+
+def test_variant_adds_a_labelled_server_with_its_flags():
+    from experiments.bench_serving import ServerSpec, build_parser, server_specs
+
+    args = build_parser().parse_args([
+        "--launch", "--modes", "corun,default",
+        "--variant", "corun-t2048=corun --prefill-step-tokens 2048 --prefill-token-budget 2048"])
+    assert server_specs(args) == [
+        ServerSpec("corun", "corun"), ServerSpec("default", "default"),
+        ServerSpec("corun-t2048", "corun", "--prefill-step-tokens 2048 --prefill-token-budget 2048")]
+
+
+@pytest.mark.parametrize("text", ["corun", "=corun --x 1", "label="])
+def test_variant_without_label_or_mode_is_refused(text):
+    from experiments.bench_serving import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--variant", text])
+
+
+def test_variant_labels_must_be_unique():
+    from experiments.bench_serving import build_parser, server_specs
+
+    args = build_parser().parse_args(["--modes", "corun", "--variant", "corun=corun --seed 1"])
+    with pytest.raises(SystemExit, match="unique"):
+        server_specs(args)
