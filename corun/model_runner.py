@@ -69,6 +69,18 @@ class StepResult:
     prompt_logprobs: dict[int, list] = dataclasses.field(default_factory=dict)
 
 
+
+def profile_context_lens(num_tokens: int, max_model_len: int, num_rows: int) -> tuple[int, ...]:
+    """Context lengths of the memory profile's prefill step: ``num_tokens`` cut into sequences
+    of at most ``max_model_len`` (no sequence is longer, and its block table has no more
+    columns), at most one per chunk row."""
+    lengths: list[int] = []
+    while num_tokens > 0 and len(lengths) < num_rows:
+        lengths.append(min(num_tokens, max_model_len))
+        num_tokens -= lengths[-1]
+    return tuple(lengths)
+
+
 class ModelRunner:
     """Owns the model, the KV cache, the sampler, the step buffers and the step graphs."""
 
@@ -206,13 +218,11 @@ class ModelRunner:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.parallel.group)
         return int(agreed.item())
 
-    @torch.inference_mode()
-    def _profile_peak_bytes(self, spec) -> int:
-        """Activation peak of the largest prefill step and of the largest decode step (their sum
-        under ``overlap_prefill_decode``, where both are in flight), each run once on padding
-        over a one-block scratch cache."""
-        scratch = KVCache(spec, 1, self.config.block_size, self.dtype, self.device)
-        peaks = []
+    def _profile_steps(self, scratch: KVCache):
+        """(bound buffers, batch) of the largest prefill step and of the largest decode step,
+        on padding over ``scratch``. The prefill batch carries the largest contexts a step can
+        expand (MLA expands every row's cached context): the step's tokens as whole sequences of
+        at most ``max_model_len``, one per chunk row, as far as the rows go."""
         largest = {}
         for shape in self.fixed_shapes() + [self._largest_dynamic_shape()]:
             if shape is not None:
@@ -224,13 +234,23 @@ class ModelRunner:
             host = bufs.fill(shape, [])
             bound = bufs.bind(shape, scratch, self.ops, self.config.max_model_len, host,
                               cache=False)
+            batch = bound.batch
+            if shape.is_prefill:
+                batch = dataclasses.replace(batch, context_lens_host=profile_context_lens(
+                    shape.num_tokens, self.config.max_model_len, batch.block_tables.shape[0]))
+            yield bound, batch
+
+    @torch.inference_mode()
+    def _profile_peak_bytes(self, spec) -> int:
+        """Activation peak of the largest prefill step and of the largest decode step (their sum
+        under ``overlap_prefill_decode``, where both are in flight), each run once on padding
+        over a one-block scratch cache."""
+        scratch = KVCache(spec, 1, self.config.block_size, self.dtype, self.device)
+        peaks = []
+        for bound, batch in self._profile_steps(scratch):
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-            batch = bound.batch
-            if shape.is_prefill:
-                # One sequence over the whole step: the largest context a step can expand.
-                batch = dataclasses.replace(batch, context_lens_host=(shape.num_tokens,))
             self._forward(bound, batch)
             torch.cuda.synchronize(self.device)
             peaks.append(torch.cuda.max_memory_allocated(self.device) - base)

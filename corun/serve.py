@@ -32,6 +32,21 @@ UVICORN_GRACE_S = 5
 
 logger = logging.getLogger("corun.serve")
 
+# The server's defaults are EngineConfig's (the offline engine's) except where a sweep under
+# serving load chose otherwise, as vLLM picks its token budget by usage context. Under Poisson
+# arrivals each arrival gets a packed prefill step of its own, and the decode batch waits for
+# it, so T is what one arrival costs every running request: at the offline T = 8192 corun served
+# half of default's throughput, at T = 1024 more than it (experiments/results/serving-step-h200
+# and -run2.json; the offline batch prefers 8192, sweep-offline-h200-run4.json). A request's
+# bits depend on T, so an offline run reproduces a served one with the same flags; the
+# system_fingerprint of each response tells the two apart.
+SERVE_DEFAULTS: dict[str, object] = {
+    **ENGINE_DEFAULTS,
+    "prefill_chunk_size": 512,
+    "prefill_step_tokens": 1024,
+    "prefill_token_budget": 1024,
+}
+
 
 class _OneDefaultFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: X)`` only where the help does not already say what the default is,
@@ -96,12 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-chunk-size",
         type=int,
-        default=512,
+        default=SERVE_DEFAULTS["prefill_chunk_size"],
         help="prefill chunk size C (corun prefills in chunks aligned at multiples of C)",
     )
     p.add_argument(
         "--prefill-policy",
-        default=ENGINE_DEFAULTS["prefill_policy"],
+        default=SERVE_DEFAULTS["prefill_policy"],
         choices=list(PREFILL_POLICIES),
         help="corun: 'packed' = aligned chunks of several requests in one step of exactly "
         "--prefill-step-tokens tokens; 'isolated' = one chunk per step, padded to its bucket",
@@ -109,19 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-step-tokens",
         type=int,
-        default=ENGINE_DEFAULTS["prefill_step_tokens"],
+        default=SERVE_DEFAULTS["prefill_step_tokens"],
         help="T, the token count of a packed corun prefill step",
     )
     p.add_argument(
         "--max-prefill-seqs-per-step",
         type=int,
-        default=ENGINE_DEFAULTS["max_prefill_seqs_per_step"],
+        default=SERVE_DEFAULTS["max_prefill_seqs_per_step"],
         help="R, chunk rows of a packed corun prefill step",
     )
     p.add_argument(
         "--prefill-token-budget",
         type=int,
-        default=ENGINE_DEFAULTS["prefill_token_budget"],
+        default=SERVE_DEFAULTS["prefill_token_budget"],
         help="corun: padded prefill tokens that may run between two decode steps",
     )
     p.add_argument(
@@ -132,14 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=ENGINE_DEFAULTS["enable_prefix_caching"],
+        default=SERVE_DEFAULTS["enable_prefix_caching"],
         help="reuse the KV of prompt blocks another request already prefilled (hits are "
         "rounded to a granularity that keeps a request's bits the same as a miss)",
     )
     p.add_argument(
         "--decode-split-size",
         type=int,
-        default=ENGINE_DEFAULTS["decode_split_size"],
+        default=SERVE_DEFAULTS["decode_split_size"],
         help="decode attention split size in tokens (corun, batch_invariant)",
     )
     p.add_argument(

@@ -30,6 +30,8 @@ import argparse
 import datetime
 import gc
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -98,14 +100,16 @@ def add_paper_ratios(records: list[dict]) -> None:
                         100 * (corun[key] / other[key] - 1), 1)
 
 
-def earlier_records(path: str | None, rerun: set[str]) -> tuple[list[dict], dict]:
-    """(records, truncation) of an earlier results file, less the models run again now."""
+def earlier_records(path: str | None, rerun: set[str]) -> tuple[list[dict], dict, dict]:
+    """(records, truncation, command per family) of an earlier results file, less the models
+    run again now."""
     if path is None or not Path(path).exists():
-        return [], {}
+        return [], {}, {}
     head, *records = json.loads(Path(path).read_text())
     kept = [r for r in records if r.get("model") not in rerun]
     trunc = {f: t for f, t in head.get("truncation", {}).items() if f not in rerun}
-    return kept, trunc
+    commands = {f: c for f, c in head.get("commands", {}).items() if f not in rerun}
+    return kept, trunc, commands
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,8 +148,14 @@ def main(argv: list[str] | None = None) -> None:
                           "arrivals": "all at t=0", "corun_overrides": args.corun_overrides},
              "timing": "wall clock of each mode's main run after its warm-up; TTFT from the "
                        "common arrival time (all requests at t=0, so it includes queueing)"}
-    records, kept = earlier_records(args.merge, {f for f, _ in runs})
+    records, kept, commands = earlier_records(args.merge, {f for f, _ in runs})
     extra["truncation"] = {**kept, **extra["truncation"]}
+    # A merged file holds several device calls: the header's command is this one, and
+    # ``commands`` names the call that measured each family.
+    this_command = " ".join(shlex.quote(a) for a in [
+        sys.executable, "-m", "experiments.bench_paper",
+        *(sys.argv[1:] if argv is None else argv)])
+    extra["commands"] = {**commands, **{f: this_command for f, _ in runs}}
     bar = tqdm(total=len(runs) * len(args.modes), desc="paper", unit="run")
     for family, config_name in runs:
         args.model = config_name

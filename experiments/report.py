@@ -30,10 +30,13 @@ def _load(name: str) -> tuple[dict, list[dict]] | None:
 
 
 def _source(head: dict, name: str) -> str:
+    commands = head.get("commands")  # a file merged from several runs: one command per part
+    said = ("; ".join(f"{part}: `{command}`" for part, command in commands.items())
+            if commands else f"`{head.get('command', '?')}`")
     return (
         f"_{head.get('machine', '?')}, torch {head.get('torch', '?')}, triton "
         f"{head.get('triton', '?')}, {head.get('date', '?')}; `experiments/results/{name}.json`, "
-        f"command `{head.get('command', '?')}`_"
+        f"{'commands' if commands else 'command'} {said}_"
     )
 
 
@@ -268,15 +271,33 @@ def serving_summary_block(head: dict, records: list[dict]) -> str:
             f"{_span(tpot, unit='x')} the other modes', its ITL p99 "
             f"{_fmt(corun['p99_itl_ms'], 0)} ms against {_span(peer_itl, 0)} ms "
             f"({_span(itl, unit='x')}).")
-    offline = _load("offline-h200")
-    corun_offline = next((r for r in offline[1] if r.get("mode") == "corun"), None) \
-        if offline else None
-    if corun_offline and "prefill_step_ms_p50" in corun_offline:
-        lines.append(
-            f"- **One packed prefill step** of the offline headline (T = "
-            f"{corun_offline['config']['prefill_step_tokens']}): p50 "
-            f"{_fmt(corun_offline['prefill_step_ms_p50'], 0)} ms (`offline-h200.json`).")
     return "\n".join(lines)
+
+
+def serving_step_summary_block(name: str) -> Callable[[dict, list[dict]], str]:
+    """corun's packed step T under the serving load: each corun server's output tok/s, TPOT p50
+    and ITL p99 against ``default``'s in the same run, at every load."""
+    def view(head: dict, records: list[dict]) -> str:
+        lines = [_source(head, name), ""]
+        loads: dict[str, dict[str, dict]] = {}
+        for r in records:
+            load = (f"concurrency {r['max_concurrency']}" if r["request_rate"] == "inf"
+                    else f"{_fmt(r['request_rate'], 0)} req/s")
+            loads.setdefault(load, {})[r.get("label", r["mode"])] = r
+        for load, by in loads.items():
+            peer = by.get("default")
+            servers = [(label, r) for label, r in by.items() if r["mode"] == "corun"]
+            if peer is None or not servers:
+                continue
+            parts = [f"`{label}` {_fmt(r['output_throughput'], 0)} tok/s "
+                     f"({_fmt(r['output_throughput'] / peer['output_throughput'])}x), TPOT p50 "
+                     f"{_fmt(r['median_tpot_ms'], 1)} ms, ITL p99 {_fmt(r['p99_itl_ms'], 0)} ms"
+                     for label, r in servers]
+            lines.append(f"- **{load}** (`default`: {_fmt(peer['output_throughput'], 0)} tok/s, "
+                         f"TPOT p50 {_fmt(peer['median_tpot_ms'], 1)} ms, ITL p99 "
+                         f"{_fmt(peer['p99_itl_ms'], 0)} ms): " + "; ".join(parts) + ".")
+        return "\n".join(lines)
+    return view
 
 
 SERVING_COLUMNS = [
@@ -312,8 +333,11 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("peak_memory_gb", "peak GB"),
     ]),
     "serving-h200": columns_block("serving-h200", SERVING_COLUMNS),
-    "serving-step-h200": columns_block("serving-step-h200", [
-        ("label", "server"), ("extra_server_args", "flags"), *SERVING_COLUMNS[1:]]),
+    **{name: columns_block(name, [("label", "server"), ("extra_server_args", "flags"),
+                                  *SERVING_COLUMNS[1:]])
+       for name in ("serving-step-h200", "serving-step-h200-run2")},
+    **{f"{name}-summary": serving_step_summary_block(name)
+       for name in ("serving-step-h200", "serving-step-h200-run2")},
     "serving-h200-summary": serving_summary_block,
     **{name: columns_block(name, [
         ("point", "point"), ("output_tok_s", "out tok/s"), ("ttft_ms_p50", "TTFT p50 ms"),
@@ -322,7 +346,8 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("decode_step_ms_p50", "decode step p50 ms"), ("decode_seconds", "decode s"),
         ("combined_seconds", "overlapped s"), ("decode_live_mean", "live (mean)"),
         ("prefill_real_token_fraction", "prefill rows real"),
-    ]) for name in ("sweep-offline-h200", "sweep-offline-h200-run2", "sweep-offline-h200-run3")},
+    ]) for name in ("sweep-offline-h200", "sweep-offline-h200-run2", "sweep-offline-h200-run3",
+                 "sweep-offline-h200-run4")},
     "offline-prefix-h200": columns_block("offline-prefix-h200", [
         ("mode", "mode"), ("prefix_caching", "prefix cache"), ("requests", "sequences"),
         ("output_tok_s", "out tok/s"), ("throughput_vs_nocache", "vs cache off"),
@@ -335,7 +360,9 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "kernels-h200-summary": kernels_summary_block,
 }
 ALIASES = {"kernels-h200-summary": "kernels-h200", "offline-h200-summary": "offline-h200",
-           "serving-h200-summary": "serving-h200"}
+           "serving-h200-summary": "serving-h200",
+           "serving-step-h200-summary": "serving-step-h200",
+           "serving-step-h200-run2-summary": "serving-step-h200-run2"}
 
 
 def render_readme(text: str) -> str:

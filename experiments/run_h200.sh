@@ -81,13 +81,14 @@ for stage in "$@"; do
                --time-budget-s ${SERVING_BUDGET:-120} --result-name ${SERVING_NAME:-serving-h200} \
                --result-dir "$OUT/results" ;;
     serving-step)  # corun's packed step T under serving load, beside default and the tuned peer in
-               # the same run: SERVING_STEPS (T values; the stall budget follows T)
+               # the same run: SERVING_STEPS (T or T:budget; the stall budget is T unless given)
              variants=()
-             for t in ${SERVING_STEPS:-1024 2048 4096}; do
-               variants+=(--variant "corun-t$t=corun --prefill-step-tokens $t --prefill-token-budget $t")
+             for tb in ${SERVING_STEPS:-1024 2048 4096}; do  # T or T:budget
+               t=${tb%%:*}; b=${tb#*:}; label=corun-t$t; [ "$b" != "$tb" ] && label=$label-b$b
+               variants+=(--variant "$label=corun --prefill-step-tokens $t --prefill-token-budget $b")
              done
              run serving-step ${SERVING_LIMIT:-540} python3 -m experiments.bench_serving --launch \
-               --modes corun,default,batch_invariant_tuned "${variants[@]}" --model qwen3-8b \
+               --modes ${SERVING_STEP_MODES:-corun,default,batch_invariant_tuned} "${variants[@]}" --model qwen3-8b \
                --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
                --request-rate 4,16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
                --time-budget-s ${SERVING_BUDGET:-240} --result-name serving-step-h200 \

@@ -109,6 +109,12 @@ def grid(b: int, dry_run: bool) -> list[tuple[str, dict]]:
         points.append((f"T={2 * t},C={chunk},rows={rows}", dict(
             base, prefill_step_tokens=2 * t, prefill_token_budget=2 * t,
             prefill_chunk_size=chunk, max_prefill_seqs_per_step=rows, decode_split_size=512)))
+    # Smaller steps at the shipped chunk and row cap: under a serving load each arrival gets a
+    # packed step of its own, so T is what one arrival costs the decode batch.
+    for step in (t // 2, t):
+        points.append((f"T={step},C={c // 2},rows=64", dict(
+            base, prefill_step_tokens=step, prefill_token_budget=step, prefill_chunk_size=c // 2,
+            max_prefill_seqs_per_step=64, decode_split_size=512)))
     points.append((f"T={4 * t},C={c // 2},rows=64", dict(
         base, prefill_step_tokens=4 * t, prefill_token_budget=4 * t, prefill_chunk_size=c // 2,
         max_prefill_seqs_per_step=64, decode_split_size=512)))

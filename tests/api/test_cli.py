@@ -145,3 +145,21 @@ def test_packaging_metadata_builds_without_deprecation_warnings(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "WARNINGS []" in result.stdout, result.stdout[-2000:]
+
+
+def test_serving_defaults_differ_from_the_engine_only_where_the_serving_sweep_chose():
+    """The server's packed step is the serving sweep's (T = 1024, stall budget T, C = 512);
+    every other flag falls back to EngineConfig's default, and an explicit flag still wins."""
+    from corun.config import ENGINE_DEFAULTS
+    from corun.serve import SERVE_DEFAULTS
+
+    changed = {k for k in SERVE_DEFAULTS if SERVE_DEFAULTS[k] != ENGINE_DEFAULTS[k]}
+    assert changed == {"prefill_chunk_size", "prefill_step_tokens", "prefill_token_budget"}
+    kwargs = engine_config_kwargs(build_parser().parse_args([]))
+    assert (kwargs["prefill_chunk_size"], kwargs["prefill_step_tokens"],
+            kwargs["prefill_token_budget"]) == (512, 1024, 1024)
+    for field in ("prefill_policy", "max_prefill_seqs_per_step", "decode_split_size"):
+        assert kwargs[field] == ENGINE_DEFAULTS[field]
+    offline = engine_config_kwargs(build_parser().parse_args(
+        ["--prefill-step-tokens", "8192", "--prefill-token-budget", "8192"]))
+    assert (offline["prefill_step_tokens"], offline["prefill_token_budget"]) == (8192, 8192)

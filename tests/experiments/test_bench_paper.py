@@ -20,6 +20,9 @@ def test_dry_run_covers_the_three_families_over_two_calls(tmp_path, monkeypatch)
     assert head["header"] and head["paper_claims"]["ttft_change_pct_mean"] == -51.8
     assert set(head["truncation"]) == {"qwen3-235b-a22b", "deepseek-v3", "hy3"}
     assert head["truncation"]["hy3"]["config"] == "tiny-hy3"
+    # Each family names the call that measured it.
+    assert set(head["commands"]) == set(head["truncation"])
+    assert "hy3" in head["commands"]["hy3"] and "paper-first" in head["commands"]["deepseek-v3"]
     assert [(r["model"], r["mode"]) for r in records] == [
         (f, m) for f in ("qwen3-235b-a22b", "deepseek-v3", "hy3") for m in ("default", "corun")]
     assert not [r for r in records if "error" in r] and all("measured_at" in r for r in records)
