@@ -40,6 +40,8 @@ def test_profile_steps_run_when_a_step_holds_more_tokens_than_a_sequence(mode):
                 prefill += 1
                 assert max(batch.context_lens_host) <= config.max_model_len
                 assert sum(batch.context_lens_host) > config.max_model_len
-            logits, _, hidden = runner._forward(bound, batch)
-            assert torch.isfinite(hidden).all() and torch.isfinite(logits).all()
+            # The scratch cache is uninitialised memory: only that every row ran is checked (an
+            # index past the block table raises on the CPU, asserts on the GPU).
+            _, _, hidden = runner._forward(bound, batch)
+            assert hidden.shape[0] == bound.input_ids.shape[0]
     assert prefill == 1
