@@ -199,6 +199,28 @@ def columns_block(name: str, columns: list[tuple[str, str]]) -> Callable[[dict, 
     return render
 
 
+def launch_cost_block(head: dict, records: list[dict]) -> str:
+    """Per op and shape: the launcher's host cost (stubbed kernels on the CPU tensors, and real
+    launches) beside the op's GPU time at the same shape."""
+    by_op: dict[tuple, dict] = {}
+    for r in records:
+        if "shape" in r and "host_us" in r:
+            by_op.setdefault((r["op"], r["shape"]), {})[r["mode"]] = r
+    rows = []
+    for (op, shape), modes in by_op.items():
+        native = modes.get("native", {})
+        rows.append([op, shape, _fmt(modes.get("stub", {}).get("host_us"), 1),
+                     _fmt(native.get("host_us"), 1), _fmt(native.get("gpu_us"), 1),
+                     _fmt(native.get("host_over_gpu"))])
+    forward = [f"{r['mode']}: {r['host_us'] / 1000:.2f} ms" for r in records
+               if r.get("op", "").startswith("qwen3-8b eager")]
+    return (_source(head, "launch-cost-h200") + "\n\n" + f"Timing: {head.get('timing', '?')}.\n\n"
+            + _table(["op", "shape", "host us (stub)", "host us (native)", "GPU us",
+                      "host / GPU"], rows)
+            + ("\n\nLaunch work of one eager Qwen3-8B decode forward (estimate, "
+               + ", ".join(forward) + ")." if forward else ""))
+
+
 def offline_summary_block(head: dict, records: list[dict]) -> str:
     """The offline headline as sentences, every figure read from the file."""
     by = {r["mode"]: r for r in records}
@@ -358,6 +380,7 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     ]),
     "kernels-h200": kernels_block,
     "kernels-h200-summary": kernels_summary_block,
+    "launch-cost-h200": launch_cost_block,
 }
 ALIASES = {"kernels-h200-summary": "kernels-h200", "offline-h200-summary": "offline-h200",
            "serving-h200-summary": "serving-h200",
