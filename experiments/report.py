@@ -150,7 +150,9 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
     timings = [r for r in records if "us" in r and not r.get("error") and r.get("ratio")]
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in timings:
-        groups.setdefault((r["op"], r["policy"]), []).append(r)
+        # Diagnostic rows (target False: e.g. flat top-p rows, the whole-row fallback) apart.
+        op = r["op"] + (" (diagnostic)" if r.get("target") is False else "")
+        groups.setdefault((op, r["policy"]), []).append(r)
     rows = []
     for (op, policy), rs in groups.items():
         ratios = [r["ratio"] for r in rs]
