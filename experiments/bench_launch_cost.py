@@ -9,10 +9,13 @@ Two modes, both recorded when available:
   (``is_host_checkable``) are switched off, as they are on a GPU.
 - ``native`` (with CUDA): real launches on CUDA tensors; host time per call over a short burst
   (the GPU runs behind, asynchronously), i.e. the stub cost plus Triton's own dispatch and the
-  CUDA launch calls.
+  CUDA launch calls. Beside it the op's GPU time at the same shape: the median of CUDA-graph
+  replays (``triton.testing.do_bench_cudagraph``, L2 not flushed), so ``host_over_gpu`` > 1 says
+  that an eager launch of the op waits on the host, not the GPU.
 
-Each record: ``{"op", "shape", "mode", "host_us"(median of repeats), "calls"}``, and an estimate
-of one eager Qwen3-8B forward's launch overhead (the ops of a decoder layer x 36 + sampling).
+Each record: ``{"op", "shape", "mode", "host_us"(median of repeats), "calls"}`` (native adds
+``gpu_us`` and ``host_over_gpu``), and an estimate of one eager Qwen3-8B forward's launch overhead
+(the ops of a decoder layer x 36 + sampling).
 
     python -m experiments.bench_launch_cost [--calls N] [--modes stub,native]
         -> experiments/results/launch-cost-<machine>.json (machine: h200, or the CPU's name)
@@ -206,6 +209,14 @@ def _time_calls(fn: Callable[[], object], calls: int, repeats: int, sync: bool) 
     return statistics.median(samples)
 
 
+def _gpu_us(fn: Callable[[], object]) -> float:
+    """Median GPU microseconds of one call, by CUDA-graph replay (no host cost, L2 warm)."""
+    import triton.testing
+
+    ms = triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=[0.5])
+    return 1000.0 * float(ms[0] if isinstance(ms, (list, tuple)) else ms)
+
+
 def measure(modes: list[str], calls: int = 200, repeats: int = 5) -> list[dict]:
     records = []
     for mode in modes:
@@ -226,9 +237,16 @@ def measure(modes: list[str], calls: int = 200, repeats: int = 5) -> list[dict]:
                     continue
                 op, _, shape = name.rpartition(" ")
                 per_op[name] = us
-                records.append({"op": op, "shape": shape, "mode": mode, "host_us": round(us, 2),
-                                "calls": calls})
-                print(f"{mode:6s} {name:34s} {us:8.1f} us")
+                record = {"op": op, "shape": shape, "mode": mode, "host_us": round(us, 2),
+                          "calls": calls}
+                if mode == "native":
+                    try:
+                        gpu = _gpu_us(fn)
+                        record.update(gpu_us=round(gpu, 2), host_over_gpu=round(us / gpu, 2))
+                    except Exception as exc:  # an op that cannot be captured keeps its host time
+                        record["gpu_error"] = repr(exc)[:300]
+                records.append(record)
+                print(f"{mode:6s} {name:34s} {us:8.1f} us host  {record.get('gpu_us', '-')} us gpu")
         layer = sum(n * per_op.get(f"{op} decode", 0.0) for op, n in LAYER_OPS.items())
         layer += 3 * per_op.get("gemm qkv decode", 0.0)  # o_proj, gate_up, down: ~ one gemm each
         layer += per_op.get("decode_attention decode", 0.0)
@@ -257,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     records = measure(args.modes.split(","), calls=args.calls)
     path = write_results(f"launch-cost-{machine_name()}", records, args.out,
                          timing="host perf_counter per call; stub = kernels replaced by no-ops "
-                                "on CPU tensors, native = real CUDA launches")
+                                "on CPU tensors, native = real CUDA launches; gpu_us = median of "
+                                "CUDA-graph replays (do_bench_cudagraph, L2 not flushed)")
     print(f"wrote {path}")
     return 0
 

@@ -48,9 +48,12 @@ CONFIGS = (
 FLAT = ("top-p-0.9-flat", 1.0, 0, 0.9)  # diagnostic: the fallback path
 # Other piece sizes (CHUNK, R, warps, combine warps) timed beside the policy's at V = 151936:
 # larger pieces trade B = 1 parallelism for bytes in flight at B = 256 (same tokens, tie-free).
-VARIANTS = ((2048, 32, 4, 8), (2048, 64, 8, 16), (4096, 64, 8, 8))
+# (CHUNK, R, warps, combine warps, pieces per program at every batch): larger pieces, and the
+# grouping of 1024-column pieces around the policy's 4 from B = 64 on.
+VARIANTS = ((2048, 32, 4, 8, 1), (4096, 64, 8, 8, 1), (1024, 32, 4, 16, 1), (1024, 32, 4, 16, 2),
+            (1024, 32, 4, 16, 8), (1024, 32, 8, 16, 4), (1024, 32, 8, 16, 8))
 VARIANT_CONFIGS = ("greedy", "plain", "top-k-50-top-p-0.9")
-VARIANT_BATCHES = (1, 256)
+VARIANT_BATCHES = (1, 64, 256)
 DEVICE = "cuda"
 
 
@@ -141,16 +144,17 @@ def collect(quick: bool = False) -> list[dict]:
             for batch in VARIANT_BATCHES:
                 args = _args(batch, vocab, temperature, top_k, top_p)
                 policy_us = bench_us(partial(sample, *args), warmup_ms=warmup_ms, rep_ms=rep_ms)
-                for chunk, r, warps, combine_warps in VARIANTS:
+                for chunk, r, warps, combine_warps, pieces in VARIANTS:
                     cfg = SamplingConfig(CHUNK=chunk, R=r, BLOCK_V=base.BLOCK_V,
                                          sweep_warps=base.sweep_warps, num_warps=warps,
-                                         combine_warps=combine_warps)
+                                         combine_warps=combine_warps,
+                                         pieces_per_program=pieces, group_from_batch=1)
                     us = bench_us(partial(sample, *args, config=cfg), warmup_ms=warmup_ms,
                                   rep_ms=rep_ms)
                     records.append(kernel_record(
                         "sample_variant", str(Mode.CORUN), batch, vocab, 0, torch.float32, us,
                         "policy config", policy_us, config=label,
-                        variant=[chunk, r, warps, combine_warps]))
+                        variant=[chunk, r, warps, combine_warps, pieces]))
     for batch in batches:
         vocab = VOCABS[0]
         args = _args(batch, vocab, 1.0, 0, 1.0)

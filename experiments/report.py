@@ -150,7 +150,9 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
     timings = [r for r in records if "us" in r and not r.get("error") and r.get("ratio")]
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in timings:
-        groups.setdefault((r["op"], r["policy"]), []).append(r)
+        # Diagnostic rows (target False: e.g. flat top-p rows, the whole-row fallback) apart.
+        op = r["op"] + (" (diagnostic)" if r.get("target") is False else "")
+        groups.setdefault((op, r["policy"]), []).append(r)
     rows = []
     for (op, policy), rs in groups.items():
         ratios = [r["ratio"] for r in rs]
@@ -197,6 +199,28 @@ def columns_block(name: str, columns: list[tuple[str, str]]) -> Callable[[dict, 
         return _source(head, name) + "\n\n" + _table([h for _, h in columns], rows)
 
     return render
+
+
+def launch_cost_block(head: dict, records: list[dict]) -> str:
+    """Per op and shape: the launcher's host cost (stubbed kernels on the CPU tensors, and real
+    launches) beside the op's GPU time at the same shape."""
+    by_op: dict[tuple, dict] = {}
+    for r in records:
+        if "shape" in r and "host_us" in r:
+            by_op.setdefault((r["op"], r["shape"]), {})[r["mode"]] = r
+    rows = []
+    for (op, shape), modes in by_op.items():
+        native = modes.get("native", {})
+        rows.append([op, shape, _fmt(modes.get("stub", {}).get("host_us"), 1),
+                     _fmt(native.get("host_us"), 1), _fmt(native.get("gpu_us"), 1),
+                     _fmt(native.get("host_over_gpu"))])
+    forward = [f"{r['mode']}: {r['host_us'] / 1000:.2f} ms" for r in records
+               if r.get("op", "").startswith("qwen3-8b eager")]
+    return (_source(head, "launch-cost-h200") + "\n\n" + f"Timing: {head.get('timing', '?')}.\n\n"
+            + _table(["op", "shape", "host us (stub)", "host us (native)", "GPU us",
+                      "host / GPU"], rows)
+            + ("\n\nLaunch work of one eager Qwen3-8B decode forward (estimate, "
+               + ", ".join(forward) + ")." if forward else ""))
 
 
 def offline_summary_block(head: dict, records: list[dict]) -> str:
@@ -358,6 +382,7 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     ]),
     "kernels-h200": kernels_block,
     "kernels-h200-summary": kernels_summary_block,
+    "launch-cost-h200": launch_cost_block,
 }
 ALIASES = {"kernels-h200-summary": "kernels-h200", "offline-h200-summary": "offline-h200",
            "serving-h200-summary": "serving-h200",

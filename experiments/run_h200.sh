@@ -4,6 +4,7 @@
 #   tune     experiments/tune_gemm.py -> kernels/tuned/gemm_h200.json
 #   tune_moe / tune_mla  experiments/tune_moe.py / tune_mla.py -> kernels/tuned/{moe,mla}_h200.json
 #   kernels  experiments/bench_kernels.py, merged into the committed kernels-h200.json (+ png)
+#   launch   experiments/bench_launch_cost.py -> launch-cost-h200.json (host us per op, GPU us beside)
 #   models   experiments/bench_models.py -> models-h200.json
 #   offline  experiments/bench_offline.py -> offline-h200.json (+ png); OFFLINE_ARGS adds flags
 #   sweep    experiments/sweep_offline.py -> sweep-offline-h200.json (+ png)
@@ -54,6 +55,7 @@ for stage in "$@"; do
                && cp kernels/tuned/mla_h200.json "$OUT/results/" ;;
     kernels) run kernels ${KERNELS_LIMIT:-330} python3 -m experiments.bench_kernels \
                --merge experiments/results/kernels-h200.json ${KERNELS_ARGS:-} ;;
+    launch)  run launch ${LAUNCH_LIMIT:-120} python3 -m experiments.bench_launch_cost ;;
     models)  run models ${MODELS_LIMIT:-150} python3 -m experiments.bench_models ;;
     offline) run offline ${OFFLINE_LIMIT:-300} python3 -m experiments.bench_offline ${OFFLINE_ARGS:-} ;;
     sweep)   run sweep ${SWEEP_LIMIT:-330} python3 -m experiments.sweep_offline --time-budget-s ${SWEEP_BUDGET:-300} ${SWEEP_ARGS:-} ;;

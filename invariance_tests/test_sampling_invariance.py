@@ -58,8 +58,10 @@ def test_sampled_token_independent_of_batch(rows, row, slot, mode, seed):
     assert_bitwise_equal(lp_alone[0], lp_full[row], "logprob alone vs in batch")
 
 
-# Pieces of 8 columns with lists of 2: most top-k/top-p rows take the whole-row fallback.
-TINY = SamplingConfig(CHUNK=8, R=2, BLOCK_V=16, sweep_warps=1, num_warps=1, combine_warps=1)
+# Pieces of 8 columns with lists of 2: most top-k/top-p rows take the whole-row fallback; from 3
+# rows on a program reads both pieces of a row (alone it reads one).
+TINY = SamplingConfig(CHUNK=8, R=2, BLOCK_V=16, sweep_warps=1, num_warps=1, combine_warps=1,
+                      pieces_per_program=2, group_from_batch=3)
 
 
 @settings(max_examples=4)

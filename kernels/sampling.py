@@ -16,7 +16,8 @@ patterns flipped), found without a sort:
   fp64 reference there.
 
 Two launches, each row split over fixed pieces of CHUNK columns (a function of V only):
-1. ``_sample_partial_kernel`` [B, V / CHUNK]: greedy and temperature-only rows get the piece's
+1. ``_sample_partial_kernel`` [B, V / (CHUNK * pieces per program)], each program reading one or
+   (at large B) a few pieces, each reduced alone: greedy and temperature-only rows get the piece's
    argmax (of the logits, or of logits / T + Gumbel noise); top-k/top-p rows get the piece's
    *list*, its largest top set of at most R tokens (by a bisection in registers), with their
    Gumbel values, plus the piece's max, the mass of the rest and its completeness bound.
@@ -63,7 +64,9 @@ from kernels.utils import (
 class SamplingConfig:
     """CHUNK: columns of a row per program of the first launch (the fixed pieces); R: candidate
     list size per piece; BLOCK_V: columns per step of the one-program-per-row sweeps (fallback,
-    logprobs, noise) with their warps; warps of the two sampling launches."""
+    logprobs, noise) with their warps; warps of the two sampling launches; pieces_per_program:
+    pieces one program of the first launch reads from ``group_from_batch`` rows on (the grid
+    only: every piece is reduced alone, so no bits change with it)."""
 
     CHUNK: int
     R: int
@@ -71,17 +74,28 @@ class SamplingConfig:
     sweep_warps: int
     num_warps: int
     combine_warps: int
+    pieces_per_program: int = 1
+    group_from_batch: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("CHUNK", "R", "BLOCK_V", "pieces_per_program"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"SamplingConfig.{name}: expected a power of 2, got {value}")
 
 
 @functools.lru_cache(maxsize=64)
 def sampling_config(vocab_size: int, dtype: torch.dtype, mode: Mode = Mode.CORUN) -> SamplingConfig:
     """Pure policy of V only (never the batch size); the same for every mode, since the kernels
     are batch-invariant as they stand. Pieces of 1024 columns put 149 programs on a 151936 row,
-    more than the H200's 132 SMs at B = 1."""
+    more than the H200's 132 SMs at B = 1. From B = 64 on, a program reads 4 pieces: one 4 KB
+    piece per program left greedy rows at B = 256 latency-bound, at half the HBM bandwidth
+    (kernels-h200.json, run5)."""
     del dtype, mode
     chunk = min(next_power_of_2(vocab_size), 1024)
     r = min(32, chunk)
-    slots = next_power_of_2(cdiv(vocab_size, chunk)) * r
+    num_chunks = cdiv(vocab_size, chunk)
+    slots = next_power_of_2(num_chunks) * r
     block = min(next_power_of_2(vocab_size), 4096)
     return SamplingConfig(
         CHUNK=chunk,
@@ -90,7 +104,14 @@ def sampling_config(vocab_size: int, dtype: torch.dtype, mode: Mode = Mode.CORUN
         sweep_warps=4 if block <= 1024 else 8,  # token_logprobs' reduction order: keep as is
         num_warps=4,
         combine_warps=max(4, min(16, slots // 512)),
+        pieces_per_program=4 if num_chunks >= 16 else 1,
+        group_from_batch=64,
     )
+
+
+def pieces_per_program(cfg: SamplingConfig, batch: int) -> int:
+    """Pieces one program of the first launch reads at this batch size (the grid, not the bits)."""
+    return cfg.pieces_per_program if batch >= cfg.group_from_batch else 1
 
 
 def _check_logits(logits: object) -> tuple[int, int]:
@@ -174,9 +195,10 @@ def _sample_launch(
     ws_i64 = torch.empty(num_parts, dtype=torch.int64, device=logits.device)
     args = (logits, temperature, top_k, top_p, seeds, sample_indices, positions,
             ws_f32, ws_i32, ws_i64)
-    _sample_partial_kernel[(batch, num_chunks)](
+    pieces = pieces_per_program(cfg, batch)
+    _sample_partial_kernel[(batch, cdiv(num_chunks, pieces))](
         *args, vocab, num_chunks, num_parts, logits.stride(0),
-        CHUNK=cfg.CHUNK, R=cfg.R, num_warps=cfg.num_warps,
+        CHUNK=cfg.CHUNK, R=cfg.R, PIECES=pieces, num_warps=cfg.num_warps,
     )
     _sample_combine_kernel[(batch,)](
         *args, out, vocab, num_chunks, num_parts, logits.stride(0),

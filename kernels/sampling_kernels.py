@@ -86,83 +86,105 @@ def _sample_partial_kernel(
     # meta
     CHUNK: tl.constexpr,
     R: tl.constexpr,
+    PIECES: tl.constexpr,
 ):
-    """One fixed piece of CHUNK columns of one row: a greedy or Gumbel-max partial argmax, or (top-k
-    / top-p rows) the chunk's candidate list, its bound, its max and the mass of the rest."""
+    """PIECES consecutive fixed pieces of CHUNK columns of one row, each reduced alone: a greedy or
+    Gumbel-max partial argmax per piece, or (top-k / top-p rows) each piece's candidate list, its
+    bound, its max and the mass of the rest. How many pieces a program reads changes no partial."""
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1).to(tl.int64)
-    part = row * num_chunks + chunk
+    first_chunk = tl.program_id(1).to(tl.int64) * PIECES
     temperature, is_greedy, top_k, top_p, do_top_k, do_top_p = _row_params(
         temperature_ptr, top_k_ptr, top_p_ptr, row, vocab)
+    position = tl.load(positions_ptr + row)
+    sample_index = tl.load(sample_indices_ptr + row)
+    seed = tl.load(seeds_ptr + row)
+    if do_top_k | do_top_p:
+        for piece in range(PIECES):
+            chunk = first_chunk + piece
+            if chunk < num_chunks:
+                _piece_candidates(logits_ptr + row * stride_logits_b, ws_f32_ptr, ws_i32_ptr,
+                                  ws_i64_ptr, row * num_chunks + chunk, chunk, vocab, num_parts,
+                                  temperature, position, sample_index, seed, CHUNK, R)
+    else:
+        # Greedy and temperature-only rows: one [PIECES, CHUNK] tile, an argmax per piece (its
+        # max is exact and its ties go to the lowest id, so the tile shape changes no bits).
+        chunks = first_chunk + tl.arange(0, PIECES)
+        cols = chunks[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        mask = cols < vocab
+        x = tl.load(logits_ptr + row * stride_logits_b + cols, mask=mask, other=float("-inf"))
+        x = x.to(tl.float32)
+        if is_greedy:
+            val = tl.where(mask, x, float("-inf"))
+        else:
+            s = tl.math.div_rn(x, tl.zeros([PIECES, CHUNK], tl.float32)
+                               + tl.maximum(temperature, 1e-6))
+            u = _philox_uniform(cols, position, sample_index, seed)
+            val = tl.where(mask, s - tl.log(-tl.log(u)), float("-inf"))
+        best, at = tl.max(val, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        parts = row * num_chunks + chunks
+        in_row = chunks < num_chunks
+        tl.store(ws_f32_ptr + parts, best, mask=in_row)
+        # (NaN logits make the argmax arbitrary: keep the id inside the vocab at least)
+        tl.store(ws_i32_ptr + parts, tl.minimum(chunks * CHUNK + at, vocab - 1).to(tl.int32),
+                 mask=in_row)
+
+
+@triton.jit
+def _piece_candidates(
+    row_ptr, ws_f32_ptr, ws_i32_ptr, ws_i64_ptr, part, chunk, vocab, num_parts, temperature,
+    position, sample_index, seed, CHUNK: tl.constexpr, R: tl.constexpr,
+):
+    """One piece of a top-k / top-p row: its candidate list (the largest top set of at most R
+    tokens) with their Gumbel values, its max, its completeness bound and the mass of the rest."""
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < vocab
-    x = tl.load(logits_ptr + row * stride_logits_b + cols, mask=mask, other=float("-inf"))
-    x = x.to(tl.float32)
-    if is_greedy:
-        val = tl.where(mask, x, float("-inf"))
-        best, at = tl.max(val, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        tl.store(ws_f32_ptr + part, best)
-        # (NaN logits make the argmax arbitrary: keep the id inside the vocab at least)
-        tl.store(ws_i32_ptr + part, tl.minimum(chunk * CHUNK + at, vocab - 1).to(tl.int32))
-    else:
-        s = tl.math.div_rn(x, tl.zeros([CHUNK], tl.float32) + tl.maximum(temperature, 1e-6))
-        position = tl.load(positions_ptr + row)
-        sample_index = tl.load(sample_indices_ptr + row)
-        seed = tl.load(seeds_ptr + row)
-        if do_top_k | do_top_p:
-            bits = s.to(tl.int32, bitcast=True)
-            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-            key64 = key.to(tl.int64)
-            s_max_c = tl.max(s, axis=0)
-            key_hi = tl.max(tl.where(mask, key, -2147483648), axis=0)
-            key_lo = tl.min(tl.where(mask, key, 2147483647), axis=0)
-            n_valid = tl.sum(mask.to(tl.int32), axis=0)
-            # The list: the largest top set {key >= b} with at most R members. Bisection on b:
-            # count(lo) > R >= count(hi); exactly R members pins the set at once.
-            lo = key_lo.to(tl.int64)
-            hi = tl.where(n_valid > R, key_hi.to(tl.int64) + 1, lo + 1)
-            while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                count = tl.sum((mask & (key >= mid.to(tl.int32))).to(tl.int32), axis=0)
-                fits = count <= R
-                hi = tl.where(fits, mid, hi)
-                lo = tl.where(count == R, mid - 1, tl.where(fits, lo, mid))
-            # (tl.where, not `| scalar`: the interpreter cannot OR a tile with a scalar bool)
-            in_list = tl.where(n_valid <= R, mask, mask & (key64 >= hi))
-            rest = mask & ~in_list
-            # Completeness bound: the list holds every element with key >= bound.
-            bound = tl.max(tl.where(rest, key64, KEY_FLOOR - 1), axis=0) + 1
-            e = tl.exp(_minus_max(s, s_max_c))
-            e = tl.where(rest & (e == e), e, 0.0)
-            slot = tl.cumsum(in_list.to(tl.int32), axis=0) - 1
-            n_list = tl.sum(in_list.to(tl.int32), axis=0)
-            cand = part * R + slot
-            tl.store(ws_i32_ptr + 3 * num_parts + cand, key, mask=in_list)
-            tl.store(ws_i32_ptr + 3 * num_parts + num_parts * R + cand, cols.to(tl.int32),
-                     mask=in_list)
-            tl.store(ws_i32_ptr + num_parts + part, n_list)
-            tl.store(ws_i32_ptr + 2 * num_parts + part, key_hi)
-            tl.store(ws_f32_ptr + num_parts + part, s_max_c)
-            tl.store(ws_f32_ptr + 2 * num_parts + part, tl.sum(e, axis=0))
-            tl.store(ws_i64_ptr + part, bound)
-            # Noise for the (at most R) listed tokens only; the list goes through memory.
-            tl.debug_barrier()
-            offs_r = tl.arange(0, R)
-            listed = offs_r < n_list
-            r_key = tl.load(ws_i32_ptr + 3 * num_parts + part * R + offs_r, mask=listed, other=0)
-            r_col = tl.load(ws_i32_ptr + 3 * num_parts + num_parts * R + part * R + offs_r,
-                            mask=listed, other=0)
-            r_s = (r_key ^ ((r_key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-            u_list = _philox_uniform(r_col, position, sample_index, seed)
-            tl.store(ws_f32_ptr + 3 * num_parts + part * R + offs_r,
-                     r_s - tl.log(-tl.log(u_list)),
-                     mask=listed)
-        else:
-            u_row = _philox_uniform(cols, position, sample_index, seed)
-            val = tl.where(mask, s - tl.log(-tl.log(u_row)), float("-inf"))
-            best, at = tl.max(val, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            tl.store(ws_f32_ptr + part, best)
-            tl.store(ws_i32_ptr + part, tl.minimum(chunk * CHUNK + at, vocab - 1).to(tl.int32))
+    x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    s = tl.math.div_rn(x, tl.zeros([CHUNK], tl.float32) + tl.maximum(temperature, 1e-6))
+    bits = s.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key64 = key.to(tl.int64)
+    s_max_c = tl.max(s, axis=0)
+    key_hi = tl.max(tl.where(mask, key, -2147483648), axis=0)
+    key_lo = tl.min(tl.where(mask, key, 2147483647), axis=0)
+    n_valid = tl.sum(mask.to(tl.int32), axis=0)
+    # The list: the largest top set {key >= b} with at most R members. Bisection on b:
+    # count(lo) > R >= count(hi); exactly R members pins the set at once.
+    lo = key_lo.to(tl.int64)
+    hi = tl.where(n_valid > R, key_hi.to(tl.int64) + 1, lo + 1)
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        count = tl.sum((mask & (key >= mid.to(tl.int32))).to(tl.int32), axis=0)
+        fits = count <= R
+        hi = tl.where(fits, mid, hi)
+        lo = tl.where(count == R, mid - 1, tl.where(fits, lo, mid))
+    # (tl.where, not `| scalar`: the interpreter cannot OR a tile with a scalar bool)
+    in_list = tl.where(n_valid <= R, mask, mask & (key64 >= hi))
+    rest = mask & ~in_list
+    # Completeness bound: the list holds every element with key >= bound.
+    bound = tl.max(tl.where(rest, key64, KEY_FLOOR - 1), axis=0) + 1
+    e = tl.exp(_minus_max(s, s_max_c))
+    e = tl.where(rest & (e == e), e, 0.0)
+    slot = tl.cumsum(in_list.to(tl.int32), axis=0) - 1
+    n_list = tl.sum(in_list.to(tl.int32), axis=0)
+    cand = part * R + slot
+    tl.store(ws_i32_ptr + 3 * num_parts + cand, key, mask=in_list)
+    tl.store(ws_i32_ptr + 3 * num_parts + num_parts * R + cand, cols.to(tl.int32), mask=in_list)
+    tl.store(ws_i32_ptr + num_parts + part, n_list)
+    tl.store(ws_i32_ptr + 2 * num_parts + part, key_hi)
+    tl.store(ws_f32_ptr + num_parts + part, s_max_c)
+    tl.store(ws_f32_ptr + 2 * num_parts + part, tl.sum(e, axis=0))
+    tl.store(ws_i64_ptr + part, bound)
+    # Noise for the (at most R) listed tokens only; the list goes through memory.
+    tl.debug_barrier()
+    offs_r = tl.arange(0, R)
+    listed = offs_r < n_list
+    r_key = tl.load(ws_i32_ptr + 3 * num_parts + part * R + offs_r, mask=listed, other=0)
+    r_col = tl.load(ws_i32_ptr + 3 * num_parts + num_parts * R + part * R + offs_r,
+                    mask=listed, other=0)
+    r_s = (r_key ^ ((r_key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    u_list = _philox_uniform(r_col, position, sample_index, seed)
+    tl.store(ws_f32_ptr + 3 * num_parts + part * R + offs_r, r_s - tl.log(-tl.log(u_list)),
+             mask=listed)
 
 
 @triton.jit

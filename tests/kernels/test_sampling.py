@@ -3,6 +3,8 @@
 lists, whole-row fallback), greedy ties, edge rows, the empirical distribution of many seeded
 draws (chi-square), and ``token_logprobs`` vs an fp64 log-softmax."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from kernels.reference import (
 from kernels.sampling import (
     SamplingConfig,
     _sample_launch,
+    pieces_per_program,
     sample,
     sampling_config,
     sampling_uniform,
@@ -80,8 +83,9 @@ def test_sample_equals_reference_multi_block_vocab():
 
 
 # Pieces of 16 columns with lists of 4: rows keeping more than ~4 tokens of a piece take the
-# whole-row fallback, the others the candidate lists.
-SMALL = SamplingConfig(CHUNK=16, R=4, BLOCK_V=256, sweep_warps=1, num_warps=1, combine_warps=1)
+# whole-row fallback, the others the candidate lists; from 4 rows on a program reads 2 pieces.
+SMALL = SamplingConfig(CHUNK=16, R=4, BLOCK_V=256, sweep_warps=1, num_warps=1, combine_warps=1,
+                       pieces_per_program=2, group_from_batch=4)
 
 
 def _random_rows(batch, vocab, seed):
@@ -172,8 +176,32 @@ def test_edge_rows(config):
 def test_sampling_config_pieces():
     cfg = sampling_config(151936, torch.float32)
     assert (cfg.CHUNK, cfg.R, cfg.combine_warps) == (1024, 32, 16)
+    assert [pieces_per_program(cfg, b) for b in (1, 63, 64, 256)] == [1, 1, 4, 4]
     assert sampling_config(129280, torch.bfloat16).combine_warps == 8
-    assert sampling_config(67, torch.float32).CHUNK == 128
+    small = sampling_config(67, torch.float32)
+    assert small.CHUNK == 128 and pieces_per_program(small, 256) == 1
+    with pytest.raises(ValueError, match="pieces_per_program"):
+        dataclasses.replace(cfg, pieces_per_program=3)
+
+
+@pytest.mark.parametrize("vocab", [150, 160], ids=lambda v: f"V{v}")
+def test_pieces_per_program_change_no_draw(vocab):
+    """Greedy, temperature-only and top-k/top-p rows, with 10 pieces a row: a program reading 1,
+    2, 4 or 16 pieces (a tail group half empty, or one group past the row) draws the same tokens
+    by the same path."""
+    args = _random_rows(8, vocab, seed=3)
+    args[1][::3] = 0.0  # greedy rows
+    args[2][1::3], args[3][1::3] = 0, 1.0  # temperature-only rows
+    one = dataclasses.replace(SMALL, pieces_per_program=1)
+    out, path = _sample_launch(*args, one)
+    assert torch.equal(out, sample_reference(*args))
+    truncated = (((args[2] > 0) & (args[2] < vocab)) | (args[3] < 1.0)) & (args[1] > 0)
+    assert truncated.any()
+    for pieces in (2, 4, 16):
+        cfg = dataclasses.replace(SMALL, pieces_per_program=pieces, group_from_batch=1)
+        grouped, grouped_path = _sample_launch(*args, cfg)
+        assert torch.equal(grouped, out), pieces
+        assert torch.equal(grouped_path[truncated], path[truncated]), pieces
 
 
 def test_temperature_zero_is_argmax_lowest_id_on_ties():
