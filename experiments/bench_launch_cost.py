@@ -152,7 +152,10 @@ def _op_calls(device: str) -> dict[str, Callable[[], object]]:
         moe.moe_intermediate_size
     xm, logits_r = t(b, hm), t(b, e, dtype=torch.float32)
     w13, w2 = t(e, 2 * im, hm), t(e, hm, im)
-    ids, weights = ints(b, k_top), t(b, k_top, dtype=torch.float32)
+    # Routed ids spread over the experts, as a router gives them (all on expert 0 would time a
+    # degenerate sort and MoE layer).
+    ids = torch.randint(0, e, (b, k_top), dtype=torch.int32, device=device)
+    weights = t(b, k_top, dtype=torch.float32)
     calls["softmax_topk decode"] = lambda: softmax_topk(logits_r, k_top, True)
     calls["moe_align decode"] = lambda: moe_align(ids, e, 16)
     calls["fused_moe decode"] = lambda: fused_moe(xm, w13, w2, weights, ids, check_ids=False)
@@ -178,7 +181,9 @@ def _op_calls(device: str) -> dict[str, Callable[[], object]]:
     ds_pos = ints(b, dtype=torch.int64)
     calls["rope deepseek-v3 decode"] = lambda: rope(ds_q, ds_k, ds_pos, ds_cache, False)
     # Sampling (Qwen3 vocab, decode)
-    logits = t(b, qwen.vocab_size, dtype=torch.float32)
+    # Logits of a peaked distribution: top-k 50 is then decided by the candidate lists, as for a
+    # real model (uninitialised memory can hold NaNs, which send rows to the whole-row sweeps).
+    logits = 4.0 * torch.randn(b, qwen.vocab_size, dtype=torch.float32, device=device)
     params = (torch.ones(b, device=device), ints(b, value=50, dtype=torch.int64),
               torch.full((b,), 0.9, device=device), ints(b, dtype=torch.int64),
               ints(b, dtype=torch.int64), ints(b, dtype=torch.int64))

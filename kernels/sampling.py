@@ -88,9 +88,11 @@ class SamplingConfig:
 def sampling_config(vocab_size: int, dtype: torch.dtype, mode: Mode = Mode.CORUN) -> SamplingConfig:
     """Pure policy of V only (never the batch size); the same for every mode, since the kernels
     are batch-invariant as they stand. Pieces of 1024 columns put 149 programs on a 151936 row,
-    more than the H200's 132 SMs at B = 1. From B = 64 on, a program reads 4 pieces: one 4 KB
-    piece per program left greedy rows at B = 256 latency-bound, at half the HBM bandwidth
-    (kernels-h200.json, run5)."""
+    more than the H200's 132 SMs at B = 1. From B = 64 on, a program reads 2 pieces: one 4 KB
+    piece per program left greedy rows at B = 256 latency-bound, at half the HBM bandwidth; 2
+    pieces make them 1.28x faster there, while 4 or 8 slow the Gumbel and top-k/top-p rows down
+    (register pressure, pieces in series) by up to 1.7x (the sample_variant rows of
+    kernels-h200.json)."""
     del dtype, mode
     chunk = min(next_power_of_2(vocab_size), 1024)
     r = min(32, chunk)
@@ -104,7 +106,7 @@ def sampling_config(vocab_size: int, dtype: torch.dtype, mode: Mode = Mode.CORUN
         sweep_warps=4 if block <= 1024 else 8,  # token_logprobs' reduction order: keep as is
         num_warps=4,
         combine_warps=max(4, min(16, slots // 512)),
-        pieces_per_program=4 if num_chunks >= 16 else 1,
+        pieces_per_program=2 if num_chunks >= 16 else 1,
         group_from_batch=64,
     )
 

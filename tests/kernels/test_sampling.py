@@ -176,7 +176,7 @@ def test_edge_rows(config):
 def test_sampling_config_pieces():
     cfg = sampling_config(151936, torch.float32)
     assert (cfg.CHUNK, cfg.R, cfg.combine_warps) == (1024, 32, 16)
-    assert [pieces_per_program(cfg, b) for b in (1, 63, 64, 256)] == [1, 1, 4, 4]
+    assert [pieces_per_program(cfg, b) for b in (1, 63, 64, 256)] == [1, 1, 2, 2]
     assert sampling_config(129280, torch.bfloat16).combine_warps == 8
     small = sampling_config(67, torch.float32)
     assert small.CHUNK == 128 and pieces_per_program(small, 256) == 1
