@@ -3,6 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
+# pytest-xdist workers for `make test` (one per core of CI's 2-core machine); whole files go to
+# one worker (--dist loadfile), so a module's server fixtures start once.
+TEST_WORKERS ?= 2
 
 .PHONY: install test serve lint bench clean
 
@@ -18,7 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 serve: $(STAMP)
 	$(PY) -m corun.serve $(ARGS)

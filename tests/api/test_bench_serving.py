@@ -55,7 +55,8 @@ def test_variant_adds_a_labelled_server_with_its_flags():
         "--variant", "corun-t2048=corun --prefill-step-tokens 2048 --prefill-token-budget 2048"])
     assert server_specs(args) == [
         ServerSpec("corun", "corun"), ServerSpec("default", "default"),
-        ServerSpec("corun-t2048", "corun", "--prefill-step-tokens 2048 --prefill-token-budget 2048")]
+        ServerSpec("corun-t2048", "corun",
+                   "--prefill-step-tokens 2048 --prefill-token-budget 2048")]
 
 
 @pytest.mark.parametrize("text", ["corun", "=corun --x 1", "label="])

@@ -1,6 +1,6 @@
 """Prefix caching: block hashes, the allocator's cached blocks and LRU, the reuse granularity, and
 hit == miss bitwise end to end on the CPU engine (torch backend; the Triton backend under the
-interpreter is invariance_tests/test_prefix_cache_triton.py).
+interpreter is invariance_tests/test_prefix_cache_triton.py and test_prefix_cache_triton_mla.py).
 
 Hit == miss: a request's token ids, logprobs and fingerprint are the same with caching on (its
 prefix taken from blocks another sequence prefilled) as alone on an engine with caching off, for
