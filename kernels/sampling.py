@@ -91,8 +91,8 @@ def sampling_config(vocab_size: int, dtype: torch.dtype, mode: Mode = Mode.CORUN
     more than the H200's 132 SMs at B = 1. From B = 64 on, a program reads 2 pieces: one 4 KB
     piece per program left greedy rows at B = 256 latency-bound, at half the HBM bandwidth; 2
     pieces make them 1.28x faster there, while 4 or 8 slow the Gumbel and top-k/top-p rows down
-    (register pressure, pieces in series) by up to 1.7x (the sample_variant rows of
-    kernels-h200.json)."""
+    at B >= 64 (register pressure, pieces in series: up to 1.5x at 4 pieces on 8 warps, 2.2x at 8
+    on 4; the sample_variant rows of kernels-h200.json)."""
     del dtype, mode
     chunk = min(next_power_of_2(vocab_size), 1024)
     r = min(32, chunk)
