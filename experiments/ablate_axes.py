@@ -135,7 +135,13 @@ def plot(axis: str, records: list[dict], path) -> None:
         rows = [r for r in ok if r["series"] == series]
         xs = [values.index(str(r["value"])) for r in rows]
         for ax, key in zip(axes, ("output_tok_s", "tpot_ms_p50"), strict=True):
-            ax.plot(xs, [r.get(key) or 0 for r in rows], "o-", label=series)
+            line, = ax.plot(xs, [r.get(key) or 0 for r in rows], "o-", label=series)
+            runs = [r.get("output_tok_s_runs") for r in rows]
+            if key == "output_tok_s" and all(runs):  # repeated points: the runs' range
+                ys = [r[key] for r in rows]
+                ax.errorbar(xs, ys, yerr=[[y - min(rs) for y, rs in zip(ys, runs, strict=True)],
+                                          [max(rs) - y for y, rs in zip(ys, runs, strict=True)]],
+                            fmt="none", ecolor=line.get_color(), capsize=3)
             if key == "output_tok_s":
                 for x, r in zip(xs, rows, strict=True):
                     if "mismatches" in r:

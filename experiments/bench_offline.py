@@ -377,8 +377,8 @@ def parse_overrides(items: list[str]) -> dict:
     out = {}
     for item in items:
         key, _, value = item.partition("=")
-        if value in ("true", "false"):
-            out[key] = value == "true"
+        if value.lower() in ("true", "false"):  # as given, or as Python prints a bool
+            out[key] = value.lower() == "true"
         else:
             try:
                 out[key] = int(value)

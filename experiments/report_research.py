@@ -121,8 +121,11 @@ def atlas_block(head: dict, records: list[dict], only_variant: bool = False) -> 
 
 def ablate_block(name: str) -> Callable[[dict, list[dict]], str]:
     def render(head: dict, records: list[dict]) -> str:
+        repeated = (head.get("repeats") or 1) > 1
         rows = [[r["series"], _fmt(r["value"]),
                  f"failed: {r['error'][:80]}" if "error" in r else _fmt(r["output_tok_s"]),
+                 *([", ".join(f"{t:.0f}" for t in r.get("output_tok_s_runs", []))]
+                   if repeated else []),
                  _fmt(r.get("ttft_ms_p50"), 1), _fmt(r.get("tpot_ms_p50")),
                  _fmt(r.get("decode_step_ms_p50")), _fmt(r.get("mismatches")),
                  _fmt(r.get("num_preemptions"))] for r in records]
@@ -131,9 +134,11 @@ def ablate_block(name: str) -> Callable[[dict, list[dict]], str]:
                           f"{head.get('what', '')}."
                           + (f" Skipped by the time budget: {', '.join(skipped)}." if skipped
                              else ""), "",
-                          _table(["series", "value", "output tok/s", "TTFT p50 ms",
-                                  "TPOT p50 ms", "decode step p50 ms", "mismatches",
-                                  "preemptions"], rows),
+                          _table(["series", "value", "output tok/s",
+                                  *([f"runs (median of {head['repeats']})"] if repeated
+                                    else []),
+                                  "TTFT p50 ms", "TPOT p50 ms", "decode step p50 ms",
+                                  "mismatches", "preemptions"], rows),
                           "", f"![{name}](results/{name}.png)"])
 
     return render

@@ -68,3 +68,26 @@ def test_serving_load_dry_run_launches_a_server(tmp_path, monkeypatch):
     assert head["header"] and {r["request_rate"] for r in records} == {4.0, "inf"}
     assert all(r["mode"] == "corun" and r["completed"] >= 1 and not r["failed"] for r in records)
     assert (tmp_path / "serving-test.png").exists()
+
+
+def test_repeats_keep_the_median_run_and_every_runs_throughput(tmp_path, monkeypatch):
+    monkeypatch.setenv("CORUN_RESULTS_DIR", str(tmp_path))
+    timed = []
+    original = ablate.measure_point
+
+    def scripted(config, runner, work, args, label):
+        engine, finals, record = original(config, runner, work, args, label)
+        record["output_tok_s"] = [30.0, 10.0, 20.0][len(timed) % 3]  # a known order of runs
+        timed.append(label)
+        return engine, finals, record
+
+    monkeypatch.setattr(ablate, "measure_point", scripted)
+    ablate.main(["overlap", "--dry-run", "--modes", "corun", "--values", "False",
+                 "--repeats", "3", "--name", "ablate-repeats"])
+    head, record = json.loads((tmp_path / "ablate-repeats.json").read_text())
+    assert head["repeats"] == 3 and "median of 3" in head["timing"]
+    assert timed == [f"corun@False run {i}" for i in (1, 2, 3)]
+    assert record["output_tok_s"] == 20.0 and record["output_tok_s_runs"] == [30.0, 10.0, 20.0]
+    assert record["output_tok_s_spread"] == 2.0 and record["mismatches"] == 0
+    with pytest.raises(SystemExit):
+        ablate.parse_args(["overlap", "--dry-run", "--repeats", "0"])

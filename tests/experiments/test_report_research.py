@@ -63,3 +63,15 @@ def test_ablate_view_links_its_png(tmp_path, monkeypatch):
     text = _render(tmp_path, monkeypatch, "ablate-overlap-h200", records, "ablate-overlap-h200")
     assert "![ablate-overlap-h200](results/ablate-overlap-h200.png)" in text
     assert "| corun | 512 | failed: ValueError: bad |" in text
+
+
+def test_ablate_view_lists_every_run_of_a_repeated_point(tmp_path, monkeypatch):
+    records = [{"series": "corun", "value": 256, "output_tok_s": 20.0,
+                "output_tok_s_runs": [30.0, 10.0, 20.0], "mismatches": 0}]
+    (tmp_path / "ablate-overlap-h200.json").write_text(json.dumps([{**HEAD, "repeats": 3},
+                                                                   *records]))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    text = report.render_readme("<!-- results:ablate-overlap-h200 -->\n"
+                                "<!-- /results:ablate-overlap-h200 -->")
+    assert "| series | value | output tok/s | runs (median of 3) |" in text
+    assert "| corun | 256 | 20.00 | 30, 10, 20 |" in text
