@@ -29,7 +29,8 @@ Two launches, each row split over fixed pieces of CHUNK columns (a function of V
 
 Invariance: every value a row's token depends on is computed from that row's own data in fixed
 pieces and combined in a fixed order (ties to the lowest id, integer mass sums), and the config
-reads only V; the noise is a function of the row's own (seed, position, sample index). A row's
+reads only V (the batch size picks only how many pieces a program reads, never what a piece
+computes); the noise is a function of the row's own (seed, position, sample index). A row's
 token (and log-probability) depends only on its own inputs under every mode, whatever the batch,
 the slot or the grid: batch- and position-invariant in ``default``, ``batch_invariant`` and
 ``corun``. Both launches are CUDA-graph capturable (no host sync, workspace sized by the shape).
@@ -86,13 +87,14 @@ class SamplingConfig:
 
 @functools.lru_cache(maxsize=64)
 def sampling_config(vocab_size: int, dtype: torch.dtype, mode: Mode = Mode.CORUN) -> SamplingConfig:
-    """Pure policy of V only (never the batch size); the same for every mode, since the kernels
-    are batch-invariant as they stand. Pieces of 1024 columns put 149 programs on a 151936 row,
-    more than the H200's 132 SMs at B = 1. From B = 64 on, a program reads 2 pieces: one 4 KB
-    piece per program left greedy rows at B = 256 latency-bound, at half the HBM bandwidth; 2
-    pieces make them 1.28x faster there, while 4 or 8 slow the Gumbel and top-k/top-p rows down
-    at B >= 64 (register pressure, pieces in series: up to 1.5x at 4 pieces on 8 warps, 2.2x at 8
-    on 4; the sample_variant rows of kernels-h200.json)."""
+    """Pure policy of V only (never the batch size: ``pieces_per_program`` reads B against
+    ``group_from_batch``, and changes the grid, not the bits); the same for every mode, since
+    the kernels are batch-invariant as they stand. Pieces of 1024 columns put 149 programs on a
+    151936 row, more than the H200's 132 SMs at B = 1. From B = 64 on, a program reads 2 pieces:
+    one 4 KB piece per program left greedy rows at B = 256 latency-bound, at half the HBM
+    bandwidth; 2 pieces make them 1.28x faster there, while 4 or 8 slow the Gumbel and
+    top-k/top-p rows down at B >= 64 (register pressure, pieces in series: up to 1.5x at 4
+    pieces on 8 warps, 2.2x at 8 on 4; the sample_variant rows of kernels-h200.json)."""
     del dtype, mode
     chunk = min(next_power_of_2(vocab_size), 1024)
     r = min(32, chunk)
