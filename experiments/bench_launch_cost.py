@@ -9,9 +9,10 @@ Two modes, both recorded when available:
   (``is_host_checkable``) are switched off, as they are on a GPU.
 - ``native`` (with CUDA): real launches on CUDA tensors; host time per call over a short burst
   (the GPU runs behind, asynchronously), i.e. the stub cost plus Triton's own dispatch and the
-  CUDA launch calls. Beside it the op's GPU time at the same shape: the median of CUDA-graph
-  replays (``triton.testing.do_bench_cudagraph``, L2 not flushed), so ``host_over_gpu`` > 1 says
-  that an eager launch of the op waits on the host, not the GPU.
+  CUDA launch calls. Beside it the op's GPU time at the same shape, timed as the kernel tables
+  time it (``harness.bench_us``: the median of CUDA-graph replays, L2 not flushed; ``do_bench``
+  where an op cannot be captured), so ``host_over_gpu`` > 1 says that an eager launch of the op
+  waits on the host, not the GPU.
 
 Each record: ``{"op", "shape", "mode", "host_us"(median of repeats), "calls"}`` (native adds
 ``gpu_us`` and ``host_over_gpu``), and an estimate of one eager Qwen3-8B forward's launch overhead
@@ -39,7 +40,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.harness import write_results  # noqa: E402
+from experiments.harness import bench_us, write_results  # noqa: E402
 from models.config import NAMED_CONFIGS  # noqa: E402
 
 DECODE_B = 128
@@ -214,14 +215,6 @@ def _time_calls(fn: Callable[[], object], calls: int, repeats: int, sync: bool) 
     return statistics.median(samples)
 
 
-def _gpu_us(fn: Callable[[], object]) -> float:
-    """Median GPU microseconds of one call, by CUDA-graph replay (no host cost, L2 warm)."""
-    import triton.testing
-
-    ms = triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=[0.5])
-    return 1000.0 * float(ms[0] if isinstance(ms, (list, tuple)) else ms)
-
-
 def measure(modes: list[str], calls: int = 200, repeats: int = 5) -> list[dict]:
     records = []
     for mode in modes:
@@ -246,7 +239,7 @@ def measure(modes: list[str], calls: int = 200, repeats: int = 5) -> list[dict]:
                           "calls": calls}
                 if mode == "native":
                     try:
-                        gpu = _gpu_us(fn)
+                        gpu = bench_us(fn)
                         record.update(gpu_us=round(gpu, 2), host_over_gpu=round(us / gpu, 2))
                     except Exception as exc:  # an op that cannot be captured keeps its host time
                         record["gpu_error"] = repr(exc)[:300]
@@ -280,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     records = measure(args.modes.split(","), calls=args.calls)
     path = write_results(f"launch-cost-{machine_name()}", records, args.out,
                          timing="host perf_counter per call; stub = kernels replaced by no-ops "
-                                "on CPU tensors, native = real CUDA launches; gpu_us = median of "
-                                "CUDA-graph replays (do_bench_cudagraph, L2 not flushed)")
+                                "on CPU tensors, native = real CUDA launches; gpu_us = "
+                                "harness.bench_us: CUDA-graph replay medians (L2 not flushed), "
+                                "do_bench where not capturable")
     print(f"wrote {path}")
     return 0
 

@@ -49,7 +49,7 @@ FLAT = ("top-p-0.9-flat", 1.0, 0, 0.9)  # diagnostic: the fallback path
 # Other piece sizes (CHUNK, R, warps, combine warps) timed beside the policy's at V = 151936:
 # larger pieces trade B = 1 parallelism for bytes in flight at B = 256 (same tokens, tie-free).
 # (CHUNK, R, warps, combine warps, pieces per program at every batch): larger pieces, and the
-# grouping of 1024-column pieces around the policy's 4 from B = 64 on.
+# grouping of 1024-column pieces around the policy's 2 from B = 64 on.
 VARIANTS = ((2048, 32, 4, 8, 1), (4096, 64, 8, 8, 1), (1024, 32, 4, 16, 1), (1024, 32, 4, 16, 2),
             (1024, 32, 4, 16, 8), (1024, 32, 8, 16, 4), (1024, 32, 8, 16, 8))
 VARIANT_CONFIGS = ("greedy", "plain", "top-k-50-top-p-0.9")
