@@ -29,7 +29,7 @@ from corun.fingerprint import LogitsDigest  # noqa: E402
 from experiments.harness import bench_us, family_main, kernel_record, memory_bound_us  # noqa: E402
 from kernels.logits_digest import logits_digest  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
-from kernels.moe_align import moe_align  # noqa: E402
+from kernels.moe_align import MoEAlignConfig, moe_align, moe_align_config  # noqa: E402
 from kernels.reference import moe_align_block_size_reference  # noqa: E402
 
 ROUTINGS = (("qwen3-30b-a3b", 128, 8), ("deepseek-v3", 256, 8))  # (label, experts, top_k)
@@ -38,6 +38,11 @@ QUICK_TOKENS = (128, 8192)
 BLOCK_MS = (16, 64)
 DIGEST_ROWS = (1, 64, 256)
 CHECK_TOKENS = (256, 8192)
+# The sort's config sweep at decode and prefill sizes (qwen3-30b-a3b routing, BLOCK_M 16):
+# (BLOCK_P, QB, num_warps) beside the policy's pick, and each launch's own GPU time.
+VARIANT_TOKENS = (128, 2048)
+VARIANTS = ((128, 16, 4), (128, 64, 4), (256, 32, 4), (256, 64, 8), (512, 16, 8),
+            (512, 64, 8), (512, 64, 4))
 VOCAB = 151936
 DEVICE = "cuda"
 
@@ -70,6 +75,8 @@ def collect(quick: bool = False) -> list[dict]:
                     "moe_align", str(Mode.CORUN), tokens, experts, top_k, torch.int32, us,
                     "torch-sort (moe_align_block_size_reference)", peer,
                     shape=label, block_m=block_m))
+    if not quick:
+        records += _align_variants(bench)
     digest = LogitsDigest(VOCAB, DEVICE)
     for rows in DIGEST_ROWS:
         logits = torch.randn(rows, VOCAB, device=DEVICE)
@@ -80,6 +87,42 @@ def collect(quick: bool = False) -> list[dict]:
             "logits_digest", str(Mode.CORUN), rows, VOCAB, 0, torch.float32, us,
             "torch LogitsDigest", peer, bound_us=round(bound, 3),
             bw_fraction=round(bound / us, 4)))
+    return records
+
+
+def _launch_us(fn, iters: int = 50) -> dict[str, float]:
+    """Mean GPU time of each kernel fn launches (torch.profiler's CUDA activity), by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: round(e.device_time_total / iters, 3) for e in prof.key_averages()
+            if e.device_time_total > 0}
+
+
+def _align_variants(bench) -> list[dict]:
+    """moe_align at each VARIANTS config (same layout: any config gives the same bits), timed
+    against the policy's config, with the per-launch split of each."""
+    label, experts, top_k = ROUTINGS[0]
+    records = []
+    for tokens in VARIANT_TOKENS:
+        ids = _routing(tokens, experts, top_k)
+        policy = moe_align_config(tokens * top_k, experts, 16)
+        policy_us = bench(partial(moe_align, ids, experts, 16))
+        for block_p, qb, warps in VARIANTS:
+            if block_p > max(16, tokens * top_k):
+                continue
+            cfg = MoEAlignConfig(BLOCK_P=block_p, BINS=policy.BINS, ROWS=policy.ROWS,
+                                 FILL=policy.FILL, QB=qb, num_warps=warps)
+            run = partial(moe_align, ids, experts, 16, config=cfg)
+            records.append(kernel_record(
+                "moe_align_variant", str(Mode.CORUN), tokens, experts, top_k, torch.int32,
+                bench(run), "policy config", policy_us, shape=label, block_m=16,
+                variant=[block_p, qb, warps], launches_us=_launch_us(run)))
     return records
 
 
