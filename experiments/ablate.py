@@ -21,6 +21,7 @@ set to the policy before anything is captured (``KernelPolicyRunner``).
 Writes ``experiments/results/ablate-<axis>-h200.json`` after every point (header: axis, values,
 modes, workload) and a PNG beside it: throughput and TPOT p50 against the axis, mismatches
 annotated. ``--time-budget-s`` skips the points that would start after it (listed in the header).
+``--merge EARLIER`` keeps an earlier file's points that this run does not re-run.
 ``--repeats N`` times each point N times and keeps its median run, with every run's throughput
 in the record (``output_tok_s_runs``, error bars in the PNG): one run's ~5% spread on the H200 is
 as large as most of the effects measured.
@@ -36,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -128,7 +130,9 @@ def offline_axis(args: argparse.Namespace) -> None:
                        + ("" if args.repeats == 1 else
                           f"; figures from the median of {args.repeats} timed runs, each run's "
                           "output tok/s in output_tok_s_runs")}
-    records: list[dict] = []
+    records, merged = merged_records(args.merge, plan)
+    if merged:
+        extra["merged"] = merged
     skipped: list[str] = []
     runner, key, path = None, None, None
     for point in tqdm(plan, desc=f"ablate {args.axis}", unit="point"):
@@ -160,6 +164,20 @@ def offline_axis(args: argparse.Namespace) -> None:
     print(f"wrote {path} in {time.perf_counter() - t0:.0f} s")
 
 
+def merged_records(path, plan: list[ablate_axes.Point]) -> tuple[list[dict], dict | None]:
+    """The points of an earlier results file of the same axis that this run does not re-run
+    (matched by series and value), and where they came from, for the header."""
+    if path is None:
+        return [], None
+    old = json.loads(path.read_text())
+    header = next((r for r in old if r.get("header")), {})
+    rerun = {(p.series, json.dumps(p.value)) for p in plan}
+    kept = [r for r in old if not r.get("header")
+            and (r.get("series"), json.dumps(r.get("value"))) not in rerun]
+    return kept, {"from": path.name, "date": header.get("date"),
+                  "command": header.get("command"), "points_kept": len(kept)}
+
+
 def parse_value(text: str) -> object:
     return bench_offline.parse_overrides([f"v={text}"])["v"]
 
@@ -181,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=_positive_int, default=1,
                         help="timed runs per point: its figures from the median run, the spread "
                              "recorded (the audit runs once)")
+    parser.add_argument("--merge", type=Path, default=None, metavar="EARLIER",
+                        help="keep the points of an earlier results file of this axis that this "
+                             "run does not re-run (the header names the file, its date and "
+                             "command)")
     parser.add_argument("--time-budget-s", type=float, default=480.0,
                         help="points that would start after this are skipped")
     parser.add_argument("--rates", default="1,2,4,8,16,32,inf",

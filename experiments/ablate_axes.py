@@ -111,9 +111,10 @@ def points(axis: str, modes: list[str] | None, values: list | None, dry_run: boo
     if dry_run and axis == "decode-split-size" and not values:
         vals = (16, 32)
     if axis == "kernel-policy":
-        # The corun schedule with every kernel policy, then each peer under its own schedule.
+        # The corun schedule with every kernel policy (unless --modes leaves corun out), then each
+        # peer under its own schedule.
         out = [Point(k, "corun", {}, kernel_policy=k, series_name="corun schedule")
-               for k in vals]
+               for k in vals if "corun" in variants]
         return out + [Point(v, v, {}, series_name="own dynamic schedule")
                       for v in variants if v != "corun" and v in vals]
     pairs = ([(v, x) for v in variants for x in vals] if spec.mode_major

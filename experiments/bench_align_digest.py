@@ -40,9 +40,9 @@ DIGEST_ROWS = (1, 64, 256)
 CHECK_TOKENS = (256, 8192)
 # The sort's config sweep at decode and prefill sizes (qwen3-30b-a3b routing, BLOCK_M 16):
 # (BLOCK_P, QB, num_warps) beside the policy's pick, and each launch's own GPU time.
-VARIANT_TOKENS = (128, 2048)
-VARIANTS = ((128, 16, 4), (128, 64, 4), (256, 32, 4), (256, 64, 8), (512, 16, 8),
-            (512, 64, 8), (512, 64, 4))
+VARIANT_TOKENS = (128, 2048, 8192)
+VARIANTS = ((64, 16, 4), (128, 16, 4), (128, 32, 4), (256, 16, 4), (256, 32, 4), (512, 16, 8),
+            (512, 64, 8))
 VOCAB = 151936
 DEVICE = "cuda"
 

@@ -180,17 +180,23 @@ class MoEAlignConfig:
 def moe_align_config(num_pairs: int, num_experts: int, block_m: int) -> MoEAlignConfig:
     """Pure policy of (T*k, E, block_m); any value gives the same layout (integer counts).
 
-    Pieces of up to 512 pairs balance the two costs that grow with the piece: the rank compare
-    (BLOCK_P^2 per piece) and every piece reading the whole [pieces, BINS] histogram table
-    (4 pieces at a 256-sequence decode with k = 8, 128 at an 8192-token prefill)."""
-    block_p = min(512, max(16, next_power_of_2(num_pairs)))
+    The rank compare holds [BLOCK_P, QB] int64 values per step, so the piece and its compare
+    step stay small: pieces of 128 pairs compared 16 at a time over 4 warps. On the H200
+    (kernels-h200.json, ``moe_align_variant``) the former pick, 512 pairs compared 64 at a time
+    over 8 warps, spilled registers and took 264 us in the scatter launch at 1024 pairs; 128/16/4
+    took 8 us there, and 13 us at 16384 pairs. Past 128 pieces (a 2048-token prefill at k = 8),
+    pieces grow to 256 pairs: every piece reads the whole [pieces, BINS] histogram table."""
+    if num_pairs > 128 * 128:
+        block_p, qb = 256, 32
+    else:
+        block_p, qb = min(128, max(16, next_power_of_2(num_pairs))), 16
     return MoEAlignConfig(
         BLOCK_P=block_p,
         BINS=next_power_of_2(num_experts + 1),
         ROWS=16,
         FILL=min(64, max(16, next_power_of_2(block_m))),
-        QB=min(64, block_p),
-        num_warps=4 if block_p <= 128 else 8,
+        QB=min(qb, block_p),
+        num_warps=4,
     )
 
 

@@ -91,3 +91,23 @@ def test_repeats_keep_the_median_run_and_every_runs_throughput(tmp_path, monkeyp
     assert record["output_tok_s_spread"] == 2.0 and record["mismatches"] == 0
     with pytest.raises(SystemExit):
         ablate.parse_args(["overlap", "--dry-run", "--repeats", "0"])
+
+
+def test_merge_keeps_the_earlier_points_not_rerun(tmp_path, monkeypatch):
+    """--modes without corun runs only the peers' own-schedule points of kernel-policy, and
+    --merge keeps an earlier file's other points (a re-run point replaces its earlier record)."""
+    monkeypatch.setenv("CORUN_RESULTS_DIR", str(tmp_path))
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps([
+        {"header": True, "date": "2026-12-01", "command": "ablate kernel-policy"},
+        {"series": "corun schedule", "value": "corun", "output_tok_s": 1.0},
+        {"series": "own dynamic schedule", "value": "default", "output_tok_s": 2.0}]))
+    ablate.main(["kernel-policy", "--dry-run", "--modes", "default", "--values", "default",
+                 "--name", "ablate-merged", "--merge", str(earlier)])
+    head, *records = json.loads((tmp_path / "ablate-merged.json").read_text())
+    assert head["merged"] == {"from": "earlier.json", "date": "2026-12-01",
+                              "command": "ablate kernel-policy", "points_kept": 1}
+    assert [(r["series"], r["value"]) for r in records] == [
+        ("corun schedule", "corun"), ("own dynamic schedule", "default")]
+    assert records[0]["output_tok_s"] == 1.0 and records[1]["output_tok_s"] != 2.0
+    assert records[1]["engine_mode"] == "default"

@@ -125,3 +125,20 @@ def test_moe_align_bad_input_names_argument(kwargs, field):
     args.update(kwargs)
     with pytest.raises(ValueError, match=f"^{field}"):
         moe_align(**args)
+
+
+@pytest.mark.parametrize("num_pairs", [1, 100, 1024, 16384, 16392, 65536])
+def test_moe_align_policy_keeps_the_rank_step_in_registers(num_pairs):
+    """The policy's [BLOCK_P, QB] compare step holds at most 64 values a thread: 512 x 64 over
+    8 warps (128 a thread) spilled and ran 30x slower on the H200 (module docstring)."""
+    cfg = moe_align_config(num_pairs, 256, 16)
+    assert cfg.BLOCK_P * cfg.QB <= 64 * 32 * cfg.num_warps
+    assert cfg.QB <= cfg.BLOCK_P and cfg.BINS >= 257
+
+
+def test_moe_align_policy_pick_past_128_pieces_equals_reference():
+    """At a prefill size where the policy switches to 256-pair pieces (> 16384 pairs)."""
+    ids, mask = _routing(2100, 8, 128, 100, seed=3, out_of_range=True, masked=True,
+                         dtype=torch.int32)
+    assert moe_align_config(ids.numel(), 128, 16).BLOCK_P == 256
+    _assert_same(ids, 128, 16, mask)
