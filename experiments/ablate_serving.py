@@ -7,6 +7,7 @@ saturation (``inf``: every request at t=0, the server's own throughput limit). W
 output tok/s, TTFT p50 and TPOT p50 against the rate, one line per mode. The budget
 (``--time-budget-s``) is split over the modes and rates by bench_serving and cuts each run's
 request count to fit; server start-ups come on top (about a minute each at the Qwen3-8B shape).
+``--modes default --merge EARLIER`` runs one mode and keeps an earlier file's other modes.
 """
 
 from __future__ import annotations
@@ -47,7 +48,15 @@ def serving_load(args: argparse.Namespace) -> None:
         args.model = "tiny-qwen3"
     bench_serving.main(serving_argv(args, out_dir))
     path = out_dir / f"{args.name}.json"
-    records = [r for r in json.loads(path.read_text()) if not r.get("header")]
+    head, *records = json.loads(path.read_text())
+    if args.merge is not None:  # an earlier run's modes that this one did not run
+        earlier_head, *earlier = json.loads(args.merge.read_text())
+        ran = {r["mode"] for r in records}
+        kept = [r for r in earlier if not r.get("header") and r.get("mode") not in ran]
+        records = kept + records
+        head["merged"] = {"from": args.merge.name, "date": earlier_head.get("date"),
+                          "command": earlier_head.get("command"), "points_kept": len(kept)}
+        path.write_text(json.dumps([head, *records], indent=1) + "\n")
     plot(records, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
 

@@ -104,6 +104,10 @@ def _launch_us(fn, iters: int = 50) -> dict[str, float]:
             if e.device_time_total > 0}
 
 
+def _config_label(cfg: MoEAlignConfig) -> str:
+    return f"BLOCK_P {cfg.BLOCK_P}, QB {cfg.QB}, {cfg.num_warps} warps"
+
+
 def _align_variants(bench) -> list[dict]:
     """moe_align at each VARIANTS config (same layout: any config gives the same bits), timed
     against the policy's config, with the per-launch split of each."""
@@ -121,7 +125,8 @@ def _align_variants(bench) -> list[dict]:
             run = partial(moe_align, ids, experts, 16, config=cfg)
             records.append(kernel_record(
                 "moe_align_variant", str(Mode.CORUN), tokens, experts, top_k, torch.int32,
-                bench(run), "policy config", policy_us, shape=label, block_m=16,
+                bench(run), f"policy config ({_config_label(policy)})", policy_us, shape=label,
+                block_m=16,
                 variant=[block_p, qb, warps], launches_us=_launch_us(run)))
     return records
 

@@ -52,13 +52,19 @@ def _fmt(value: object, digits: int = 2) -> str:
     return "—" if value is None else str(value)
 
 
+def _op_label(r: dict) -> str:
+    """The op, a variant row's config, and a mark on rows that timed a policy since replaced."""
+    variant = f" {r['variant']}" if "variant" in r else ""
+    return r["op"] + variant + (" (superseded policy)" if r.get("superseded") else "")
+
+
 def kernels_block(head: dict, records: list[dict]) -> str:
     timings = [r for r in records if "us" in r and not r.get("error")]
     checks = [r for r in records if "passed" in r]
     errors = [r for r in records if r.get("error")]
     rows = [
         [
-            r["op"],
+            _op_label(r),
             r["policy"],
             r["M"],
             r["N"],
@@ -148,6 +154,8 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
     """Per (op, policy): shape count, ratio vs the peer (min / median / max) and the fraction of
     the memory-bandwidth bound (median / max). The full table is in experiments/README.md."""
     timings = [r for r in records if "us" in r and not r.get("error") and r.get("ratio")]
+    superseded = [r for r in timings if r.get("superseded")]
+    timings = [r for r in timings if not r.get("superseded")]
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in timings:
         # Diagnostic rows (target False: e.g. flat top-p rows, the whole-row fallback) apart.
@@ -169,9 +177,13 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
         return ", ".join(names) if isinstance(names, list) else str(names)
 
     methods = "; ".join(f"{families(r)}: {r['timing']}" for r in runs)
+    left_out = sorted({r["op"] for r in superseded})
+    note = ([f"Left out: {len(superseded)} rows of {', '.join(left_out)} that timed a policy since "
+             "replaced (marked `superseded` in the file, with the config each ran).", ""]
+            if superseded else [])
     return "\n".join([
         _source(head, "kernels-h200"), "",
-        f"Timing per family: {methods}.", "",
+        f"Timing per family: {methods}.", "", *note,
         _table(["op", "policy", "shapes", "peer", "peer/ours min", "median", "max",
                 "of bw bound (median)", "(max)"], rows), "",
         f"{L2_NOTE}", "",

@@ -119,6 +119,20 @@ def atlas_block(head: dict, records: list[dict], only_variant: bool = False) -> 
                    rows)])
 
 
+def _provenance(head: dict) -> str:
+    """What a results file says of itself beyond the run: points merged from an earlier run
+    (``--merge``), and series its run did not reach (``not_run``), each with where and why."""
+    out = ""
+    merged = head.get("merged")
+    if merged:
+        out += (f" {merged['points_kept']} points are kept from an earlier run"
+                f" ({merged.get('date')}, `{merged.get('command')}`).")
+    not_run = head.get("not_run")
+    if not_run:
+        out += f" Not run: {', '.join(not_run['modes'])} ({not_run['why']})."
+    return out
+
+
 def ablate_block(name: str) -> Callable[[dict, list[dict]], str]:
     def render(head: dict, records: list[dict]) -> str:
         repeated = (head.get("repeats") or 1) > 1
@@ -133,7 +147,7 @@ def ablate_block(name: str) -> Callable[[dict, list[dict]], str]:
         return "\n".join([_source(head, name), "", f"Axis `{head.get('axis')}`: "
                           f"{head.get('what', '')}."
                           + (f" Skipped by the time budget: {', '.join(skipped)}." if skipped
-                             else ""), "",
+                             else "") + _provenance(head), "",
                           _table(["series", "value", "output tok/s",
                                   *([f"runs (median of {head['repeats']})"] if repeated
                                     else []),
@@ -156,7 +170,10 @@ def research_view(name: str) -> Callable[[dict, list[dict]], str] | None:
         return lambda head, records: atlas_block(head, records, only_variant=True)
     if name == "ablate-serving-load-h200":
         table = columns_block(name, SERVING_COLUMNS)
-        return lambda head, records: f"{table(head, records)}\n\n![{name}](results/{name}.png)"
+        return lambda head, records: (f"{table(head, records)}\n\n"
+                                      + (f"{_provenance(head).strip()}\n\n"
+                                         if _provenance(head) else "")
+                                      + f"![{name}](results/{name}.png)")
     if name.startswith("ablate-"):
         return ablate_block(name)
     return None

@@ -176,26 +176,31 @@ class MoEAlignConfig:
     num_warps: int
 
 
+# Values a [.., ..] step of the scatter kernel may hold: 64 a thread over its 4 warps.
+_STEP_VALUES = 64 * 32 * 4
+
+
 @functools.lru_cache(maxsize=256)
 def moe_align_config(num_pairs: int, num_experts: int, block_m: int) -> MoEAlignConfig:
     """Pure policy of (T*k, E, block_m); any value gives the same layout (integer counts).
 
-    The rank compare holds [BLOCK_P, QB] int64 values per step, so the piece and its compare
-    step stay small: pieces of 128 pairs compared 16 at a time over 4 warps. On the H200
-    (kernels-h200.json, ``moe_align_variant``) the former pick, 512 pairs compared 64 at a time
-    over 8 warps, spilled registers and took 264 us in the scatter launch at 1024 pairs; 128/16/4
-    took 8 us there, and 13 us at 16384 pairs. Past 128 pieces (a 2048-token prefill at k = 8),
-    pieces grow to 256 pairs: every piece reads the whole [pieces, BINS] histogram table."""
-    if num_pairs > 128 * 128:
-        block_p, qb = 256, 32
-    else:
-        block_p, qb = min(128, max(16, next_power_of_2(num_pairs))), 16
+    Every 2-D step of the scatter kernel (the [BLOCK_P, QB] rank compare, the [BINS, FILL]
+    padding, the [ROWS, BINS] table reads) holds at most 64 values a thread, so nothing spills:
+    pieces of 128 pairs compared 16 at a time over 4 warps. On the H200 (kernels-h200.json,
+    ``moe_align_variant``) the former pick, 512 pairs compared 64 at a time over 8 warps, took
+    264 us in the scatter launch at 1024 pairs; 128/16/4 took 8 us there and 13 us at 16384
+    pairs. A [512, 64] padding step (256 experts at block_m 64) took 47 s to compile there and
+    spills 1.1 KB (Triton 3.9's sm_90a build, ptxas -v; the policy's picks spill nothing). Past
+    128 pieces (a 2048-token prefill at k = 8) pieces grow to 256 pairs, since every piece reads
+    the whole [pieces, BINS] histogram table."""
+    bins = next_power_of_2(num_experts + 1)
+    block_p = 256 if num_pairs > 128 * 128 else min(128, max(16, next_power_of_2(num_pairs)))
     return MoEAlignConfig(
         BLOCK_P=block_p,
-        BINS=next_power_of_2(num_experts + 1),
-        ROWS=16,
-        FILL=min(64, max(16, next_power_of_2(block_m))),
-        QB=min(qb, block_p),
+        BINS=bins,
+        ROWS=max(1, min(16, _STEP_VALUES // bins)),
+        FILL=max(1, min(64, _STEP_VALUES // bins, max(16, next_power_of_2(block_m)))),
+        QB=min(16, block_p),
         num_warps=4,
     )
 

@@ -111,3 +111,31 @@ def test_merge_keeps_the_earlier_points_not_rerun(tmp_path, monkeypatch):
         ("corun schedule", "corun"), ("own dynamic schedule", "default")]
     assert records[0]["output_tok_s"] == 1.0 and records[1]["output_tok_s"] != 2.0
     assert records[1]["engine_mode"] == "default"
+
+
+def test_serving_load_merge_keeps_the_earlier_modes(tmp_path, monkeypatch):
+    """--modes default --merge EARLIER: the earlier file's other modes stay, this run's replace."""
+    from experiments import ablate_serving, bench_serving
+
+    monkeypatch.setenv("CORUN_RESULTS_DIR", str(tmp_path))
+
+    def fake_bench(argv):  # bench_serving's file: a header, one record per (mode, rate)
+        modes = argv[argv.index("--modes") + 1].split(",")
+        name = argv[argv.index("--result-name") + 1]
+        (tmp_path / f"{name}.json").write_text(json.dumps(
+            [{"header": True}, *({"mode": m, "request_rate": 4.0, "output_throughput": 9.0}
+                                 for m in modes)]))
+
+    monkeypatch.setattr(bench_serving, "main", fake_bench)
+    monkeypatch.setattr(ablate_serving, "plot", lambda records, path: None)
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps([
+        {"header": True, "date": "2026-12-04", "command": "ablate serving-load"},
+        {"mode": "corun", "request_rate": 4.0, "output_throughput": 1.0},
+        {"mode": "default", "request_rate": 4.0, "output_throughput": 2.0}]))
+    ablate.main(["serving-load", "--modes", "default", "--name", "load", "--merge",
+                 str(earlier)])
+    head, *records = json.loads((tmp_path / "load.json").read_text())
+    assert head["merged"]["points_kept"] == 1 and head["merged"]["date"] == "2026-12-04"
+    assert [(r["mode"], r["output_throughput"]) for r in records] == [("corun", 1.0),
+                                                                     ("default", 9.0)]

@@ -127,13 +127,18 @@ def test_moe_align_bad_input_names_argument(kwargs, field):
         moe_align(**args)
 
 
+@pytest.mark.parametrize("num_experts", [8, 128, 256, 1000])
+@pytest.mark.parametrize("block_m", [1, 16, 64, 128])
 @pytest.mark.parametrize("num_pairs", [1, 100, 1024, 16384, 16392, 65536])
-def test_moe_align_policy_keeps_the_rank_step_in_registers(num_pairs):
-    """The policy's [BLOCK_P, QB] compare step holds at most 64 values a thread: 512 x 64 over
-    8 warps (128 a thread) spilled and ran 30x slower on the H200 (module docstring)."""
-    cfg = moe_align_config(num_pairs, 256, 16)
-    assert cfg.BLOCK_P * cfg.QB <= 64 * 32 * cfg.num_warps
-    assert cfg.QB <= cfg.BLOCK_P and cfg.BINS >= 257
+def test_moe_align_policy_keeps_every_step_in_registers(num_pairs, block_m, num_experts):
+    """Each 2-D step of the policy's scatter launch holds at most 64 values a thread: 512 x 64
+    compares over 8 warps (128 a thread) ran 30x slower on the H200, and a [512, 64] padding
+    step spilled (module docstring)."""
+    cfg = moe_align_config(num_pairs, num_experts, block_m)
+    per_step = 64 * 32 * cfg.num_warps
+    assert cfg.BLOCK_P * cfg.QB <= per_step
+    assert cfg.BINS * cfg.FILL <= per_step and cfg.ROWS * cfg.BINS <= per_step
+    assert cfg.QB <= cfg.BLOCK_P and cfg.BINS >= num_experts + 1
 
 
 def test_moe_align_policy_pick_past_128_pieces_equals_reference():
