@@ -62,7 +62,7 @@ from corun.engine import LLMEngine, StepRecord
 from corun.model_runner import ModelRunner
 from corun.outputs import RequestOutput
 from corun.sampling_params import SamplingParams
-from experiments.harness import memory_bound_us, write_results
+from experiments.harness import count_jit_compiles, memory_bound_us, write_results
 
 # Variant -> (engine mode, EngineConfig overrides). corun first: if the device time runs out,
 # the headline record is already written.
@@ -253,7 +253,8 @@ def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload,
     main_engine = LLMEngine(config, model_runner=runner, profile_steps=True)
     order = list(range(len(work.prompts)))
     label = variant if caching or args.prefix_caching != "both" else f"{variant}_nocache"
-    first, seconds = run_workload(main_engine, work, order, desc=f"{label} main")
+    with count_jit_compiles() as compiled:
+        first, seconds = run_workload(main_engine, work, order, desc=f"{label} main")
     outputs = [first[i] for i in order]
     stats = main_engine.stats()
     record = {
@@ -267,6 +268,7 @@ def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload,
         "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 4),
         "num_kv_blocks": runner.num_kv_blocks, "build_s": round(build_s, 1),
         "warmup_s": round(warmup_s, 1),
+        "jit_compiles_timed": len(compiled), "jit_compiled_kernels": sorted(set(compiled))[:12],
         "config": {k: getattr(config, k) for k in (
             "max_num_seqs", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
             "prefill_step_tokens", "max_prefill_seqs_per_step", "prefill_token_budget",

@@ -14,7 +14,8 @@ import os
 import platform
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -49,6 +50,29 @@ def bench_us(
             torch.cuda.synchronize()
     ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     return float(ms) * 1e3
+
+
+@contextmanager
+def count_jit_compiles() -> Iterator[list[str]]:
+    """The Triton kernels compiled inside the block, one name per compile (Triton's
+    ``jit_post_compile_hook``; the hook in place before is chained and restored). A compile in a
+    timed window is time the run did not spend on the workload: the warm-up missed a shape. Under
+    TRITON_INTERPRET nothing compiles, so the list stays empty."""
+    import triton
+
+    runtime = triton.knobs.runtime
+    previous = runtime.jit_post_compile_hook
+    compiled: list[str] = []
+
+    def hook(*args: object, **kwargs: object) -> object:
+        compiled.append(str(kwargs.get("repr", "?")).split("[", 1)[0])
+        return previous(*args, **kwargs) if previous else None
+
+    runtime.jit_post_compile_hook = hook
+    try:
+        yield compiled
+    finally:
+        runtime.jit_post_compile_hook = previous
 
 
 def memory_bound_us(num_bytes: float, bandwidth: float = H200_BANDWIDTH_BYTES_PER_S) -> float:

@@ -38,7 +38,7 @@ from experiments.bench_offline import (
     step_profile,
     warm_up,
 )
-from experiments.harness import write_results
+from experiments.harness import count_jit_compiles, write_results
 
 # The decode split size is baked into the captured graphs, so it keys the runner too.
 RUNNER_FIELDS = ("mode", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
@@ -68,10 +68,13 @@ def measure_point(config: EngineConfig, runner: ModelRunner, work, args: argpars
     # the first requests' prompts cached for the timed run.
     warm_up(LLMEngine(config, model_runner=runner), work, args)
     engine = LLMEngine(config, model_runner=runner, profile_steps=True)
-    finals, seconds = run_workload(engine, work, list(range(len(work.prompts))), desc=label)
+    with count_jit_compiles() as compiled:
+        finals, seconds = run_workload(engine, work, list(range(len(work.prompts))), desc=label)
     outputs = list(finals.values())
     record = {"output_tok_s": round(sum(len(o.token_ids) for o in outputs) / seconds, 2),
               "wall_s": round(seconds, 3), **latency_stats(outputs),
+              "jit_compiles_timed": len(compiled),
+              "jit_compiled_kernels": sorted(set(compiled))[:12],
               "num_preemptions": engine.stats()["num_preemptions"],
               **step_profile(engine.step_records, runner)}
     return engine, finals, record

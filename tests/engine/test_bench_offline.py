@@ -27,6 +27,8 @@ def test_bench_offline_writes_records_with_audits(tmp_path, monkeypatch):
     assert corun["mismatches"] == 0 and corun["alone_sample"] == 2
     assert corun["prefill_steps"] >= 1 and corun["decode_steps"] >= 1
     assert "throughput_vs_default" in corun and (tmp_path / "offline-test.png").exists()
+    # The interpreter compiles nothing; on a GPU this counts the warm-up's misses.
+    assert corun["jit_compiles_timed"] == 0 and corun["jit_compiled_kernels"] == []
 
 
 def test_sweep_dry_run_writes_points(tmp_path, monkeypatch):

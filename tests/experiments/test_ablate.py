@@ -139,3 +139,23 @@ def test_serving_load_merge_keeps_the_earlier_modes(tmp_path, monkeypatch):
     assert head["merged"]["points_kept"] == 1 and head["merged"]["date"] == "2026-12-04"
     assert [(r["mode"], r["output_throughput"]) for r in records] == [("corun", 1.0),
                                                                      ("default", 9.0)]
+
+
+def test_count_jit_compiles_chains_and_restores_the_hook():
+    """Triton's post-compile hook is counted inside the block, the earlier hook still called,
+    and put back after (the offline records' jit_compiles_timed)."""
+    import triton
+
+    from experiments.harness import count_jit_compiles
+
+    runtime = triton.knobs.runtime
+    seen = []
+    runtime.jit_post_compile_hook = lambda **kwargs: seen.append(kwargs["repr"])
+    try:
+        with count_jit_compiles() as compiled:
+            runtime.jit_post_compile_hook(repr="_gemm_kernel[num_warps=4](a: *bf16)")
+        assert compiled == ["_gemm_kernel"] and len(seen) == 1
+        runtime.jit_post_compile_hook(repr="after")
+        assert compiled == ["_gemm_kernel"] and seen[-1] == "after"
+    finally:
+        runtime.jit_post_compile_hook = None
