@@ -83,3 +83,37 @@ def test_rmsnorm_bad_input_names_argument(case, name):
     x, weight, residual = _inputs((4, 32), torch.float32)
     with pytest.raises(ValueError, match=f"^{name}"):
         case(x, weight, residual)
+
+
+def test_rmsnorm_policy_packs_narrow_fp32_rows_only():
+    """16 rows a program for fp32 rows that fit a 256 tile (the interpreter pays per program);
+    one row a program for the GPU's half-precision dtypes and for wide rows."""
+    from kernels.norm import rmsnorm_config
+
+    assert rmsnorm_config(128, torch.float32).ROWS == 16
+    assert rmsnorm_config(128, torch.bfloat16).ROWS == 1
+    assert rmsnorm_config(128, torch.float16).ROWS == 1
+    assert rmsnorm_config(4096, torch.float32).ROWS == 1
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_rmsnorm_rows_per_program_matches_reference(rows):
+    """Several rows a program, on strided heads with a residual and a row count that leaves the
+    last program part empty, is the reference's result and (fp32 sums per row) the one-row
+    config's, whatever rows share a program."""
+    x, weight, residual = _inputs((7, 3, 24), torch.float32, seed=3)
+    packed = RmsNormConfig(BLOCK_SIZE=32, num_warps=1, ROWS=rows)
+    out, new_residual = rmsnorm(x, weight, 1e-6, residual, config=packed)
+    h = x.double() + residual.double()
+    assert_close(out, rmsnorm_reference(h, weight.double(), 1e-6), torch.float32)
+    assert_close(new_residual, h, torch.float32)
+    shifted = rmsnorm(x[1:], weight, 1e-6, config=packed)  # every row moves within its program
+    assert torch.equal(shifted, rmsnorm(x, weight, 1e-6, config=packed)[1:])
+
+
+def test_rmsnorm_rows_per_program_needs_one_tile_rows():
+    x, weight, _ = _inputs((2, 64), torch.float32)
+    with pytest.raises(ValueError, match="^config"):
+        rmsnorm(x, weight, 1e-6, config=RmsNormConfig(BLOCK_SIZE=32, num_warps=1, ROWS=4))
+    with pytest.raises(ValueError, match="^ROWS"):
+        RmsNormConfig(BLOCK_SIZE=32, num_warps=1, ROWS=3)
