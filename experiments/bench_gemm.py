@@ -160,10 +160,22 @@ def check_invariance_gpu() -> list[dict]:
     ref = _bits(gemm(x, w, config=base))
     for check, configs in variants.items():
         diffs = [int((_bits(gemm(x, w, config=c)) != ref).sum()) for c in configs]
-        records.append(_record(check, "explicit", (64, n, k), any(diffs),
-                               f"elements differing from {base} for {configs}: {diffs} "
-                               "(passed = the check can fail)"))
+        record = _record(check, "explicit", (64, n, k), any(diffs),
+                         f"elements differing from {base} for {configs}: {diffs} "
+                         "(passed = the check can fail)")
+        if check == "negative_control_block_k":
+            # A finding whichever way it comes out (the H200 ran 0 differing: its MMA chains
+            # k=16 steps alike at any BLOCK_K): the report lists it without counting it.
+            record["informative"] = BLOCK_K_FINDING
+        records.append(record)
     return records
+
+
+BLOCK_K_FINDING = (
+    "a finding, not a control: Hopper's MMA adds a K tile's k=16 steps in the same order "
+    "whatever BLOCK_K, so 0 elements differing is the H200's behaviour (the interpreter's dot "
+    "regroups, so there this control runs as a test); split_k is the GPU's negative control"
+)
 
 
 def _split_k(m: int, n: int, k: int) -> int:

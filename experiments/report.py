@@ -99,10 +99,12 @@ def kernels_block(head: dict, records: list[dict]) -> str:
         ),
     ]
     if checks:
-        passed = sum(1 for c in checks if c["passed"])
+        counted = _counted_checks(checks)
+        passed = sum(1 for c in counted if c["passed"])
         parts += [
             "",
-            f"Invariance checks at real shapes on the GPU: {passed} of {len(checks)} as expected.",
+            f"Invariance checks at real shapes on the GPU: {passed} of {len(counted)} as expected."
+            + _uncounted_note(checks),
             "",
             _table(
                 ["op", "check", "mode", "shape", "result", "detail"],
@@ -112,7 +114,7 @@ def kernels_block(head: dict, records: list[dict]) -> str:
                         c["check"],
                         c["mode"],
                         c.get("shape"),
-                        "pass" if c["passed"] else "FAIL",
+                        _check_result(c),
                         c.get("detail", ""),
                     ]
                     for c in checks
@@ -145,6 +147,29 @@ def generic_block(name: str) -> Callable[[dict, list[dict]], str]:
     return render
 
 
+def _counted_checks(checks: list[dict]) -> list[dict]:
+    """The checks a pass count covers: not those of a superseded policy or check (re-run pending),
+    nor findings recorded either way (``informative``)."""
+    return [c for c in checks if not c.get("superseded") and not c.get("informative")]
+
+
+def _uncounted_note(checks: list[dict]) -> str:
+    superseded = sum(1 for c in checks if c.get("superseded"))
+    informative = sum(1 for c in checks if c.get("informative") and not c.get("superseded"))
+    parts = ([f"{superseded} of a superseded policy or check"] if superseded else []) + (
+        [f"{informative} recorded as findings"] if informative else [])
+    return f" Not counted: {' and '.join(parts)} (each says why)." if parts else ""
+
+
+def _check_result(c: dict) -> str:
+    if c.get("superseded"):
+        return "superseded: " + c["superseded"]
+    if c.get("informative"):
+        return ("finding (bits changed)" if c["passed"] else "finding (bits kept)") + ": " + c[
+            "informative"]
+    return "pass" if c["passed"] else "FAIL"
+
+
 def _median(values: list[float]) -> float | None:
     values = sorted(v for v in values if v is not None)
     return values[len(values) // 2] if values else None
@@ -169,7 +194,8 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
                      _fmt(max(ratios)), _bound_fraction(_median(bw)),
                      _bound_fraction(max(bw) if bw else None)])
     checks = [r for r in records if "passed" in r]
-    passed = sum(1 for c in checks if c["passed"])
+    counted = _counted_checks(checks)
+    passed = sum(1 for c in counted if c["passed"])
     runs = head.get("runs") or [{"families": head.get("families", "all"),
                                  "timing": head.get("timing", "")}]
     def families(run: dict) -> str:
@@ -187,8 +213,9 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
         _table(["op", "policy", "shapes", "peer", "peer/ours min", "median", "max",
                 "of bw bound (median)", "(max)"], rows), "",
         f"{L2_NOTE}", "",
-        f"GPU invariance checks at real shapes: {passed} of {len(checks)} as expected "
-        "(the failing ones are listed in `experiments/README.md`).",
+        f"GPU invariance checks at real shapes: {passed} of {len(counted)} as expected"
+        + (" (the failing ones are listed in `experiments/README.md`)." if passed < len(counted)
+           else ".") + _uncounted_note(checks),
     ])
 
 

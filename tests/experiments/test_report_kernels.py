@@ -1,0 +1,47 @@
+"""The kernel tables count only live checks: a check of a superseded policy or pairing, and a
+finding recorded either way, are listed with their reason but left out of the pass count, and a
+failing live check is still counted and pointed at."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import report
+
+HEAD = {"header": True, "machine": "NVIDIA H200", "torch": "2.11", "triton": "3.6",
+        "date": "d", "command": "c", "families": ["gemm"], "timing": "graph replay"}
+TIMING = {"op": "gemm", "policy": "corun", "M": 64, "N": 64, "K": 64, "dtype": "bf16",
+          "us": 2.0, "peer": "cublas", "peer_us": 2.0, "ratio": 1.0}
+
+
+def _check(name: str, passed: bool, **extra: str) -> dict:
+    return {"op": "gemm", "check": name, "mode": "corun", "shape": [64, 64, 64],
+            "passed": passed, "detail": "d", **extra}
+
+
+def _render(tmp_path, monkeypatch, records: list[dict], block: str) -> str:
+    (tmp_path / "kernels-h200.json").write_text(json.dumps([HEAD, TIMING, *records]))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    return report.render_readme(f"<!-- results:{block} -->\n<!-- /results:{block} -->")
+
+
+def test_superseded_and_informative_checks_are_listed_not_counted(tmp_path, monkeypatch):
+    records = [_check("position", True), _check("old_pairing", False, superseded="old rule"),
+               _check("block_k", False, informative="Hopper keeps bits")]
+    summary = _render(tmp_path, monkeypatch, records, "kernels-h200-summary")
+    assert "1 of 1 as expected." in summary
+    assert "Not counted: 1 of a superseded policy or check and 1 recorded as findings" in summary
+    assert "failing ones" not in summary
+    table = _render(tmp_path, monkeypatch, records, "kernels-h200")
+    assert "| superseded: old rule |" in table
+    assert "| finding (bits kept): Hopper keeps bits |" in table
+    assert "FAIL" not in table
+
+
+def test_a_failing_live_check_is_counted_and_pointed_at(tmp_path, monkeypatch):
+    records = [_check("position", True), _check("batch", False)]
+    summary = _render(tmp_path, monkeypatch, records, "kernels-h200-summary")
+    assert "1 of 2 as expected (the failing ones are listed" in summary
+    assert "Not counted" not in summary
+    assert "| batch | corun | [64, 64, 64] | FAIL |" in _render(
+        tmp_path, monkeypatch, records, "kernels-h200")
