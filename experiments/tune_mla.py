@@ -13,17 +13,21 @@ result rejects the candidate at that shape), and picks:
 - ``decode_default``: the fastest tile per (batch, context); splits from the default heuristic.
 - ``prefill``: one tile for every length and mode, the lowest geometric mean over the lengths.
 
-The candidates are the tiles that compile for sm_90 without spilling in the loop (ptxas report,
-checked offline): BLOCK_H 64 on 8 warps (two warp groups, each half of the [64, 512] fp32
-accumulator), 16- or 32-token decode steps (the carried latent tile of 64 tokens spills), 2 or 3
-stages; prefill 128 x 64 / 128 x 32 on 8 warps or 64 x 64 on 4 (128 x 128 needs more shared
-memory than an SM has at 3 stages). Fixed and default decode share one compiled kernel (the split
-rule is a run-time argument), so the sweep compiles each candidate once. A wall-clock budget
-bounds it (checked before each shape): shapes past it are left to the literal policies and the
-header says ``complete: false``. The set is sized so that 90 s covers every shape (an estimate:
-8 compiles and about 300 graph-replay timings; the header's ``complete`` says whether it did).
+Decode candidates (``python -m experiments.ptxas_report mla-decode`` compiles each for sm_90a
+offline and writes ``experiments/results/ptxas-mla-decode-sm90.json``): BLOCK_H 64 on 8 warps
+(two warp groups) in 16- or 32-token steps at 2 or 3 stages with the whole [64, 512] fp32
+accumulator in one program, the shipped literal tile first, although with Triton 3.6 all four
+spill (24-320 bytes a thread); and the same steps with the latent output columns split over 2
+programs (8 warps) or 4 (4 warps), which shrinks the accumulator and spills nothing (205-232
+registers). BLOCK_H 32 has no wgmma tile and spills kilobytes; 64-token steps need more than
+227 KB of shared memory. Prefill 128 x 64 / 128 x 32 on 8 warps or 64 x 64 on 4 (128 x 128
+needs more shared memory than an SM has at 3 stages). Fixed and default decode share one
+compiled kernel (the split rule is a run-time argument), so the sweep compiles each candidate
+once. A wall-clock budget bounds it (checked before each shape): shapes past it are left to the
+literal policies and the header says ``complete: false``. The set is sized so that 200 s covers every shape (an estimate:
+14 compiles and about 600 graph-replay timings; the header's ``complete`` says whether it did).
 
-    python -m experiments.tune_mla [--budget-s 90] [--out kernels/tuned/mla_h200.json]
+    python -m experiments.tune_mla [--budget-s 200] [--out kernels/tuned/mla_h200.json]
     TRITON_INTERPRET=1 python -m experiments.tune_mla --dry-run --out /tmp/mla_tuned.json
 """
 
@@ -64,6 +68,12 @@ DECODE_CANDIDATES = (
     MLATile(64, 32, num_warps=8, num_stages=3),
     MLATile(64, 16, num_warps=8, num_stages=2),
     MLATile(64, 16, num_warps=8, num_stages=3),
+    MLATile(64, 32, num_warps=8, num_stages=2, dv_parts=2),
+    MLATile(64, 32, num_warps=8, num_stages=3, dv_parts=2),
+    MLATile(64, 16, num_warps=8, num_stages=2, dv_parts=2),
+    MLATile(64, 16, num_warps=8, num_stages=3, dv_parts=2),
+    MLATile(64, 32, num_warps=4, num_stages=2, dv_parts=4),
+    MLATile(64, 16, num_warps=4, num_stages=3, dv_parts=4),
 )
 LITERAL_PREFILL = MLATile(128, 64, num_warps=8, num_stages=3)
 PREFILL_CANDIDATES = (
@@ -266,7 +276,8 @@ def dry_run_sweep() -> Sweep:
     dims = {"heads": 20, "latent": 32, "rope": 16, "qk_dim": 24, "v_dim": 16, "scale": 0.2}
     return Sweep(
         dims=dims, batches=(1, 2), contexts=(40, 64), prefill_lens=(20, 70),
-        decode_candidates=(LITERAL_DECODE, MLATile(32, 16, num_warps=4, num_stages=1)),
+        decode_candidates=(LITERAL_DECODE, MLATile(32, 16, num_warps=4, num_stages=1),
+                           MLATile(16, 16, num_warps=4, num_stages=2, dv_parts=2)),
         prefill_candidates=(LITERAL_PREFILL, MLATile(64, 32, num_warps=4, num_stages=1)),
         fixed_splits=(32, 64, 1024), bench=_wall_us,
     )  # fmt: skip
@@ -274,7 +285,7 @@ def dry_run_sweep() -> Sweep:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-s", type=float, default=90.0, help="sweep wall-clock budget")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="sweep wall-clock budget")
     parser.add_argument("--rep-ms", type=int, default=10, help="timing rep per candidate")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"output (default {TUNED_PATH}; required with --dry-run)")  # fmt: skip
@@ -311,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             dry_run=args.dry_run,
             batches=list(sweep.batches),
             contexts=list(sweep.contexts),
+            decode_candidates=[t.to_dict() for t in sweep.decode_candidates],
+            prefill_candidates=[t.to_dict() for t in sweep.prefill_candidates],
             wall_s=round(time.monotonic() - t0, 1),
         ),  # fmt: skip
         "entries": entries,

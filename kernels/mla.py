@@ -134,8 +134,9 @@ class MLADecodeConfig:
 
     block_h: int  # query heads per program (>= 16 rows for tl.dot)
     block_n: int  # cache tokens per inner step
-    block_dv: int  # latent dim, padded to a power of 2 (one tile: the fp32 acc is [block_h, 512])
+    block_dv: int  # latent dim, padded to a power of 2
     block_r: int  # rope dim, padded to a power of 2
+    dv_parts: int  # programs sharing a head block's output columns (fp32 acc [block_h, dv / parts])
     num_splits: int  # grid size along the KV axis
     split_size: int  # tokens per split when is_fixed_split
     is_fixed_split: bool
@@ -145,9 +146,10 @@ class MLADecodeConfig:
 
 def _literal_decode_tile(num_heads: int, dtype: torch.dtype) -> MLATile:
     """The fallback tile: up to 64 heads a program (two warp groups, each holding half of the
-    [64, 512] fp32 accumulator) and 32-token steps, the largest step whose carried latent tile
-    still fits the registers without spilling (checked with ptxas for sm_90); 4-byte elements
-    halve the step."""
+    [64, 512] fp32 accumulator) and 32-token steps; 4-byte elements halve the step. It is the
+    measured one (kernels-h200.json), though compiled offline with Triton 3.6 it spills registers
+    (experiments/results/ptxas-mla-decode-sm90.json), as the 2- and 4-part value splits do not:
+    those wait for experiments/tune_mla.py to time them on the H200."""
     block_h = min(64, max(16, next_power_of_2(num_heads)))
     return MLATile(
         block_m=block_h, block_n=32 if dtype.itemsize <= 2 else 16,
@@ -187,13 +189,12 @@ def mla_decode_config(
             batch, num_heads, latent_dim, rope_dim, max_seq_len, dtype, mode, split_size
         )
         tile = tuned or _literal_decode_tile(num_heads, dtype)
-    if tile.block_m > 64:
-        raise ValueError(f"tile: BLOCK_H (block_m) must be <= 64, got {tile.block_m}")
+    _check_decode_tile(tile, latent_dim)
     block_h = tile.block_m
     block_dv = max(16, next_power_of_2(latent_dim))
     block_r = max(16, next_power_of_2(rope_dim))
     if mode == Mode.DEFAULT:
-        programs = max(1, batch * cdiv(num_heads, block_h))
+        programs = max(1, batch * cdiv(num_heads, block_h) * tile.dv_parts)
         wanted = max(1, NUM_SMS // programs)
         most = max(1, cdiv(max_seq_len, MIN_DEFAULT_SPLIT_TOKENS))
         num_splits, is_fixed = min(wanted, most), False
@@ -201,9 +202,20 @@ def mla_decode_config(
         num_splits, is_fixed = max(1, cdiv(max_seq_len, split_size)), True
     return MLADecodeConfig(
         block_h=block_h, block_n=tile.block_n, block_dv=block_dv, block_r=block_r,
-        num_splits=num_splits, split_size=split_size, is_fixed_split=is_fixed,
+        dv_parts=tile.dv_parts, num_splits=num_splits, split_size=split_size,
+        is_fixed_split=is_fixed,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
+
+
+def _check_decode_tile(tile: object, latent_dim: int) -> None:
+    if not isinstance(tile, MLATile) or tile.block_m > 64:
+        raise ValueError(f"tile: expected an MLATile with block_m <= 64, got {tile!r}")
+    if max(16, next_power_of_2(latent_dim)) // tile.dv_parts < 16:
+        raise ValueError(
+            f"tile: dv_parts {tile.dv_parts} leaves fewer than 16 of the latent dim's "
+            f"{latent_dim} columns to a program"
+        )
 
 
 # Heads per program of the split combine: a [8, 512] fp32 partial per split load.
@@ -260,8 +272,8 @@ def mla_decode(
         raise ValueError(f"max_seq_len: expected a non-negative int, got {max_seq_len!r}")
     if not isinstance(split_size, int) or split_size < 16:
         raise ValueError(f"split_size: expected an int >= 16, got {split_size!r}")
-    if tile is not None and (not isinstance(tile, MLATile) or tile.block_m > 64):
-        raise ValueError(f"tile: expected an MLATile with block_m <= 64, got {tile!r}")
+    if tile is not None:
+        _check_decode_tile(tile, latent_dim)
     capacity = block_tables.shape[1] * kv_cache.shape[1]
     if max_seq_len > capacity:
         raise ValueError(f"max_seq_len: {max_seq_len} exceeds the block table's {capacity} tokens")
@@ -287,7 +299,7 @@ def mla_decode(
                               device=q_latent.device)  # fmt: skip
     else:  # every sequence is one split and writes ``out`` directly: no partials, no combine
         mid_out = mid_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
-    grid = (cdiv(num_heads, cfg.block_h), batch, cfg.num_splits)
+    grid = (cdiv(num_heads, cfg.block_h) * cfg.dv_parts, batch, cfg.num_splits)
     _mla_decode_kernel[grid](
         q_latent, q_pe, kv_cache, block_tables, seq_lens, out, mid_out, mid_lse,
         # split size 0 selects default's spread-over-num_splits rule (one compiled kernel)
@@ -300,7 +312,7 @@ def mla_decode(
         LATENT_DIM=latent_dim, ROPE_DIM=rope_dim, PAGE_SIZE=kv_cache.shape[1],
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv, BLOCK_R=cfg.block_r,
         UPCAST=upcast_dot_operands(q_latent.dtype),
-        DOT_PRECISION=dot_precision(q_latent.dtype),
+        DOT_PRECISION=dot_precision(q_latent.dtype), DV_PARTS=cfg.dv_parts,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if cfg.num_splits > 1:

@@ -18,8 +18,10 @@ same step: if it does, all warps go along the M axis, and with 64 heads (one war
 warps both warp groups would compute the same Q.K (measured in the sm_90 TTGIR: warpsPerCTA
 [8, 1], twice the wgmma count). Carrying P and the latent tile into the next step makes Q.K a
 dot whose result only leaves the step, so its tokens split across the two warp groups. The
-[64, 512] fp32 accumulator is split the same way (half each), and the 32-token latent tile
-carried in registers is what bounds BLOCK_N (64 spills).
+[64, 512] fp32 accumulator is split the same way (half each). With DV_PARTS > 1 the grid also
+splits the output columns: each program computes the same scores and accumulates 512 / DV_PARTS
+columns, a smaller accumulator at the price of recomputing Q.K (the offline ptxas report,
+experiments/ptxas_report.py, shows the one-part tiles spilling and the split ones not).
 
 Why the bits are what they are: a row's result depends on the tile sizes (fixed by the policy in
 kernels/mla.py) and on the order its tokens are reduced in. Decode reduces each split's tokens in
@@ -125,27 +127,32 @@ def _mla_decode_kernel(
     # constexprs
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DV_PARTS: tl.constexpr,
 ):
-    """Program (head block, sequence, split): online softmax over the split's tokens for BLOCK_H
-    heads. A sequence of one split writes its output directly; one of several writes an fp32
-    partial and its log2-sum-exp for _mla_decode_combine_kernel; length 0 writes zeros."""
-    # Head blocks on the fastest grid axis: the programs that read the same cache tiles (one
-    # sequence, one split, every head block) run together, so the re-reads hit L2.
-    pid_h = tl.program_id(0)
+    """Program (head block x value part, sequence, split): online softmax over the split's tokens
+    for BLOCK_H heads, accumulating BLOCK_DV / DV_PARTS of the latent output columns (every part
+    computes the same scores; DV_PARTS > 1 shrinks the fp32 accumulator, not the softmax). A
+    sequence of one split writes its output directly; one of several writes an fp32 partial and
+    its log2-sum-exp for _mla_decode_combine_kernel; length 0 writes zeros."""
+    # Head blocks and value parts on the fastest grid axis: the programs that read the same cache
+    # tiles (one sequence, one split, every head block and part) run together, so re-reads hit L2.
+    pid_h = tl.program_id(0) // DV_PARTS
+    pid_v = tl.program_id(0) % DV_PARTS
     pid_b = tl.program_id(1)
     pid_s = tl.program_id(2)
+    BLOCK_VP: tl.constexpr = BLOCK_DV // DV_PARTS
     seq_len = tl.load(seq_lens_ptr + pid_b)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
     offs_d = tl.arange(0, BLOCK_DV)
-    mask_d = offs_d < LATENT_DIM
+    offs_v = pid_v * BLOCK_VP + tl.arange(0, BLOCK_VP)  # this program's output columns
+    mask_v = offs_v < LATENT_DIM
     o_ptrs = (out_ptr + pid_b.to(tl.int64) * stride_o_b + offs_h[:, None] * stride_o_h
-              + offs_d[None, :])
+              + offs_v[None, :])
     if seq_len == 0:  # a padded dummy slot: zeros, written once
         if pid_s == 0:
-            tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_DV], dtype=out_ptr.dtype.element_ty),
-                     mask=mask_h[:, None] & mask_d[None, :])
+            tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_VP], dtype=out_ptr.dtype.element_ty),
+                     mask=mask_h[:, None] & mask_v[None, :])
         return
     split_len = _split_len(seq_len, split_size, num_splits, BLOCK_N)
     split_start = pid_s * split_len
@@ -163,31 +170,38 @@ def _mla_decode_kernel(
     # The previous tile's probabilities and latent rows, whose P.V product runs one iteration
     # late (module docstring): zeros before the first tile, so its product adds exact zeros.
     p_prev = tl.zeros([BLOCK_H, BLOCK_N], dtype=kv_dtype)
-    c_prev = tl.zeros([BLOCK_N, BLOCK_DV], dtype=kv_dtype)
+    v_prev = tl.zeros([BLOCK_N, BLOCK_VP], dtype=kv_dtype)
     if UPCAST:  # interpreter only: its bf16 tl.dot is wrong (kernels.utils.upcast_dot_operands)
         q = q.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
         p_prev = p_prev.to(tl.float32)
-        c_prev = c_prev.to(tl.float32)
+        v_prev = v_prev.to(tl.float32)
     alpha_prev = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_VP], dtype=tl.float32)
     bt_ptr = block_tables_ptr + pid_b.to(tl.int64) * stride_bt_b
     for start_n in range(split_start, split_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < split_end
         blocks = tl.load(bt_ptr + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
         rows = blocks * stride_cache_b + (offs_n % PAGE_SIZE) * stride_cache_t
-        # One load of the latent rows serves as the key (with k_pe) and, next iteration, the value.
+        # The latent rows are the key (with k_pe) and, next iteration, the value: one load when
+        # the program accumulates every column, else its own columns again (an L1/L2 hit).
         c = _load_rows(kv_cache_ptr, rows, offs_d, mask_n, LATENT_DIM, BLOCK_DV <= LATENT_DIM,
                        True)
         k_pe = _load_rows(kv_cache_ptr + LATENT_DIM, rows, offs_r, mask_n, ROPE_DIM,
                           BLOCK_R <= ROPE_DIM, True)
+        if DV_PARTS == 1:
+            v = c
+        else:
+            v = _load_rows(kv_cache_ptr, rows, offs_v, mask_n, LATENT_DIM,
+                           BLOCK_VP * DV_PARTS <= LATENT_DIM, True)
         if UPCAST:
             c = c.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
-        acc = tl.dot(p_prev, c_prev, acc * alpha_prev[:, None], input_precision=DOT_PRECISION)
+            v = v.to(tl.float32)
+        acc = tl.dot(p_prev, v_prev, acc * alpha_prev[:, None], input_precision=DOT_PRECISION)
         # Two products, each scaled before the sum: no dot consumes another dot's result, so the
         # compiler splits this one's tokens across the warp groups instead of computing it twice.
         qk = (tl.dot(q, tl.trans(c), input_precision=DOT_PRECISION) * qk_scale
@@ -201,18 +215,19 @@ def _mla_decode_kernel(
         p_prev = p.to(kv_dtype)
         if UPCAST:
             p_prev = p_prev.to(tl.float32)
-        c_prev = c
-    acc = tl.dot(p_prev, c_prev, acc * alpha_prev[:, None], input_precision=DOT_PRECISION)
+        v_prev = v
+    acc = tl.dot(p_prev, v_prev, acc * alpha_prev[:, None], input_precision=DOT_PRECISION)
 
-    mask_o = mask_h[:, None] & mask_d[None, :]
+    mask_o = mask_h[:, None] & mask_v[None, :]
     if tl.cdiv(seq_len, split_len) == 1:  # the whole sequence: no partial round trip
         tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_o)
     else:
         mo_ptr = mid_out_ptr + pid_b.to(tl.int64) * stride_mo_b + pid_s * stride_mo_s
-        tl.store(mo_ptr + offs_h[:, None] * stride_mo_h + offs_d[None, :], acc / l_i[:, None],
+        tl.store(mo_ptr + offs_h[:, None] * stride_mo_h + offs_v[None, :], acc / l_i[:, None],
                  mask=mask_o)
-        ml_ptr = mid_lse_ptr + pid_b.to(tl.int64) * stride_ml_b + pid_s
-        tl.store(ml_ptr + offs_h * stride_ml_h, m_i + tl.math.log2(l_i), mask=mask_h)
+        if pid_v == 0:  # every part computed the same log2-sum-exp: one writes it
+            ml_ptr = mid_lse_ptr + pid_b.to(tl.int64) * stride_ml_b + pid_s
+            tl.store(ml_ptr + offs_h * stride_ml_h, m_i + tl.math.log2(l_i), mask=mask_h)
 
 
 @triton.jit(do_not_specialize=["num_splits"])

@@ -38,22 +38,33 @@ class MLATile:
     For decode, ``block_m`` is BLOCK_H (query heads per program, 16/32/64: more heads per program
     means fewer re-reads of each cache tile but a larger [BLOCK_H, latent] fp32 accumulator). For
     prefill it is the query tile. ``block_n`` (tokens per inner step) fixes the online-softmax
-    reduction order, so it is part of a row's bits; the rest only change speed.
+    reduction order, so it is part of a row's bits; the rest only change speed. ``dv_parts``
+    (decode only; prefill takes 1) splits the latent output columns over that many programs, each
+    computing the same scores: a [BLOCK_H, 512 / dv_parts] accumulator instead of [BLOCK_H, 512].
+    Like the rest of the tile it is fixed per shape by the policy (a column's bits may depend on
+    it: the interpreter's dot regroups a sum with the tile width).
     """
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    dv_parts: int = 1
 
     def __post_init__(self) -> None:
         check_block_size("block_m", self.block_m)
         check_block_size("block_n", self.block_n)
         check_num_warps("num_warps", self.num_warps)
         check_positive_int("num_stages", self.num_stages)
+        if self.dv_parts not in (1, 2, 4, 8):
+            raise ValueError(f"dv_parts: expected 1, 2, 4 or 8, got {self.dv_parts!r}")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        # Tiles of one part keep the file format they were written in (no dv_parts key).
+        data = dataclasses.asdict(self)
+        if self.dv_parts == 1:
+            del data["dv_parts"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> MLATile:
@@ -118,6 +129,8 @@ def _parse_tuned_table(data: dict) -> MLATunedTable:
         tile = MLATile.from_dict(entry["config"])
         kind = entry["kind"]
         if kind == "prefill":
+            if tile.dv_parts != 1:
+                raise ValueError(f"prefill dv_parts {tile.dv_parts} != 1 (a decode-only field)")
             prefill[(int(entry["qk_dim"]), int(entry["v_dim"]))] = tile
             continue
         dims = (int(entry["heads"]), int(entry["latent"]), int(entry["rope"]))

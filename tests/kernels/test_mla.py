@@ -142,11 +142,14 @@ def test_mla_decode_scale_of_deepseek_v3() -> None:
 @pytest.mark.parametrize("mode", list(Mode), ids=[m.value for m in Mode])
 @pytest.mark.parametrize(
     "tile",
-    [MLATile(32, 16, num_warps=4, num_stages=1), MLATile(64, 32, num_warps=8, num_stages=2)],
-    ids=["H32-N16", "H64-N32"],
+    [MLATile(32, 16, num_warps=4, num_stages=1), MLATile(64, 32, num_warps=8, num_stages=2),
+     MLATile(64, 32, num_warps=8, num_stages=2, dv_parts=2),
+     MLATile(16, 16, num_warps=4, num_stages=3, dv_parts=2)],
+    ids=["H32-N16", "H64-N32", "H64-N32-dv2", "H16-N16-dv2"],
 )
 def test_mla_decode_tiles_match_reference(tile: MLATile, mode: Mode) -> None:
-    """Every tunable BLOCK_H (more heads than a block, a partial head block) stays correct."""
+    """Every tunable BLOCK_H (more heads than a block, a partial head block) and value split
+    stays correct, the padded dummy slot included."""
     seq_lens, heads = [50, 0, 23], 40
     q_latent, q_pe, cache, tables, lens = make_decode_inputs(
         seq_lens, heads, 32, 16, 16, 5, torch.float32, seed=4
@@ -160,6 +163,29 @@ def test_mla_decode_tiles_match_reference(tile: MLATile, mode: Mode) -> None:
         q_latent.double(), q_pe.double(), cache.double(), tables, lens, 0.2
     )
     assert_close(out, expected, torch.float32, reduce_dim=48)
+    assert torch.count_nonzero(out[1]) == 0
+
+
+@pytest.mark.parametrize("mode", list(Mode), ids=[m.value for m in Mode])
+@pytest.mark.parametrize("dv_parts", [2, 4])
+def test_mla_decode_value_parts_match_reference(dv_parts: int, mode: Mode) -> None:
+    """Output columns split over 2 or 4 programs, on the direct (one split) and the partial +
+    combine paths: each part writes only its own columns, part 0 the log-sum-exp. (Their bits
+    may differ from one part's: the interpreter's dot regroups with the tile width.)"""
+    seq_lens, heads = [70, 9, 0, 33], 20
+    q_latent, q_pe, cache, tables, lens = make_decode_inputs(
+        seq_lens, heads, 64, 16, 16, 6, torch.float32, seed=5
+    )
+    max_seq_len = max(seq_lens) if mode == Mode.DEFAULT else 96
+    out = mla_decode(
+        q_latent, q_pe, cache, tables, lens, 0.2, max_seq_len=max_seq_len, mode=mode,
+        split_size=32, tile=MLATile(16, 16, num_warps=4, num_stages=2, dv_parts=dv_parts),
+    )  # fmt: skip
+    expected = mla_decode_reference(
+        q_latent.double(), q_pe.double(), cache.double(), tables, lens, 0.2
+    )
+    assert_close(out, expected, torch.float32, reduce_dim=80)
+    assert torch.count_nonzero(out[2]) == 0
 
 
 def test_mla_decode_config_policy() -> None:
@@ -290,6 +316,19 @@ def test_tuned_prefill_lookup_same_in_every_mode(tuned_table: MLATunedTable) -> 
     assert (fp32.block_m, fp32.block_n) == (64, 32)  # fp32 is not tuned: the literal tile
 
 
+def test_tuned_decode_tile_with_value_parts_round_trips(tmp_path) -> None:
+    """A tuned dv_parts reaches the launch config; one-part tiles keep the file's old format."""
+    split = MLATile(64, 32, num_warps=8, num_stages=3, dv_parts=2)
+    assert MLATile.from_dict(split.to_dict()) == split
+    assert "dv_parts" not in MLATile(64, 32).to_dict()
+    path = tmp_path / "mla_h200.json"
+    _write_table(path, [{**V3, "kind": "decode_fixed", "split_size": 256, "ctx": 4096,
+                         "config": split.to_dict()}])  # fmt: skip
+    cfg = mla_decode_config(8, 128, 512, 64, 4096, torch.bfloat16, Mode.CORUN, 256,
+                            table=load_mla_tuned(path))  # fmt: skip
+    assert (cfg.block_h, cfg.dv_parts, cfg.num_stages) == (64, 2, 3)
+
+
 def test_tuned_table_missing_file_is_empty(tmp_path) -> None:
     table = load_mla_tuned(tmp_path / "absent.json")
     assert table == MLATunedTable({}, {}, {})
@@ -311,9 +350,13 @@ def test_tuned_table_missing_file_is_empty(tmp_path) -> None:
         json.dumps({"entries": [{"kind": "decode_other", "config": _tile(16, 32)}]}),
         json.dumps({"entries": [{"kind": "prefill", "qk_dim": 192, "v_dim": 128,
                                  "config": {**_tile(64, 32), "split_k": 2}}]}),
+        json.dumps({"entries": [{"kind": "prefill", "qk_dim": 192, "v_dim": 128,
+                                 "config": {**_tile(64, 32), "dv_parts": 2}}]}),
+        json.dumps({"entries": [{**V3, "kind": "decode_fixed", "split_size": 256, "ctx": 1,
+                                 "config": {**_tile(64, 32), "dv_parts": 3}}]}),
     ],
     ids=["bad-json", "entries-not-list", "missing-split", "block-n-24", "block-h-128",
-         "unknown-kind", "unknown-field"],
+         "unknown-kind", "unknown-field", "prefill-dv-parts", "dv-parts-3"],
 )  # fmt: skip
 def test_tuned_table_malformed_raises(tmp_path, content: str) -> None:
     path = tmp_path / "mla_h200.json"
@@ -328,6 +371,10 @@ def test_mla_decode_rejects_bad_tile() -> None:
         mla_decode(scale=0.1, max_seq_len=32, tile=(16, 32), **args)
     with pytest.raises(ValueError, match="^block_n:"):
         MLATile(16, 24)
+    with pytest.raises(ValueError, match="^dv_parts:"):
+        MLATile(16, 16, dv_parts=3)
+    with pytest.raises(ValueError, match="^tile: dv_parts 8 leaves fewer than 16"):
+        mla_decode(scale=0.1, max_seq_len=32, tile=MLATile(16, 16, dv_parts=8), **args)
 
 
 # ----------------------------------------------------------------------------------------------

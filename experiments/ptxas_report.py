@@ -1,0 +1,222 @@
+"""Registers, spills and shared memory of a launch as the H200 would build it, on a machine with no
+GPU: the launcher runs on CPU tensors with its Triton kernels replaced by recorders, each recorded
+launch is specialised the way Triton's own launcher does it (its binder and ``_pack_args``: ints
+of 1 become constants, 16-divisible ints and 16-byte aligned pointers are marked so), compiled for
+``cuda:90`` and assembled by the ``ptxas`` that ships with Triton (``-v``, ``sm_90a``).
+
+It answers, before a device call, what a tile costs in registers and whether it spills, whether
+its loads became ``cp.async`` copies (software pipelining) and how many ``wgmma`` it issues, so a
+tuning sweep spends device time only on tiles that can win. Compile-time facts, not timings: the
+H200 still decides. The device's Triton (3.6) is what counts; `pip download triton==3.6.0` into a
+side venv and run this module with it to match the device bit for bit (the header names the
+Triton and ptxas that made a results file).
+
+    python -m experiments.ptxas_report mla-decode            # tune_mla's decode candidates
+    python -m experiments.ptxas_report mla-decode --out experiments/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+SHARED_MEMORY_LIMIT = 232_448  # bytes of shared memory one H200 (sm_90) block may use (227 KB)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One recorded kernel launch: the JIT function, its grid, positional and keyword arguments."""
+
+    kernel: Any
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    """Stands in for a JIT function in a launcher module: ``kernel[grid](...)`` is recorded."""
+
+    def __init__(self, kernel: Any, launches: list[Launch]) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid: tuple) -> Callable[..., None]:
+        def record(*args: Any, **kwargs: Any) -> None:
+            self.launches.append(Launch(self.kernel, tuple(grid), args, kwargs))
+
+        return record
+
+
+def capture_launches(module: ModuleType, call: Callable[[], object]) -> list[Launch]:
+    """Run ``call`` with every Triton kernel that ``module`` names replaced by a recorder; the
+    launches it would have made, in order (nothing runs)."""
+    kernels = {name: value for name, value in vars(module).items()
+               if isinstance(value, triton.runtime.jit.JITFunction)}
+    launches: list[Launch] = []
+    saved = dict(kernels)
+    try:
+        for name, kernel in kernels.items():
+            setattr(module, name, _Recorder(kernel, launches))
+        call()
+    finally:
+        for name, kernel in saved.items():
+            setattr(module, name, kernel)
+    return launches
+
+
+def _ptxas() -> list[str]:
+    """Triton's bundled ptxas binaries, the plain one first (ptxas-blackwell reads newer PTX)."""
+    folder = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return [str(folder / name) for name in ("ptxas", "ptxas-blackwell")
+            if (folder / name).exists()]
+
+
+def _assemble(ptx: str, arch: str) -> tuple[str, str]:
+    """(ptxas -v report, the ptxas that accepted the PTX's version)."""
+    errors = []
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        Path(path).write_text(ptx)
+        for exe in _ptxas():
+            done = subprocess.run([exe, "-v", "--gpu-name", arch, path, "-o", path + ".cubin"],
+                                  capture_output=True, text=True, check=False)
+            if done.returncode == 0:
+                return done.stderr, exe
+            errors.append(f"{Path(exe).name}: {done.stderr.strip()[-300:]}")
+    raise RuntimeError("no bundled ptxas assembled the kernel: " + " | ".join(errors))
+
+
+def compile_report(launch: Launch, capability: int = 90) -> dict:
+    """Compile ``launch`` for ``cuda:<capability>`` as Triton's launcher would, assemble it, and
+    report registers, spills, shared memory and the instructions that matter for the tile."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.kernel
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, launch.kwargs, bound, specialization, options
+    )
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    ptx = compiled.asm["ptx"]
+    report, exe = _assemble(ptx, f"sm_{capability}a" if capability == 90 else f"sm_{capability}")
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    shared = int(compiled.metadata.shared)
+    return {
+        "kernel": fn.__name__,
+        "grid": list(launch.grid),
+        "num_warps": options.num_warps,
+        "num_stages": options.num_stages,
+        "registers": int(registers.group(1)) if registers else None,
+        "spill_store_bytes": int(spills.group(1)) if spills else None,
+        "spill_load_bytes": int(spills.group(2)) if spills else None,
+        "shared_bytes": shared,
+        "fits_shared": shared <= SHARED_MEMORY_LIMIT,
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "mma_sync": ptx.count("mma.sync"),
+        "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
+        "ld_global": ptx.count("ld.global"),
+        "ptxas": Path(exe).name,
+    }
+
+
+def ptxas_version() -> str:
+    done = subprocess.run([_ptxas()[0], "--version"], capture_output=True, text=True, check=False)
+    return done.stdout.strip().splitlines()[-1] if done.stdout else "unknown"
+
+
+# ----------------------------------------------------------------------------------------------
+# MLA decode at DeepSeek-V3's shape: the tiles experiments/tune_mla.py sweeps
+# ----------------------------------------------------------------------------------------------
+
+
+def mla_decode_reports(tiles: list, batch: int = 8, ctx: int = 4096,
+                       split_size: int = 256) -> list[dict]:
+    """One report per tile: mla_decode's split kernel at 128 heads, latent 512, rope 64, bf16, the
+    engine's 16-token blocks, corun's fixed splits (the combine kernel is tile-independent)."""
+    from experiments.bench_mla import BLOCK_SIZE
+    from kernels import mla
+    from kernels.mode import Mode
+
+    heads, latent, rope = 128, 512, 64
+    blocks = -(-ctx // BLOCK_SIZE)
+    q_latent = torch.empty(batch, heads, latent, dtype=torch.bfloat16)
+    q_pe = torch.empty(batch, heads, rope, dtype=torch.bfloat16)
+    cache = torch.empty(batch * blocks, BLOCK_SIZE, latent + rope, dtype=torch.bfloat16)
+    tables = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    rows = []
+    for tile in tiles:
+        launches = capture_launches(mla, lambda tile=tile: mla.mla_decode(
+            q_latent, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx, mode=Mode.CORUN,
+            split_size=split_size, tile=tile))
+        split = next(x for x in launches if x.kernel.__name__ == "_mla_decode_kernel")
+        try:
+            row = compile_report(split)
+        except Exception as err:  # a tile that does not compile is a finding, not a crash
+            row = {"kernel": "_mla_decode_kernel", "error": f"{type(err).__name__}: {err}"[:300]}
+        rows.append({"tile": tile.to_dict(), **row})
+    return rows
+
+
+def _print(rows: list[dict]) -> None:
+    keys = ("registers", "spill_store_bytes", "spill_load_bytes", "shared_bytes", "wgmma",
+            "cp_async")
+    print(f"{'tile':58s} " + " ".join(f"{k[:12]:>12s}" for k in keys))
+    for row in rows:
+        cells = " ".join(f"{str(row.get(k, '-')):>12s}" for k in keys)
+        print(f"{json.dumps(row['tile']):58s} {cells} {row.get('error', '')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", choices=["mla-decode"])
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for ptxas-<target>-sm90.json (default: print only)")
+    args = parser.parse_args(argv)
+    from experiments.tune_mla import DECODE_CANDIDATES
+
+    rows = mla_decode_reports(list(DECODE_CANDIDATES))
+    _print(rows)
+    if args.out is not None:
+        header = {
+            "header": True, "machine": "offline (no GPU): triton.compile for cuda:90, ptxas sm_90a",
+            "triton": triton.__version__, "torch": torch.__version__, "ptxas": ptxas_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": f"{sys.executable} -m experiments.ptxas_report "
+                       + " ".join(argv or sys.argv[1:]),
+            "shape": "mla_decode split kernel: B 8, ctx 4096, 128 heads, latent 512, rope 64, "
+                     "bf16, 16-token blocks, corun split 256",
+            "shared_limit_bytes": SHARED_MEMORY_LIMIT,
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"ptxas-{args.target}-sm90.json"
+        path.write_text(json.dumps([header, *rows], indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
