@@ -12,7 +12,8 @@ side venv and run this module with it to match the device bit for bit (the heade
 Triton and ptxas that made a results file).
 
     python -m experiments.ptxas_report mla-decode            # tune_mla's decode candidates
-    python -m experiments.ptxas_report mla-decode --out experiments/results
+    python -m experiments.ptxas_report moe-align|gemm        # the policies' picks
+    python -m experiments.ptxas_report gemm --out experiments/results
 """
 
 from __future__ import annotations
@@ -152,6 +153,13 @@ def ptxas_version() -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+def _report(launch: Launch) -> dict:
+    try:
+        return compile_report(launch)
+    except Exception as err:  # a config that does not compile is a finding, not a crash
+        return {"kernel": launch.kernel.__name__, "error": f"{type(err).__name__}: {err}"[:300]}
+
+
 def mla_decode_reports(tiles: list, batch: int = 8, ctx: int = 4096,
                        split_size: int = 256) -> list[dict]:
     """One report per tile: mla_decode's split kernel at 128 heads, latent 512, rope 64, bf16, the
@@ -173,32 +181,96 @@ def mla_decode_reports(tiles: list, batch: int = 8, ctx: int = 4096,
             q_latent, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx, mode=Mode.CORUN,
             split_size=split_size, tile=tile))
         split = next(x for x in launches if x.kernel.__name__ == "_mla_decode_kernel")
-        try:
-            row = compile_report(split)
-        except Exception as err:  # a tile that does not compile is a finding, not a crash
-            row = {"kernel": "_mla_decode_kernel", "error": f"{type(err).__name__}: {err}"[:300]}
-        rows.append({"tile": tile.to_dict(), **row})
+        rows.append({"case": _tile_label(tile), "tile": tile.to_dict(), **_report(split)})
     return rows
+
+
+def _tile_label(tile) -> str:
+    parts = f", {tile.dv_parts} value parts" if tile.dv_parts > 1 else ""
+    return (f"{tile.block_m} x {tile.block_n}, {tile.num_warps} warps, {tile.num_stages} "
+            f"stages{parts}")
+
+
+def moe_align_reports(experts: tuple[int, ...] = (128, 192, 256), top_k: int = 8,
+                      tokens: tuple[int, ...] = (1, 128, 2048, 8192),
+                      block_ms: tuple[int, ...] = (16, 64)) -> list[dict]:
+    """Both launches of every distinct moe_align policy pick over the named MoE models' expert
+    counts (Qwen3 128, Hy3 192, DeepSeek-V3 256), decode to prefill token counts, both block_m."""
+    from kernels import moe_align
+
+    rows, seen = [], set()
+    for num_experts in experts:
+        for block_m in block_ms:
+            for num_tokens in tokens:
+                cfg = moe_align.moe_align_config(num_tokens * top_k, num_experts, block_m)
+                if cfg in seen:
+                    continue
+                seen.add(cfg)
+                ids = torch.zeros(num_tokens, top_k, dtype=torch.int32)
+                for launch in capture_launches(moe_align, lambda ids=ids, e=num_experts,
+                                               b=block_m: moe_align.moe_align(ids, e, b)):
+                    rows.append({"case": f"E {num_experts}, block_m {block_m}, T {num_tokens} "
+                                         f"x k {top_k}: BLOCK_P {cfg.BLOCK_P}, BINS {cfg.BINS}, "
+                                         f"QB {cfg.QB}, FILL {cfg.FILL}, ROWS {cfg.ROWS}, "
+                                         f"{cfg.num_warps} warps",
+                                 **_report(launch)})
+    return rows
+
+
+def gemm_reports(ms: tuple[int, ...] = (128, 256)) -> list[dict]:
+    """The corun policy's GEMM launch at the decode M of issue 13 for every GEMM shape of the
+    kernel benchmark (experiments/tune_gemm.py's BENCH_MODELS)."""
+    from experiments.tune_gemm import BENCH_MODELS, gemm_shapes
+    from kernels import gemm
+    from kernels.mode import Mode
+
+    rows = []
+    for label, n, k in gemm_shapes(BENCH_MODELS):
+        for m in ms:
+            x = torch.empty(m, k, dtype=torch.bfloat16)
+            w = torch.empty(n, k, dtype=torch.bfloat16)
+            cfg = gemm.gemm_config(m, n, k, torch.bfloat16, Mode.CORUN)
+            launch = capture_launches(gemm, lambda x=x, w=w: gemm.gemm(x, w, mode=Mode.CORUN))[0]
+            persistent = ", persistent" if cfg.persistent else ""
+            rows.append({"case": f"{label} M {m} (N {n}, K {k}): {cfg.block_m} x {cfg.block_n} x "
+                                 f"{cfg.block_k}, split_k {cfg.split_k}, {cfg.num_warps} warps, "
+                                 f"{cfg.num_stages} stages{persistent}",
+                         **_report(launch)})
+    return rows
+
+
+def _mla_decode_target() -> tuple[str, list[dict]]:
+    from experiments.tune_mla import DECODE_CANDIDATES
+
+    return ("mla_decode split kernel, experiments/tune_mla.py's decode candidates: B 8, ctx 4096, "
+            "128 heads, latent 512, rope 64, bf16, 16-token blocks, corun split 256",
+            mla_decode_reports(list(DECODE_CANDIDATES)))
+
+
+TARGETS: dict[str, Callable[[], tuple[str, list[dict]]]] = {
+    "mla-decode": _mla_decode_target,
+    "moe-align": lambda: ("moe_align's count and scatter launches at every distinct policy pick",
+                          moe_align_reports()),
+    "gemm": lambda: ("the corun GEMM policy's launch (bf16) at M 128 and 256", gemm_reports()),
+}
 
 
 def _print(rows: list[dict]) -> None:
     keys = ("registers", "spill_store_bytes", "spill_load_bytes", "shared_bytes", "wgmma",
             "cp_async")
-    print(f"{'tile':58s} " + " ".join(f"{k[:12]:>12s}" for k in keys))
+    print(" ".join(f"{k[:12]:>12s}" for k in keys) + "  case")
     for row in rows:
         cells = " ".join(f"{str(row.get(k, '-')):>12s}" for k in keys)
-        print(f"{json.dumps(row['tile']):58s} {cells} {row.get('error', '')}")
+        print(f"{cells}  {row['case']} [{row['kernel']}] {row.get('error', '')}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("target", choices=["mla-decode"])
+    parser.add_argument("target", choices=sorted(TARGETS))
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for ptxas-<target>-sm90.json (default: print only)")
     args = parser.parse_args(argv)
-    from experiments.tune_mla import DECODE_CANDIDATES
-
-    rows = mla_decode_reports(list(DECODE_CANDIDATES))
+    shape, rows = TARGETS[args.target]()
     _print(rows)
     if args.out is not None:
         header = {
@@ -207,9 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": f"{sys.executable} -m experiments.ptxas_report "
                        + " ".join(argv or sys.argv[1:]),
-            "shape": "mla_decode split kernel: B 8, ctx 4096, 128 heads, latent 512, rope 64, "
-                     "bf16, 16-token blocks, corun split 256",
-            "shared_limit_bytes": SHARED_MEMORY_LIMIT,
+            "shape": shape, "shared_limit_bytes": SHARED_MEMORY_LIMIT,
         }
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"ptxas-{args.target}-sm90.json"

@@ -241,23 +241,19 @@ def columns_block(name: str, columns: list[tuple[str, str]]) -> Callable[[dict, 
 
 
 def ptxas_block(name: str) -> Callable[[dict, list[dict]], str]:
-    """experiments/ptxas_report.py: per tile, what ptxas reports for sm_90a (compiled offline)."""
-
-    def tile(t: dict) -> str:
-        parts = f", {t['dv_parts']} value parts" if t.get("dv_parts", 1) > 1 else ""
-        return (f"{t['block_m']} x {t['block_n']}, {t['num_warps']} warps, "
-                f"{t['num_stages']} stages{parts}")
+    """experiments/ptxas_report.py: per launch, what ptxas reports for sm_90a (compiled offline)."""
 
     def render(head: dict, records: list[dict]) -> str:
-        rows = [[tile(r["tile"]), _fmt(r.get("registers")), _fmt(r.get("spill_store_bytes")),
-                 _fmt(r.get("spill_load_bytes")), _fmt(r.get("shared_bytes")),
-                 "yes" if r.get("fits_shared") else "no", _fmt(r.get("wgmma")),
-                 _fmt(r.get("cp_async")), r.get("error", "")] for r in records]
+        rows = [[r["case"], r.get("kernel", ""), _fmt(r.get("registers")),
+                 _fmt(r.get("spill_store_bytes")), _fmt(r.get("spill_load_bytes")),
+                 _fmt(r.get("shared_bytes")), "yes" if r.get("fits_shared") else "no",
+                 _fmt(r.get("wgmma")), _fmt(r.get("cp_async")), r.get("error", "")]
+                for r in records]
         return "\n".join([
             _source(head, name), "", f"ptxas {head.get('ptxas', '?')}; {head.get('shape', '')}; "
             f"shared memory limit {head.get('shared_limit_bytes', '?')} bytes a block.", "",
-            _table(["tile (BLOCK_H x BLOCK_N)", "registers", "spill stores (B)",
-                    "spill loads (B)", "shared (B)", "fits", "wgmma", "cp.async", "error"], rows),
+            _table(["launch", "kernel", "registers", "spill stores (B)", "spill loads (B)",
+                    "shared (B)", "fits", "wgmma", "cp.async", "error"], rows),
         ])
 
     return render
@@ -445,7 +441,8 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "kernels-h200": kernels_block,
     "kernels-h200-summary": kernels_summary_block,
     "launch-cost-h200": launch_cost_block,
-    "ptxas-mla-decode-sm90": ptxas_block("ptxas-mla-decode-sm90"),
+    **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
+       for target in ("mla-decode", "moe-align", "gemm")},
 }
 ALIASES = {"kernels-h200-summary": "kernels-h200", "offline-h200-summary": "offline-h200",
            "serving-h200-summary": "serving-h200",

@@ -24,8 +24,9 @@ registers). BLOCK_H 32 has no wgmma tile and spills kilobytes; 64-token steps ne
 needs more shared memory than an SM has at 3 stages). Fixed and default decode share one
 compiled kernel (the split rule is a run-time argument), so the sweep compiles each candidate
 once. A wall-clock budget bounds it (checked before each shape): shapes past it are left to the
-literal policies and the header says ``complete: false``. The set is sized so that 200 s covers every shape (an estimate:
-14 compiles and about 600 graph-replay timings; the header's ``complete`` says whether it did).
+literal policies and the header says ``complete: false``. The set is sized so that 200 s covers
+every shape (an estimate: 14 compiles and about 600 graph-replay timings; the header's
+``complete`` says whether it did).
 
     python -m experiments.tune_mla [--budget-s 200] [--out kernels/tuned/mla_h200.json]
     TRITON_INTERPRET=1 python -m experiments.tune_mla --dry-run --out /tmp/mla_tuned.json
