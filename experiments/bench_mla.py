@@ -7,9 +7,11 @@ engine's default 16 tokens, scattered at random.
 
 - ``mla_decode``: batch {1, 8, 32, 64, 128} x context {1024, 4096, 16384}, every sequence at the
   full context. Policies ``corun`` (split 256 tokens; grid
-  for max_seq_len = the context, as max_model_len), ``corun_split1024`` and ``corun_split16384``
-  (the same with larger splits: fewer fp32 partials; 16384 is one split at every context here, so
-  no partial and no combine launch) and ``default`` (splits from the batch). Peer: the absorbed
+  for max_seq_len = the context, as max_model_len), ``corun_split512`` (the engine's default
+  ``EngineConfig.decode_split_size``, what a DeepSeek-V3 engine runs), ``corun_split1024`` and
+  ``corun_split16384`` (the same with larger splits: fewer fp32 partials; 16384 is one split at
+  every context here, so no partial and no combine launch) and ``default`` (splits from the
+  batch). Peer: the absorbed
   math with torch bmm on a contiguous [B, ctx, 576] cache (fp32 softmax), timed the same way.
   Bound (``bound_us``): the latent cache read once (B ctx 576 x 2 bytes) plus q (B 128 576 x 2)
   and out (B 128 512 x 2), at the measured 4.3 TB/s copy bandwidth; ``bw_fraction`` = bound_us /
@@ -34,6 +36,7 @@ import sys
 
 import torch
 
+from corun.config import EngineConfig
 from experiments import harness
 from kernels.mode import Mode
 
@@ -43,7 +46,10 @@ DEVICE = "cuda"  # a module constant so a CPU dry run of the logic can point it 
 BATCHES = (1, 8, 32, 64, 128)
 CONTEXTS = (1024, 4096, 16384)
 PREFILL_LENS = (512, 1024, 2048, 4096)
-DECODE_POLICIES = (("corun", Mode.CORUN, 256), ("corun_split1024", Mode.CORUN, 1024),
+ENGINE_SPLIT = EngineConfig.decode_split_size  # the split every engine decode step runs
+DECODE_POLICIES = (("corun", Mode.CORUN, 256),
+                   (f"corun_split{ENGINE_SPLIT}", Mode.CORUN, ENGINE_SPLIT),
+                   ("corun_split1024", Mode.CORUN, 1024),
                    ("corun_split16384", Mode.CORUN, 16384),
                    ("default", Mode.DEFAULT, 256))  # fmt: skip
 MATMUL_FLOPS_PER_S = 790e12  # measured bf16 matmul rate of the H200 (KINDS.md), compute floor

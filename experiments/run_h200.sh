@@ -51,7 +51,7 @@ for stage in "$@"; do
     tune)    run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-250} ${TUNE_ARGS:-} && cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
     tune_moe) run tune_moe ${TUNE_MOE_LIMIT:-150} python3 -m experiments.tune_moe --budget-s ${TUNE_MOE_BUDGET:-120} \
                && cp kernels/tuned/moe_h200.json "$OUT/results/" ;;
-    tune_mla) run tune_mla ${TUNE_MLA_LIMIT:-280} python3 -m experiments.tune_mla --budget-s ${TUNE_MLA_BUDGET:-230} \
+    tune_mla) run tune_mla ${TUNE_MLA_LIMIT:-330} python3 -m experiments.tune_mla --budget-s ${TUNE_MLA_BUDGET:-270} \
                && cp kernels/tuned/mla_h200.json "$OUT/results/" ;;
     kernels) run kernels ${KERNELS_LIMIT:-330} python3 -m experiments.bench_kernels \
                --merge experiments/results/kernels-h200.json ${KERNELS_ARGS:-} ;;

@@ -7,9 +7,10 @@ times a small candidate set of decode tiles and of prefill tiles, keeps only can
 output is close to the literal tile's output (a compile error, out of shared memory or a wrong
 result rejects the candidate at that shape), and picks:
 
-- ``decode_fixed`` (corun / batch_invariant; split 256, 1024 and 16384, the benchmark's corun
-  policies): per context, ONE tile for every batch size, the lowest geometric-mean time over the
-  tuned batches (the policy never reads B); the split count stays ceil(len / split_size).
+- ``decode_fixed`` (corun / batch_invariant; split 256, the engine's 512, 1024 and 16384, the
+  benchmark's corun policies): per context, ONE tile for every batch size, the lowest
+  geometric-mean time over the tuned batches (the policy never reads B); the split count stays
+  ceil(len / split_size).
 - ``decode_default``: the fastest tile per (batch, context); splits from the default heuristic.
 - ``prefill``: one tile for every length and mode, the lowest geometric mean over the lengths.
 
@@ -24,11 +25,11 @@ registers). BLOCK_H 32 has no wgmma tile and spills kilobytes; 64-token steps ne
 needs more shared memory than an SM has at 3 stages). Fixed and default decode share one
 compiled kernel (the split rule is a run-time argument), so the sweep compiles each candidate
 once. A wall-clock budget bounds it (checked before each shape): shapes past it are left to the
-literal policies and the header says ``complete: false``. The set is sized so that 200 s covers
-every shape (an estimate: 14 compiles and about 600 graph-replay timings; the header's
+literal policies and the header says ``complete: false``. The set is sized so that 260 s covers
+every shape (an estimate: 14 compiles and about 800 graph-replay timings; the header's
 ``complete`` says whether it did).
 
-    python -m experiments.tune_mla [--budget-s 200] [--out kernels/tuned/mla_h200.json]
+    python -m experiments.tune_mla [--budget-s 260] [--out kernels/tuned/mla_h200.json]
     TRITON_INTERPRET=1 python -m experiments.tune_mla --dry-run --out /tmp/mla_tuned.json
 """
 
@@ -61,7 +62,9 @@ from kernels.mla import (  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
 
 DTYPE = torch.bfloat16
-FIXED_SPLITS = (256, 1024, 16384)  # the benchmark's corun, corun_split1024, corun_split16384
+# The benchmark's corun policies: 256, the engine's default split (512: what an engine's decode
+# step runs, so its tile comes from this table), 1024 and 16384.
+FIXED_SPLITS = tuple(split for _, mode, split in bench_mla.DECODE_POLICIES if mode is Mode.CORUN)
 # The current literal decode tile first: the reference output and the never-worse fallback.
 LITERAL_DECODE = MLATile(64, 32, num_warps=8, num_stages=2)
 DECODE_CANDIDATES = (
@@ -286,7 +289,7 @@ def dry_run_sweep() -> Sweep:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-s", type=float, default=200.0, help="sweep wall-clock budget")
+    parser.add_argument("--budget-s", type=float, default=260.0, help="sweep wall-clock budget")
     parser.add_argument("--rep-ms", type=int, default=10, help="timing rep per candidate")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"output (default {TUNED_PATH}; required with --dry-run)")  # fmt: skip
