@@ -138,6 +138,7 @@ def compile_report(launch: Launch, capability: int = 90) -> dict:
         "wgmma": ptx.count("wgmma.mma_async"),
         "mma_sync": ptx.count("mma.sync"),
         "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
+        "tma_loads": ptx.count("cp.async.bulk.tensor"),
         "ld_global": ptx.count("ld.global"),
         "ptxas": Path(exe).name,
     }
@@ -219,7 +220,7 @@ def moe_align_reports(experts: tuple[int, ...] = (128, 192, 256), top_k: int = 8
 
 def gemm_reports(ms: tuple[int, ...] = (128, 256)) -> list[dict]:
     """The corun policy's GEMM launch at the decode M of issue 13 for every GEMM shape of the
-    kernel benchmark (experiments/tune_gemm.py's BENCH_MODELS)."""
+    kernel benchmark (experiments/tune_gemm.py's BENCH_MODELS), and the same tile TMA-fed."""
     from experiments.tune_gemm import BENCH_MODELS, gemm_shapes
     from kernels import gemm
     from kernels.mode import Mode
@@ -229,13 +230,15 @@ def gemm_reports(ms: tuple[int, ...] = (128, 256)) -> list[dict]:
         for m in ms:
             x = torch.empty(m, k, dtype=torch.bfloat16)
             w = torch.empty(n, k, dtype=torch.bfloat16)
-            cfg = gemm.gemm_config(m, n, k, torch.bfloat16, Mode.CORUN)
-            launch = capture_launches(gemm, lambda x=x, w=w: gemm.gemm(x, w, mode=Mode.CORUN))[0]
-            persistent = ", persistent" if cfg.persistent else ""
-            rows.append({"case": f"{label} M {m} (N {n}, K {k}): {cfg.block_m} x {cfg.block_n} x "
-                                 f"{cfg.block_k}, split_k {cfg.split_k}, {cfg.num_warps} warps, "
-                                 f"{cfg.num_stages} stages{persistent}",
-                         **_report(launch)})
+            pick = gemm.gemm_config(m, n, k, torch.bfloat16, Mode.CORUN)
+            for cfg in (pick, dataclasses.replace(pick, tma=True)):
+                launch = capture_launches(
+                    gemm, lambda x=x, w=w, cfg=cfg: gemm.gemm(x, w, config=cfg))[0]
+                extras = ", persistent" * cfg.persistent + ", TMA-fed (not the pick)" * cfg.tma
+                rows.append({"case": f"{label} M {m} (N {n}, K {k}): {cfg.block_m} x "
+                                     f"{cfg.block_n} x {cfg.block_k}, split_k {cfg.split_k}, "
+                                     f"{cfg.num_warps} warps, {cfg.num_stages} stages{extras}",
+                             **_report(launch)})
     return rows
 
 
@@ -251,7 +254,8 @@ TARGETS: dict[str, Callable[[], tuple[str, list[dict]]]] = {
     "mla-decode": _mla_decode_target,
     "moe-align": lambda: ("moe_align's count and scatter launches at every distinct policy pick",
                           moe_align_reports()),
-    "gemm": lambda: ("the corun GEMM policy's launch (bf16) at M 128 and 256", gemm_reports()),
+    "gemm": lambda: ("the corun GEMM policy's launch (bf16) at M 128 and 256, and its tile "
+                     "TMA-fed", gemm_reports()),
 }
 
 

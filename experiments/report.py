@@ -247,13 +247,13 @@ def ptxas_block(name: str) -> Callable[[dict, list[dict]], str]:
         rows = [[r["case"], r.get("kernel", ""), _fmt(r.get("registers")),
                  _fmt(r.get("spill_store_bytes")), _fmt(r.get("spill_load_bytes")),
                  _fmt(r.get("shared_bytes")), "yes" if r.get("fits_shared") else "no",
-                 _fmt(r.get("wgmma")), _fmt(r.get("cp_async")), r.get("error", "")]
-                for r in records]
+                 _fmt(r.get("wgmma")), _fmt(r.get("cp_async")), _fmt(r.get("tma_loads")),
+                 r.get("error", "")] for r in records]
         return "\n".join([
             _source(head, name), "", f"ptxas {head.get('ptxas', '?')}; {head.get('shape', '')}; "
             f"shared memory limit {head.get('shared_limit_bytes', '?')} bytes a block.", "",
             _table(["launch", "kernel", "registers", "spill stores (B)", "spill loads (B)",
-                    "shared (B)", "fits", "wgmma", "cp.async", "error"], rows),
+                    "shared (B)", "fits", "wgmma", "cp.async", "TMA loads", "error"], rows),
         ])
 
     return render

@@ -13,9 +13,11 @@ that point). The portable batch-invariant baseline gets ONE config: the member o
 The file is rewritten after every point, so a cut run keeps what it measured; a wall-clock budget
 bounds the sweep, points past it are left to the policy's literal fallback and the header says
 ``complete: false``; ``--resume`` tunes only the points the file lacks (its ``runs`` list each
-run's header).
+run's header), and ``--retune-m 64,128,256`` with it tunes those M values again (after the
+candidate set grew, e.g. by the TMA-fed tiles), keeping the file's other points.
 
-    python -m experiments.tune_gemm [--budget-s 300] [--resume] [--out kernels/tuned/gemm_h200.json]
+    python -m experiments.tune_gemm [--budget-s 300] [--resume [--retune-m M,M]]
+        [--out kernels/tuned/gemm_h200.json]
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ _DECODE_TILES = ((32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3))
 _MID_TILES = ((64, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 64, 128, 4, 4),
               (128, 32, 128, 4, 4), (128, 64, 128, 8, 3))
 _MID_SPLITS = (2, 4)
+# M range whose candidates also run with TMA-fed tiles (GemmConfig.tma): the serving (64) and
+# offline (128) decode batches and mid M, where the weights stream from HBM.
+TMA_M_RANGE = (64, 256)
+# Names the candidate generator an entry was tuned with; --retune-m re-tunes entries of another.
+CANDIDATE_SET = "tma-m64-256"
 _LARGE_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
                 (64, 256, 64, 4, 4))
 
@@ -123,9 +130,9 @@ def gemm_shapes(models: tuple[str, ...] = TUNED_MODELS) -> list[tuple[str, int, 
 
 def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfig]:
     """The bounded candidate set at one point: M-range tiles, each without and with auto split-K
-    (mid M also with split-K 2 and 4, large M with 2 where the tiles leave SMs idle), plus the
-    batch-invariant pool when ``with_pool`` (timed at every point of the bench shapes for its
-    geometric mean)."""
+    (mid M also with split-K 2 and 4, large M with 2 where the tiles leave SMs idle), each of
+    those also TMA-fed for M in ``TMA_M_RANGE``, plus the batch-invariant pool when
+    ``with_pool`` (timed at every point of the bench shapes for its geometric mean)."""
     tiles: list[GemmConfig] = []
     splits: tuple[int, ...] = ()
     if m <= 64:
@@ -151,6 +158,8 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
         for split in sorted(tile_splits):
             if split > 1 and k_blocks >= 2 * split:  # >= 2 K blocks per split
                 out.append(dataclasses.replace(tile, split_k=split))
+    if TMA_M_RANGE[0] <= m <= TMA_M_RANGE[1]:
+        out += [dataclasses.replace(c, tma=True) for c in out]
     if with_pool:
         out += BATCH_INVARIANT_POOL
     return list(dict.fromkeys(out))  # dedupe, keep order
@@ -239,7 +248,7 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
                  "no_split_us": round(no_split[best_no_split], 3)} if best_no_split else {}),
              "cublas_us": round(cublas_us, 3),
              "ratio_vs_cublas": round(cublas_us / timed[best], 4),
-             "candidates": len(timed)}
+             "candidates": len(timed), "candidate_set": CANDIDATE_SET}
     if with_pool and all(c in timed for c in BATCH_INVARIANT_POOL):
         entry["pool_us"] = [round(timed[c], 3) for c in BATCH_INVARIANT_POOL]
     print(f"  {label:28s} M={m:5d} best {timed[best]:9.2f} us  cuBLAS {cublas_us:9.2f} us"
@@ -248,13 +257,18 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
 
 
 def tune(setup: Setup, budget_s: float, done: list[dict],
-         on_progress: Callable[[list[dict], bool], None]) -> tuple[list[dict], bool]:
-    """Sweep every (shape, M) not in ``done`` (entries of an earlier, cut run); ``on_progress``
-    gets the entries so far after each point (a cut run keeps what it measured). The budget is
-    checked before each point once this run has tuned one. Returns (entries, completed)."""
+         on_progress: Callable[[list[dict], bool], None],
+         stale: frozenset[tuple[int, int, int]] = frozenset()) -> tuple[list[dict], bool]:
+    """Sweep every (shape, M) not in ``done`` (entries of an earlier, cut run) or in ``stale``
+    ((m, n, k) points of ``done`` to tune again: each keeps its old entry until the new one
+    replaces it, so a cut run leaves a whole table); ``on_progress`` gets the entries so far
+    after each point. The budget is checked before each point once this run has tuned one.
+    Returns (entries, completed)."""
     start = time.monotonic()
     entries = list(done)
-    have = {(e["m"], e["n"], e["k"]) for e in done}
+    have = {(e["m"], e["n"], e["k"]) for e in done} - stale
+    slot = {(e["m"], e["n"], e["k"]): i for i, e in enumerate(entries)}
+    tuned = 0
     torch.manual_seed(0)
     for label, n, k in tqdm(setup.shapes, desc="tune_gemm shapes"):
         todo = [m for m in setup.m_values if (m, n, k) not in have]
@@ -262,11 +276,15 @@ def tune(setup: Setup, budget_s: float, done: list[dict],
             continue
         w = torch.randn(n, k, device=setup.device, dtype=setup.dtype) / math.sqrt(k)
         for m in todo:
-            if len(entries) > len(done) and time.monotonic() - start > budget_s:
+            if tuned and time.monotonic() - start > budget_s:
                 return entries, False
             entry = _tune_point(setup, label, m, n, k, w)
+            tuned += 1
             if entry is not None:
-                entries.append(entry)
+                if (m, n, k) in slot:
+                    entries[slot[(m, n, k)]] = entry
+                else:
+                    entries.append(entry)
                 on_progress(entries, False)
     return entries, True
 
@@ -278,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=TUNED_PATH)
     parser.add_argument("--resume", action="store_true",
                         help="keep --out's entries and tune only the points it lacks")
+    parser.add_argument("--retune-m", default="", metavar="M,M",
+                        help="with --resume: tune these M values again (new candidates), every "
+                             "shape, keeping the file's other points")
     parser.add_argument("--dry-run", action="store_true",
                         help="two tiny shapes on the CPU interpreter (the logic only)")
     args = parser.parse_args(argv)
@@ -293,11 +314,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tune_gemm: warning: tuning on {torch.cuda.get_device_name()}, not an H200",
                   file=sys.stderr)
     done: list[dict] = []
+    stale: frozenset[tuple[int, int, int]] = frozenset()
     runs: list[dict] = []
     if args.resume and args.out.exists():
         previous = json.loads(args.out.read_text())
         # Entries of this sweep's candidate sets only (they record their candidate count).
+        retune = {int(v) for v in args.retune_m.split(",") if v.strip()}
         done = [e for e in previous["entries"] if "candidates" in e]
+        stale = frozenset((e["m"], e["n"], e["k"]) for e in done if e["m"] in retune
+                          and e.get("candidate_set") != CANDIDATE_SET)
         runs = previous["header"].get("runs", [])
     t0 = time.monotonic()
     this_run = header(wall_s=0.0)
@@ -319,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")
 
-    entries, complete = tune(setup, args.budget_s, done, write)
+    entries, complete = tune(setup, args.budget_s, done, write, stale)
     write(entries, complete)
     print(f"wrote {len(entries)} entries to {args.out} (complete={complete}, "
           f"batch_invariant={_pool_choice(entries)}) in {time.monotonic() - t0:.0f} s")

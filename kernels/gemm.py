@@ -11,7 +11,7 @@ Invariance, by mode (DESIGN.md, "The two properties"):
 - ``batch_invariant_tuned`` is batch-invariant on the hardware its table was tuned on: tiles per
   (M, N, K) with split-K off. On the H200 a row's bits depend on split-K only (BLOCK_K and the
   tile shape do not change them: the MMA accumulates a K tile in one order; checked at real shapes
-  across M by ``invariance_tests/test_batch_invariant_tuned.py``). Shapes without a tuned entry
+  across M by ``tests/engine/test_gpu_engine.py``). Shapes without a tuned entry
   take the literal tiles with BLOCK_K pinned to the portable policy's, which is batch-invariant
   everywhere (the interpreter included).
 - ``default`` and ``corun`` pick the fastest config per shape (block_k and split-K chosen by M), so
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.gemm_kernels import _gemm_kernel, _splitk_reduce_kernel
 from kernels.mode import Mode
@@ -78,6 +79,9 @@ class GemmConfig:
     num_stages: int = 3
     # Persistent: at most one program per SM, each looping over tiles.
     persistent: bool = False
+    # Tiles of x and w brought in by the Hopper tensor-memory accelerator (host-side descriptors)
+    # instead of per-thread loads: the same tiles into the same dot, so the same bits.
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -85,15 +89,20 @@ class GemmConfig:
         for name in ("split_k", "group_m", "num_stages"):
             check_positive_int(name, getattr(self, name))
         check_num_warps("num_warps", self.num_warps)
-        if not isinstance(self.persistent, bool):
-            raise ValueError(f"persistent: expected a bool, got {self.persistent!r}")
+        for name in ("persistent", "tma"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
     def smem_bytes(self, itemsize: int) -> int:
         """Shared memory of the software pipeline: one x and one w tile per stage."""
         return (self.block_m + self.block_n) * self.block_k * itemsize * self.num_stages
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        # Configs without TMA keep the format the tuned files were written in (no tma key).
+        data = dataclasses.asdict(self)
+        if not self.tma:
+            del data["tma"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> GemmConfig:
@@ -277,6 +286,12 @@ def _gemm_config(table: TunedTable, m: int, n: int, k: int, dtype: torch.dtype,
 
 
 @functools.cache
+def _tma_addressable(t: torch.Tensor) -> bool:
+    """What a TMA descriptor needs: unit stride along K, 16-byte aligned base and row stride."""
+    return (t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -327,9 +342,14 @@ def gemm(
     bias_arg = bias if bias is not None else out  # never read when HAS_BIAS is False
     stride_os = target.stride(0) if use_workspace else 0
     stride_om, stride_on = target.stride(-2), target.stride(-1)
+    # A layout TMA cannot address (a view with a 2-byte-aligned row stride, say) takes the
+    # per-thread loads with the same tiles: the same arithmetic, so the same bits.
+    use_tma = cfg.tma and _tma_addressable(x) and _tma_addressable(w)
+    x_arg = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]) if use_tma else x
+    w_arg = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k]) if use_tma else w
 
     _gemm_kernel[grid](
-        x, w, bias_arg, target,
+        x_arg, w_arg, bias_arg, target,
         m, n, k, split_k, k_blocks_per_split,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), stride_os, stride_om, stride_on,
         HAS_BIAS=bias is not None and not use_workspace,
@@ -338,6 +358,7 @@ def gemm(
         UPCAST=upcast_dot_operands(x.dtype),
         SERIAL_DOT=is_interpreter(),
         DOT_PRECISION=dot_precision(x.dtype),
+        TMA=use_tma,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -12,6 +12,11 @@ K walk: BLOCK_K and the split boundaries. With ``split_k > 1`` each split writes
 to a workspace [split_k, M, N] and ``_splitk_reduce_kernel`` sums the partials in split order
 0, 1, ..., split_k - 1: no atomics, so a fixed shape always gives the same bits.
 
+With TMA (a config flag; x_ptr and w_ptr are then host-side tensor descriptors) the x and w
+tiles arrive through the Hopper tensor-memory accelerator, zero-filled past M, N and K, instead
+of per-thread loads; the tiles a real row and column see, and the dot that consumes them, are the
+same, so a real row's bits are too.
+
 Under the Triton interpreter (CPU tests) two constexpr flags, both off on GPUs, swap the tile
 product: UPCAST (bf16 -> fp32, the interpreter's bf16 dot is wrong) and SERIAL_DOT (a broadcast
 multiply-and-sum instead of numpy's BLAS matmul, which is not row-order invariant).
@@ -40,6 +45,7 @@ def _gemm_kernel(
     UPCAST: tl.constexpr,
     SERIAL_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -73,16 +79,20 @@ def _gemm_kernel(
         kb_start = split * k_blocks_per_split
         kb_end = tl.minimum(kb_start + k_blocks_per_split, tl.cdiv(K, BLOCK_K))
         for kb in range(kb_start, kb_end):
-            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + offs_k[None, :] * stride_xk
-            w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn
-            if EVEN_K:
-                a = tl.load(x_ptrs)
-                b = tl.load(w_ptrs)
+            if TMA:
+                a = x_ptr.load([pid_m * BLOCK_M, kb * BLOCK_K])
+                b = w_ptr.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
             else:
-                # Zero padding past K adds exact zeros: the sum over the real K is unchanged.
-                a = tl.load(x_ptrs, mask=offs_k[None, :] < K, other=0.0)
-                b = tl.load(w_ptrs, mask=offs_k[:, None] < K, other=0.0)
+                offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+                x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + offs_k[None, :] * stride_xk
+                w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn
+                if EVEN_K:
+                    a = tl.load(x_ptrs)
+                    b = tl.load(w_ptrs)
+                else:
+                    # Zero padding past K adds exact zeros: the sum over the real K is unchanged.
+                    a = tl.load(x_ptrs, mask=offs_k[None, :] < K, other=0.0)
+                    b = tl.load(w_ptrs, mask=offs_k[:, None] < K, other=0.0)
             if UPCAST:
                 # Interpreter only: its bf16 dot is wrong, fp32 is exact (kernels.utils).
                 a = a.to(tl.float32)

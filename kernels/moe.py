@@ -252,7 +252,7 @@ def moe_config(
     M); ``batch_invariant_tuned`` -> also ``num_tokens``, through the tuned per-T tiles (the
     expert GEMMs never split K, and on the H200 neither BLOCK_K nor the tile shape changes a
     row's bits, so these are batch-invariant there; checked by
-    ``invariance_tests/test_batch_invariant_tuned.py``), else the literal tiles with BLOCK_K
+    ``tests/engine/test_gpu_engine.py``), else the literal tiles with BLOCK_K
     pinned, batch-invariant everywhere. For 16-bit dtypes the tuned table
     (kernels/tuned/moe_h200.json, read once, a lookup; no timing at run time) decides when it
     covers the expert shape; otherwise the literal rule on the expected rows per expert

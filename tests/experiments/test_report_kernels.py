@@ -51,12 +51,12 @@ def test_ptxas_view_lists_every_launch(tmp_path, monkeypatch):
     head = {**HEAD, "ptxas": "Build cuda_12.8", "shape": "s", "shared_limit_bytes": 232448}
     rows = [{"case": "64 x 32, 8 warps", "kernel": "k", "registers": 255, "spill_store_bytes": 320,
              "spill_load_bytes": 220, "shared_bytes": 151552, "fits_shared": True, "wgmma": 40,
-             "cp_async": 18},
+             "cp_async": 18, "tma_loads": 0},
             {"case": "bad", "kernel": "k", "error": "OutOfResources"}]
     (tmp_path / "ptxas-gemm-sm90.json").write_text(json.dumps([head, *rows]))
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     text = report.render_readme("<!-- results:ptxas-gemm-sm90 -->\n"
                                 "<!-- /results:ptxas-gemm-sm90 -->")
-    assert "| 64 x 32, 8 warps | k | 255 | 320 | 220 | 151552 | yes | 40 | 18 |  |" in text
-    assert "| bad | k | — | — | — | — | no | — | — | OutOfResources |" in text
+    assert "| 64 x 32, 8 warps | k | 255 | 320 | 220 | 151552 | yes | 40 | 18 | 0 |  |" in text
+    assert "| bad | k | — | — | — | — | no | — | — | — | OutOfResources |" in text
     assert "ptxas Build cuda_12.8; s; shared memory limit 232448 bytes a block." in text

@@ -5,6 +5,7 @@ stopped (the dry run, through the Triton interpreter)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from experiments import tune_gemm
@@ -74,3 +75,42 @@ def test_dry_run_writes_a_table_the_policy_reads_and_resumes(tmp_path):
     table = load_tuned_table(out)
     assert table.lookup(100, 48, 64, __import__("torch").bfloat16) == GemmConfig.from_dict(
         next(e["config"] for e in data["entries"] if (e["m"], e["n"]) == (128, 48)))
+
+
+def test_tma_twins_only_in_the_tma_m_range():
+    for m in (64, 128, 256):
+        configs = tune_gemm.candidates(m, 6144, 4096, with_pool=False)
+        plain = [c for c in configs if not c.tma]
+        assert [dataclasses.replace(c, tma=False) for c in configs if c.tma] == plain
+    for m in (8, 512):
+        assert not any(c.tma for c in tune_gemm.candidates(m, 6144, 4096))
+
+
+def test_retune_m_replaces_stale_points_and_keeps_a_whole_table(tmp_path):
+    """--retune-m tunes the named M again where an entry came from another candidate set; a cut
+    run keeps the old entries of the points it has not reached, and --resume finishes."""
+    out = tmp_path / "gemm_tuned.json"
+    assert tune_gemm.main(["--dry-run", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for e in data["entries"]:
+        if e["m"] == 128:
+            e["candidate_set"] = "older"
+    out.write_text(json.dumps(data))
+    before = {(e["m"], e["n"], e["k"]): e for e in data["entries"]}
+    args = ["--dry-run", "--out", str(out), "--resume", "--retune-m", "128"]
+    assert tune_gemm.main([*args, "--budget-s", "0"]) == 0
+    cut = json.loads(out.read_text())
+    assert cut["header"]["complete"] is False
+    assert {(e["m"], e["n"], e["k"]) for e in cut["entries"]} == set(before)  # nothing lost
+    fresh = [e for e in cut["entries"]
+             if e["m"] == 128 and e["candidate_set"] == tune_gemm.CANDIDATE_SET]
+    assert len(fresh) == 1  # the budget stops the run after its first point
+    assert tune_gemm.main(args) == 0
+    done = json.loads(out.read_text())
+    assert done["header"]["complete"] is True
+    for e in done["entries"]:
+        key = (e["m"], e["n"], e["k"])
+        if e["m"] == 128:
+            assert e["candidate_set"] == tune_gemm.CANDIDATE_SET
+        else:
+            assert e == before[key]  # other M untouched

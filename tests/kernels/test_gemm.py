@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from kernels import gemm as gemm_module
 from kernels.gemm import GemmConfig, auto_split_k, gemm, gemm_config, load_tuned_table
 from kernels.mode import Mode
 from kernels.reference import gemm_reference
-from tests.utils import assert_close
+from tests.utils import assert_bitwise_equal, assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
@@ -56,6 +58,70 @@ def test_gemm_matches_reference(m, n, k, mode, dtype):
 )
 def test_gemm_explicit_configs(config, dtype):
     _check(*_inputs(37, 48, 145, dtype, seed=1, bias=True), config=config)
+
+
+# TMA configs: K = 160 keeps every row stride 16-byte aligned in each dtype (the descriptor's
+# requirement), and is not a multiple of BLOCK_K 64, so the zero fill past K is exercised.
+TMA_CONFIGS = [
+    GemmConfig(16, 32, 64, tma=True),
+    GemmConfig(32, 16, 32, split_k=3, tma=True),
+    GemmConfig(16, 16, 64, group_m=2, persistent=True, tma=True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("config", TMA_CONFIGS, ids=["plain", "split3", "persistent"])
+def test_gemm_tma_configs_match_reference(config, dtype, monkeypatch):
+    """Tiles through tensor descriptors (zero-filled past M, N and K) give the reference's result;
+    the descriptors are really built, one for x and one for w."""
+    built = []
+    real = gemm_module.TensorDescriptor.from_tensor
+    monkeypatch.setattr(gemm_module.TensorDescriptor, "from_tensor",
+                        lambda t, block: built.append(tuple(block)) or real(t, block))
+    _check(*_inputs(37, 48, 160, dtype, seed=2, bias=True), config=config)
+    assert built == [(config.block_m, config.block_k), (config.block_n, config.block_k)]
+
+
+def test_gemm_tma_falls_back_where_a_descriptor_cannot_address():
+    """A row stride TMA cannot take (K = 145 fp32: 580 bytes) runs the per-thread loads."""
+    x, w, b = _inputs(37, 48, 145, torch.float32, seed=3)
+    assert not gemm_module._tma_addressable(x)
+    _check(x, w, b, config=GemmConfig(16, 32, 64, tma=True))
+
+
+@pytest.mark.parametrize("config", TMA_CONFIGS, ids=["plain", "split3", "persistent"])
+def test_gemm_tma_rows_keep_their_bits(config):
+    """At a fixed config a row's bits depend on its own data only, through descriptors too: the
+    rows of a 5-row batch equal those rows of a 64-row batch that holds them at other slots."""
+    x, w, _ = _inputs(64, 48, 160, torch.float32, seed=4)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(5))
+    whole = gemm(x[perm], w, config=config)
+    slots = [int((perm == r).nonzero()) for r in range(5)]
+    assert_bitwise_equal(gemm(x[:5], w, config=config), whole[slots])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the interpreter's serial tile product sums a descriptor's transposed "
+                           "w tile in another order; on the GPU the same MMA consumes both")
+def test_gemm_tma_same_bits_as_pointer_loads_on_gpu():
+    for m, n, k in ((128, 4096, 4096), (37, 576, 7168)):
+        x, w, _ = _inputs(m, n, k, torch.bfloat16, seed=6)
+        for config in (GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
+                       GemmConfig(128, 64, 64, split_k=2, num_warps=4, num_stages=4),
+                       GemmConfig(128, 128, 64, num_warps=8, num_stages=4, persistent=True)):
+            plain = gemm(x.cuda(), w.cuda(), config=config)
+            tma = gemm(x.cuda(), w.cuda(), config=dataclasses.replace(config, tma=True))
+            assert_bitwise_equal(tma, plain, f"{config} at ({m}, {n}, {k})")
+
+
+def test_gemm_config_tma_field_round_trips():
+    """A TMA config survives the tuned file's dict form; configs without it keep the old form."""
+    config = GemmConfig(64, 128, 64, split_k=2, tma=True)
+    assert GemmConfig.from_dict(config.to_dict()) == config
+    assert "tma" not in GemmConfig(64, 128, 64).to_dict()
+    with pytest.raises(ValueError, match="^tma:"):
+        GemmConfig(64, 128, 64, tma=1)
 
 
 def test_gemm_strided_inputs_and_fp32_bias():
