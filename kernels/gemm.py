@@ -285,13 +285,13 @@ def _gemm_config(table: TunedTable, m: int, n: int, k: int, dtype: torch.dtype,
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.cache
 def _tma_addressable(t: torch.Tensor) -> bool:
     """What a TMA descriptor needs: unit stride along K, 16-byte aligned base and row stride."""
     return (t.stride(1) == 1 and t.data_ptr() % 16 == 0
             and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
