@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="two tiny shapes on the CPU interpreter (the logic only)")
     args = parser.parse_args(argv)
+    if args.retune_m and not args.resume:
+        parser.error("--retune-m needs --resume (it re-tunes points of the existing file)")
     if args.dry_run:
         setup = dry_run_setup()
     elif not torch.cuda.is_available():

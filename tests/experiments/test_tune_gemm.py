@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from experiments import tune_gemm
 from kernels.gemm import GemmConfig, load_tuned_table
 from models.config import NAMED_CONFIGS
@@ -114,3 +116,9 @@ def test_retune_m_replaces_stale_points_and_keeps_a_whole_table(tmp_path):
             assert e["candidate_set"] == tune_gemm.CANDIDATE_SET
         else:
             assert e == before[key]  # other M untouched
+
+
+def test_retune_m_without_resume_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        tune_gemm.main(["--dry-run", "--out", str(tmp_path / "t.json"), "--retune-m", "128"])
+    assert not (tmp_path / "t.json").exists()
