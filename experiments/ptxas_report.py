@@ -69,6 +69,9 @@ def capture_launches(module: ModuleType, call: Callable[[], object]) -> list[Lau
     launches it would have made, in order (nothing runs)."""
     kernels = {name: value for name, value in vars(module).items()
                if isinstance(value, triton.runtime.jit.JITFunction)}
+    if not kernels:  # e.g. under TRITON_INTERPRET=1, where kernels are interpreted functions
+        raise RuntimeError(f"{module.__name__} names no compiled Triton kernel to capture "
+                           "(run without TRITON_INTERPRET)")
     launches: list[Launch] = []
     saved = dict(kernels)
     try:

@@ -317,11 +317,13 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     done: list[dict] = []
     stale: frozenset[tuple[int, int, int]] = frozenset()
+    retune = {int(v) for v in args.retune_m.split(",") if v.strip()}
     runs: list[dict] = []
     if args.resume and args.out.exists():
         previous = json.loads(args.out.read_text())
+        # A cut --retune-m run left these M to finish: a plain --resume goes on with them.
+        retune |= set(previous["header"].get("retune_pending_m", []))
         # Entries of this sweep's candidate sets only (they record their candidate count).
-        retune = {int(v) for v in args.retune_m.split(",") if v.strip()}
         done = [e for e in previous["entries"] if "candidates" in e]
         stale = frozenset((e["m"], e["n"], e["k"]) for e in done if e["m"] in retune
                           and e.get("candidate_set") != CANDIDATE_SET)
@@ -332,8 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     def write(entries: list[dict], complete: bool) -> None:
         this_run["wall_s"] = round(time.monotonic() - t0, 1)
         bi_choice = _pool_choice(entries)
+        pending = sorted({e["m"] for e in entries
+                          if e["m"] in retune and e.get("candidate_set") != CANDIDATE_SET})
         record = {
-            "header": header(complete=complete,
+            "header": header(complete=complete and not pending, retune_pending_m=pending,
                              tuned_dtype=str(setup.dtype).removeprefix("torch."),
                              m_values=list(setup.m_values), models=list(TUNED_MODELS),
                              points=len(entries),

@@ -64,7 +64,8 @@ from kernels.mode import Mode  # noqa: E402
 DTYPE = torch.bfloat16
 # The benchmark's corun policies: 256, the engine's default split (512: what an engine's decode
 # step runs, so its tile comes from this table), 1024 and 16384.
-FIXED_SPLITS = tuple(split for _, mode, split in bench_mla.DECODE_POLICIES if mode is Mode.CORUN)
+FIXED_SPLITS = tuple(dict.fromkeys(
+    split for _, mode, split in bench_mla.DECODE_POLICIES if mode is Mode.CORUN))
 # The current literal decode tile first: the reference output and the never-worse fallback.
 LITERAL_DECODE = MLATile(64, 32, num_warps=8, num_stages=2)
 DECODE_CANDIDATES = (

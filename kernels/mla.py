@@ -177,11 +177,12 @@ def mla_decode_config(
     engine and only sizes the grid), and the tile from the table's entry for (num_heads,
     latent_dim, rope_dim, split_size, max_seq_len bucket, 16-bit dtype), else the literal tile:
     batch is never read. ``default``: the tile for (batch bucket, max_seq_len bucket), and
-    ``num_splits`` from batch, num_heads and max_seq_len (the batch's longest) to fill the GPU
-    with about one program per SM (a program's q tile and latent stages take most of an SM's
-    shared memory), each split at least MIN_DEFAULT_SPLIT_TOKENS long: one split, and so no
-    partial round trip, once the batch alone fills the SMs. ``tile`` overrides the lookup (tests
-    and tuning), ``table`` the checked-in table (tests).
+    ``num_splits`` from batch, num_heads, the tile's head block and value parts, and max_seq_len
+    (the batch's longest) to fill the GPU with about one program per SM (a program's q tile and
+    latent stages take most of an SM's shared memory), each split at least
+    MIN_DEFAULT_SPLIT_TOKENS long: one split, and so no partial round trip, once the batch alone
+    fills the SMs. ``tile`` overrides the lookup (tests and tuning), ``table`` the checked-in
+    table (tests).
     """
     mode = Mode.parse(mode)
     if tile is None:

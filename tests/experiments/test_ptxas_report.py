@@ -44,7 +44,7 @@ def test_mla_decode_tiles_compile_offline_for_sm90():
         assert "error" not in row, row
         assert 0 < row["registers"] <= 255 and row["num_warps"] == 8
         assert row["wgmma"] > 0 and row["cp_async"] > 0  # Hopper MMA, pipelined cache loads
-        assert row["spill_store_bytes"] >= 0 and row["shared_bytes"] > 0
+        assert isinstance(row["spill_store_bytes"], int) and row["shared_bytes"] > 0
     # Two value parts: a grid twice as wide over the head blocks, half the accumulator.
     assert split["grid"][0] == 2 * whole["grid"][0]
     assert split["tile"]["dv_parts"] == 2 and "dv_parts" not in whole["tile"]

@@ -99,17 +99,19 @@ def test_retune_m_replaces_stale_points_and_keeps_a_whole_table(tmp_path):
             e["candidate_set"] = "older"
     out.write_text(json.dumps(data))
     before = {(e["m"], e["n"], e["k"]): e for e in data["entries"]}
-    args = ["--dry-run", "--out", str(out), "--resume", "--retune-m", "128"]
-    assert tune_gemm.main([*args, "--budget-s", "0"]) == 0
+    assert tune_gemm.main(["--dry-run", "--out", str(out), "--resume", "--retune-m", "128",
+                           "--budget-s", "0"]) == 0
     cut = json.loads(out.read_text())
     assert cut["header"]["complete"] is False
     assert {(e["m"], e["n"], e["k"]) for e in cut["entries"]} == set(before)  # nothing lost
     fresh = [e for e in cut["entries"]
              if e["m"] == 128 and e["candidate_set"] == tune_gemm.CANDIDATE_SET]
     assert len(fresh) == 1  # the budget stops the run after its first point
-    assert tune_gemm.main(args) == 0
+    assert cut["header"]["retune_pending_m"] == [128]
+    # A plain --resume finishes what the cut --retune-m run left.
+    assert tune_gemm.main(["--dry-run", "--out", str(out), "--resume"]) == 0
     done = json.loads(out.read_text())
-    assert done["header"]["complete"] is True
+    assert done["header"]["complete"] is True and done["header"]["retune_pending_m"] == []
     for e in done["entries"]:
         key = (e["m"], e["n"], e["k"])
         if e["m"] == 128:
@@ -122,3 +124,15 @@ def test_retune_m_without_resume_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         tune_gemm.main(["--dry-run", "--out", str(tmp_path / "t.json"), "--retune-m", "128"])
     assert not (tmp_path / "t.json").exists()
+
+
+def test_a_tma_entry_reaches_the_policy(tmp_path):
+    """A tuned entry whose winner is TMA-fed is what the policy returns for that point."""
+    path = tmp_path / "gemm_h200.json"
+    winner = GemmConfig(64, 128, 64, num_warps=4, num_stages=4, tma=True)
+    path.write_text(json.dumps({"header": {}, "batch_invariant": None, "entries": [
+        {"m": 128, "n": 4096, "k": 4096, "config": winner.to_dict(),
+         "no_split_config": winner.to_dict()}]}))
+    table = load_tuned_table(path)
+    assert table.lookup(100, 4096, 4096, __import__("torch").bfloat16) == winner
+    assert table.lookup(100, 4096, 4096, __import__("torch").bfloat16, no_split=True).tma
