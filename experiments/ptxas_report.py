@@ -12,6 +12,7 @@ side venv and run this module with it to match the device bit for bit (the heade
 Triton and ptxas that made a results file).
 
     python -m experiments.ptxas_report mla-decode            # tune_mla's decode candidates
+    python -m experiments.ptxas_report mla-prefill           # tune_mla's prefill candidates
     python -m experiments.ptxas_report moe-align|gemm        # the policies' picks
     python -m experiments.ptxas_report gemm --out experiments/results
 """
@@ -189,10 +190,34 @@ def mla_decode_reports(tiles: list, batch: int = 8, ctx: int = 4096,
     return rows
 
 
+def mla_prefill_reports(tiles: list, length: int = 4096) -> list[dict]:
+    """One report per prefill tile: DeepSeek-V3's expanded prefill (128 heads, qk 192 = 128 + 64,
+    v 128, bf16), one sequence of ``length`` tokens."""
+    from kernels import mla
+    from kernels.mode import Mode
+
+    heads, qk_dim, v_dim = 128, 192, 128
+    q = torch.empty(length, heads, qk_dim, dtype=torch.bfloat16)
+    k = torch.empty(length, heads, qk_dim, dtype=torch.bfloat16)
+    v = torch.empty(length, heads, v_dim, dtype=torch.bfloat16)
+    cu = torch.tensor([0, length], dtype=torch.int32)
+    literal = mla.mla_prefill_config(qk_dim, v_dim, torch.bfloat16, Mode.CORUN,
+                                     table=mla.MLATunedTable({}, {}, {}))
+    rows = []
+    for tile in tiles:
+        cfg = dataclasses.replace(literal, block_m=tile.block_m, block_n=tile.block_n,
+                                  num_warps=tile.num_warps, num_stages=tile.num_stages,
+                                  tma=tile.tma)
+        launch = capture_launches(mla, lambda cfg=cfg: mla.mla_prefill_attention(
+            q, k, v, cu, cu, 0.1, max_q_len=length, config=cfg))[0]
+        rows.append({"case": _tile_label(tile), "tile": tile.to_dict(), **_report(launch)})
+    return rows
+
+
 def _tile_label(tile) -> str:
     parts = f", {tile.dv_parts} value parts" if tile.dv_parts > 1 else ""
     return (f"{tile.block_m} x {tile.block_n}, {tile.num_warps} warps, {tile.num_stages} "
-            f"stages{parts}")
+            f"stages{parts}{', TMA-fed' if tile.tma else ''}")
 
 
 def moe_align_reports(experts: tuple[int, ...] = (128, 192, 256), top_k: int = 8,
@@ -253,8 +278,17 @@ def _mla_decode_target() -> tuple[str, list[dict]]:
             mla_decode_reports(list(DECODE_CANDIDATES)))
 
 
+def _mla_prefill_target() -> tuple[str, list[dict]]:
+    from experiments.tune_mla import PREFILL_CANDIDATES
+
+    return ("mla_prefill_attention, experiments/tune_mla.py's prefill candidates: one 4096-token "
+            "sequence, 128 heads, qk 192 = 128 + 64, v 128, bf16",
+            mla_prefill_reports(list(PREFILL_CANDIDATES)))
+
+
 TARGETS: dict[str, Callable[[], tuple[str, list[dict]]]] = {
     "mla-decode": _mla_decode_target,
+    "mla-prefill": _mla_prefill_target,
     "moe-align": lambda: ("moe_align's count and scatter launches at every distinct policy pick",
                           moe_align_reports()),
     "gemm": lambda: ("the corun GEMM policy's launch (bf16) at M 128 and 256, and its tile "

@@ -22,12 +22,12 @@ spill (24-320 bytes a thread); and the same steps with the latent output columns
 programs (8 warps) or 4 (4 warps), which shrinks the accumulator and spills nothing (205-232
 registers). BLOCK_H 32 has no wgmma tile and spills kilobytes; 64-token steps need more than
 227 KB of shared memory. Prefill 128 x 64 / 128 x 32 on 8 warps or 64 x 64 on 4 (128 x 128
-needs more shared memory than an SM has at 3 stages). Fixed and default decode share one
-compiled kernel (the split rule is a run-time argument), so the sweep compiles each candidate
-once. A wall-clock budget bounds it (checked before each shape): shapes past it are left to the
-literal policies and the header says ``complete: false``. The set is sized so that 260 s covers
-every shape (an estimate: 14 compiles and about 800 graph-replay timings; the header's
-``complete`` says whether it did).
+needs more shared memory than an SM has at 3 stages), each also TMA-fed (``MLATile.tma``).
+Fixed and default decode share one compiled kernel (the split rule is a run-time argument), so the
+sweep compiles each candidate once. A wall-clock budget bounds it (checked before each shape):
+shapes past it are left to the literal policies and the header says ``complete: false``. The set is
+sized so that 260 s covers every shape (an estimate: 18 compiles and about 850 graph-replay
+timings; the header's ``complete`` says whether it did).
 
     python -m experiments.tune_mla [--budget-s 260] [--out kernels/tuned/mla_h200.json]
     TRITON_INTERPRET=1 python -m experiments.tune_mla --dry-run --out /tmp/mla_tuned.json
@@ -81,12 +81,15 @@ DECODE_CANDIDATES = (
     MLATile(64, 16, num_warps=4, num_stages=3, dv_parts=4),
 )
 LITERAL_PREFILL = MLATile(128, 64, num_warps=8, num_stages=3)
-PREFILL_CANDIDATES = (
+_PREFILL_TILES = (
     LITERAL_PREFILL,
     MLATile(128, 64, num_warps=8, num_stages=2),
     MLATile(128, 32, num_warps=8, num_stages=3),
     MLATile(64, 64, num_warps=4, num_stages=3),
 )
+# Each also with its key and value tiles through TMA descriptors (the same bits).
+PREFILL_CANDIDATES = _PREFILL_TILES + tuple(
+    dataclasses.replace(tile, tma=True) for tile in _PREFILL_TILES)
 MAX_REL_ERR = 2e-2  # bf16 output rounding is ~4e-3; a wrong tile is off by O(1)
 
 
@@ -230,7 +233,7 @@ def tune_prefill(sweep: Sweep, deadline: float) -> tuple[list[dict], bool]:
         def run(tile: MLATile, x=x, cu=cu, length=length):
             cfg = dataclasses.replace(
                 literal, block_m=tile.block_m, block_n=tile.block_n,
-                num_warps=tile.num_warps, num_stages=tile.num_stages,
+                num_warps=tile.num_warps, num_stages=tile.num_stages, tma=tile.tma,
             )  # fmt: skip
             return mla_prefill_attention(x["q"], x["k"], x["v"], cu, cu, dims["scale"],
                                          max_q_len=length, config=cfg)  # fmt: skip
@@ -283,7 +286,8 @@ def dry_run_sweep() -> Sweep:
         dims=dims, batches=(1, 2), contexts=(40, 64), prefill_lens=(20, 70),
         decode_candidates=(LITERAL_DECODE, MLATile(32, 16, num_warps=4, num_stages=1),
                            MLATile(16, 16, num_warps=4, num_stages=2, dv_parts=2)),
-        prefill_candidates=(LITERAL_PREFILL, MLATile(64, 32, num_warps=4, num_stages=1)),
+        prefill_candidates=(LITERAL_PREFILL, MLATile(64, 32, num_warps=4, num_stages=1),
+                            MLATile(64, 32, num_warps=4, num_stages=1, tma=True)),
         fixed_splits=(32, 64, 1024), bench=_wall_us,
     )  # fmt: skip
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.mla_kernels import (
     LOG2E,
@@ -210,8 +211,8 @@ def mla_decode_config(
 
 
 def _check_decode_tile(tile: object, latent_dim: int) -> None:
-    if not isinstance(tile, MLATile) or tile.block_m > 64:
-        raise ValueError(f"tile: expected an MLATile with block_m <= 64, got {tile!r}")
+    if not isinstance(tile, MLATile) or tile.block_m > 64 or tile.tma:
+        raise ValueError(f"tile: expected an MLATile with block_m <= 64 and no tma, got {tile!r}")
     if max(16, next_power_of_2(latent_dim)) // tile.dv_parts < 16:
         raise ValueError(
             f"tile: dv_parts {tile.dv_parts} leaves fewer than 16 of the latent dim's "
@@ -344,6 +345,7 @@ class MLAPrefillConfig:
     block_dv: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # key and value tiles through TMA descriptors (where the layout allows)
 
 
 def mla_prefill_config(
@@ -369,7 +371,7 @@ def mla_prefill_config(
     return MLAPrefillConfig(
         block_m=tile.block_m, block_n=tile.block_n, block_d1=block_d1,
         block_d2=block_d2, block_dv=max(16, next_power_of_2(v_dim)),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, tma=tile.tma,
     )  # fmt: skip
 
 
@@ -425,17 +427,33 @@ def mla_prefill_attention(
     # ``batch`` is the padding program (rows cu_seqlens_q[-1] .. T - 1).
     num_m_tiles = max(1, cdiv(max_q_len, cfg.block_m))
     grid = (num_m_tiles, num_heads, batch + 1)
+    # Descriptors over [S, H, D]: a box of BLOCK_N rows of one head, zero-filled past S and past
+    # the head dim; a layout TMA cannot address takes the pointer loads with the same tiles.
+    use_tma = cfg.tma and k.shape[0] > 0 and _tma_addressable(k) and _tma_addressable(v)
+    k1_arg = _descriptor(k, cfg.block_n, cfg.block_d1) if use_tma else k
+    k2_arg = _descriptor(k, cfg.block_n, cfg.block_d2) if use_tma and cfg.block_d2 else k1_arg
+    v_arg = _descriptor(v, cfg.block_n, cfg.block_dv) if use_tma else v
     _mla_prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+        q, k1_arg, k2_arg, v_arg, out, cu_seqlens_q, cu_seqlens_k,
         num_tokens, batch, num_m_tiles, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         QK_DIM=qk_dim, V_DIM=v_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D1=cfg.block_d1, BLOCK_D2=cfg.block_d2, BLOCK_DV=cfg.block_dv,
-        UPCAST=upcast_dot_operands(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST=upcast_dot_operands(q.dtype), DOT_PRECISION=dot_precision(q.dtype), TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+def _tma_addressable(t: torch.Tensor) -> bool:
+    """A TMA descriptor over [S, H, D]: unit stride along D, 16-byte aligned base and strides."""
+    return (t.stride(2) == 1 and t.data_ptr() % 16 == 0
+            and all(s > 0 and (s * t.element_size()) % 16 == 0 for s in t.stride()[:2]))
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, 1, cols])
 
 
 def _check_prefill_lengths(

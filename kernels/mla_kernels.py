@@ -279,11 +279,11 @@ def _mla_decode_combine_kernel(
 @triton.jit
 def _mla_prefill_tile(
     acc, m_i, l_i, q1, q2, q_pos,
-    k_ptr, v_ptr, k_start, start_n, k_len, k_head_off, v_head_off, stride_k_t, stride_v_t,
-    qk_scale,
+    k_ptr, k2_ptr, v_ptr, k_start, start_n, k_len, head, k_head_off, v_head_off, stride_k_t,
+    stride_v_t, qk_scale,
     QK_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
     BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """One online-softmax step over keys [start_n, start_n + BLOCK_N) of one head.
 
@@ -295,14 +295,20 @@ def _mla_prefill_tile(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_mask = offs_n < k_len  # all true in unmasked tiles, whose loads skip it
     k_rows = (k_start + offs_n).to(tl.int64) * stride_k_t + k_head_off
-    k1 = _load_rows(k_ptr, k_rows, tl.arange(0, BLOCK_D1), n_mask, QK_DIM, BLOCK_D1 <= QK_DIM,
-                    MASKED)
+    if TMA:  # rows past this sequence hold other data: masked from the scores below
+        k1 = tl.reshape(k_ptr.load([k_start + start_n, head, 0]), [BLOCK_N, BLOCK_D1])
+    else:
+        k1 = _load_rows(k_ptr, k_rows, tl.arange(0, BLOCK_D1), n_mask, QK_DIM,
+                        BLOCK_D1 <= QK_DIM, MASKED)
     if UPCAST:
         k1 = k1.to(tl.float32)
     scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
     if BLOCK_D2 > 0:
-        k2 = _load_rows(k_ptr, k_rows, BLOCK_D1 + tl.arange(0, BLOCK_D2), n_mask, QK_DIM,
-                        BLOCK_D1 + BLOCK_D2 <= QK_DIM, MASKED)
+        if TMA:  # columns past the qk dim are outside the descriptor: zero-filled
+            k2 = tl.reshape(k2_ptr.load([k_start + start_n, head, BLOCK_D1]), [BLOCK_N, BLOCK_D2])
+        else:
+            k2 = _load_rows(k_ptr, k_rows, BLOCK_D1 + tl.arange(0, BLOCK_D2), n_mask, QK_DIM,
+                            BLOCK_D1 + BLOCK_D2 <= QK_DIM, MASKED)
         if UPCAST:
             k2 = k2.to(tl.float32)
         scores = tl.dot(q2, tl.trans(k2), scores, input_precision=DOT_PRECISION)
@@ -315,8 +321,13 @@ def _mla_prefill_tile(
     p = tl.math.exp2(qk - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     v_rows = (k_start + offs_n).to(tl.int64) * stride_v_t + v_head_off
-    v = _load_rows(v_ptr, v_rows, tl.arange(0, BLOCK_DV), n_mask, V_DIM, BLOCK_DV <= V_DIM,
-                   MASKED)
+    if TMA:
+        v = tl.reshape(v_ptr.load([k_start + start_n, head, 0]), [BLOCK_N, BLOCK_DV])
+        if MASKED:  # rows past this sequence may be unwritten (NaN): zeros, as the pointer path
+            v = tl.where(n_mask[:, None], v, 0.0)
+    else:
+        v = _load_rows(v_ptr, v_rows, tl.arange(0, BLOCK_DV), n_mask, V_DIM, BLOCK_DV <= V_DIM,
+                       MASKED)
     p_dot = p.to(v.dtype)
     if UPCAST:
         p_dot = p_dot.to(tl.float32)
@@ -335,7 +346,7 @@ def _mla_prefill_tile(
 @triton.jit
 def _mla_prefill_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+    q_ptr, k_ptr, k2_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
     # sizes
     num_tokens, num_seqs, num_m_tiles, qk_scale,
     # strides
@@ -344,11 +355,12 @@ def _mla_prefill_kernel(
     # constexprs
     QK_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program per (query tile, head, sequence); the sequence index num_seqs zeroes the
     padding rows after cu_seqlens_q[-1]. Query tiles of one head are adjacent in the grid, so the
-    programs running together share that head's keys in L2."""
+    programs running together share that head's keys in L2. With TMA, k_ptr / k2_ptr / v_ptr are
+    descriptors over [S, H, D] (the first and second qk parts, the values)."""
     # Heaviest (last) query tiles first: causal work grows with the tile index.
     pid_m = num_m_tiles - 1 - tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -391,16 +403,16 @@ def _mla_prefill_kernel(
     full_end = ((tile_first_pos + 1) // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _mla_prefill_tile(
-            acc, m_i, l_i, q1, q2, q_pos, k_ptr, v_ptr, k_start, start_n, k_len, k_head_off,
-            v_head_off, stride_k_t, stride_v_t, qk_scale, QK_DIM, V_DIM, BLOCK_N, BLOCK_D1,
-            BLOCK_D2, BLOCK_DV, False, UPCAST, DOT_PRECISION,
+            acc, m_i, l_i, q1, q2, q_pos, k_ptr, k2_ptr, v_ptr, k_start, start_n, k_len, pid_h,
+            k_head_off, v_head_off, stride_k_t, stride_v_t, qk_scale, QK_DIM, V_DIM, BLOCK_N,
+            BLOCK_D1, BLOCK_D2, BLOCK_DV, False, UPCAST, DOT_PRECISION, TMA,
         )
     # The diagonal tiles, with the causal and length mask.
     for start_n in range(full_end, tile_last_pos + 1, BLOCK_N):
         acc, m_i, l_i = _mla_prefill_tile(
-            acc, m_i, l_i, q1, q2, q_pos, k_ptr, v_ptr, k_start, start_n, k_len, k_head_off,
-            v_head_off, stride_k_t, stride_v_t, qk_scale, QK_DIM, V_DIM, BLOCK_N, BLOCK_D1,
-            BLOCK_D2, BLOCK_DV, True, UPCAST, DOT_PRECISION,
+            acc, m_i, l_i, q1, q2, q_pos, k_ptr, k2_ptr, v_ptr, k_start, start_n, k_len, pid_h,
+            k_head_off, v_head_off, stride_k_t, stride_v_t, qk_scale, QK_DIM, V_DIM, BLOCK_N,
+            BLOCK_D1, BLOCK_D2, BLOCK_DV, True, UPCAST, DOT_PRECISION, TMA,
         )
     out = acc / l_i[:, None]
     offs_dv = tl.arange(0, BLOCK_DV)

@@ -42,7 +42,8 @@ class MLATile:
     (decode only; prefill takes 1) splits the latent output columns over that many programs, each
     computing the same scores: a [BLOCK_H, 512 / dv_parts] accumulator instead of [BLOCK_H, 512].
     Like the rest of the tile it is fixed per shape by the policy (a column's bits may depend on
-    it: the interpreter's dot regroups a sum with the tile width).
+    it: the interpreter's dot regroups a sum with the tile width). ``tma`` (prefill only) brings
+    the key and value tiles in through Hopper TMA descriptors: the same tiles into the same dots.
     """
 
     block_m: int
@@ -50,6 +51,7 @@ class MLATile:
     num_warps: int = 4
     num_stages: int = 2
     dv_parts: int = 1
+    tma: bool = False  # prefill only: key and value tiles through TMA descriptors
 
     def __post_init__(self) -> None:
         check_block_size("block_m", self.block_m)
@@ -58,12 +60,16 @@ class MLATile:
         check_positive_int("num_stages", self.num_stages)
         if self.dv_parts not in (1, 2, 4, 8):
             raise ValueError(f"dv_parts: expected 1, 2, 4 or 8, got {self.dv_parts!r}")
+        if not isinstance(self.tma, bool):
+            raise ValueError(f"tma: expected a bool, got {self.tma!r}")
 
     def to_dict(self) -> dict:
-        # Tiles of one part keep the file format they were written in (no dv_parts key).
+        # Tiles without the newer options keep the file format they were written in.
         data = dataclasses.asdict(self)
         if self.dv_parts == 1:
             del data["dv_parts"]
+        if not self.tma:
+            del data["tma"]
         return data
 
     @classmethod
@@ -133,6 +139,8 @@ def _parse_tuned_table(data: dict) -> MLATunedTable:
                 raise ValueError(f"prefill dv_parts {tile.dv_parts} != 1 (a decode-only field)")
             prefill[(int(entry["qk_dim"]), int(entry["v_dim"]))] = tile
             continue
+        if tile.tma:
+            raise ValueError("decode tma: TMA is a prefill-only field")
         dims = (int(entry["heads"]), int(entry["latent"]), int(entry["rope"]))
         if tile.block_m > 64:
             raise ValueError(f"decode block_m (BLOCK_H) {tile.block_m} > 64")

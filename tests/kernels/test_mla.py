@@ -481,3 +481,70 @@ def test_mla_decode_writes_every_row(poisoned_outputs) -> None:
                          split_size=32)  # fmt: skip
         assert not out.isnan().any()
         assert torch.count_nonzero(out[1]) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("qk_dim,v_dim", [(24, 16), (48, 32), (32, 16)],
+                         ids=["Dqk24=16+8", "Dqk48=32+16", "Dqk32-pow2"])
+def test_mla_prefill_tma_same_bits_as_pointer_loads(dtype, qk_dim, v_dim, monkeypatch) -> None:
+    """Key and value tiles through descriptors over [S, H, D] give the pointer path's bits: the
+    second qk part past the head dim is zero-filled, and rows past a sequence (the next
+    sequence's, or unwritten NaN rows after the last) never reach a score or the accumulator."""
+    import dataclasses
+
+    from kernels import mla as mla_module
+
+    q_lens, k_lens = [5, 33, 1], [5, 70, 9]
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(sum(q_lens), 3, qk_dim, generator=gen).to(dtype)
+    k = torch.randn(sum(k_lens) + 5, 3, qk_dim, generator=gen).to(dtype)
+    v = torch.randn(sum(k_lens) + 5, 3, v_dim, generator=gen).to(dtype)
+    k[sum(k_lens):], v[sum(k_lens):] = float("nan"), float("nan")
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    base = mla_prefill_config(qk_dim, v_dim, dtype, Mode.CORUN)
+    plain = mla_prefill_attention(q, k, v, cu_q, cu_k, 0.2, max_q_len=33, config=base)
+    built = []
+    real = mla_module.TensorDescriptor
+    monkeypatch.setattr(mla_module, "TensorDescriptor",
+                        lambda *a: built.append(tuple(a[3])) or real(*a))
+    tma = mla_prefill_attention(q, k, v, cu_q, cu_k, 0.2, max_q_len=33,
+                                config=dataclasses.replace(base, tma=True))
+    second = [(base.block_n, 1, base.block_d2)] if base.block_d2 else []  # a pow-2 dim: none
+    assert built == [(base.block_n, 1, base.block_d1), *second, (base.block_n, 1, base.block_dv)]
+    assert_bitwise_equal(tma, plain)
+    expected = mla_prefill_reference(q.double(), k.double(), v.double(), cu_q, cu_k, 0.2)
+    assert_close(tma, expected, dtype, reduce_dim=qk_dim)
+
+
+def test_mla_prefill_tma_falls_back_where_a_descriptor_cannot_address() -> None:
+    """A head dim whose stride is not 16-byte aligned (fp32 qk 18: 72 bytes) runs pointer loads."""
+    import dataclasses
+
+    from kernels import mla as mla_module
+
+    gen = torch.Generator().manual_seed(8)
+    q, k = torch.randn(20, 2, 18, generator=gen), torch.randn(20, 2, 18, generator=gen)
+    v = torch.randn(20, 2, 16, generator=gen)
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    assert not mla_module._tma_addressable(k)
+    cfg = dataclasses.replace(mla_prefill_config(18, 16, torch.float32, Mode.CORUN), tma=True)
+    out = mla_prefill_attention(q, k, v, cu, cu, 0.3, max_q_len=20, config=cfg)
+    expected = mla_prefill_reference(q.double(), k.double(), v.double(), cu, cu, 0.3)
+    assert_close(out, expected, torch.float32, reduce_dim=18)
+
+
+def test_mla_tile_tma_is_prefill_only(tmp_path) -> None:
+    tile = MLATile(128, 64, num_warps=8, num_stages=3, tma=True)
+    assert MLATile.from_dict(tile.to_dict()) == tile
+    assert "tma" not in MLATile(128, 64).to_dict()
+    path = tmp_path / "mla_h200.json"
+    _write_table(path, [{"kind": "prefill", "qk_dim": 192, "v_dim": 128, "config": tile.to_dict()}])
+    assert mla_prefill_config(192, 128, torch.bfloat16, Mode.CORUN,
+                              table=load_mla_tuned(path)).tma
+    _write_table(path, [{**V3, "kind": "decode_fixed", "split_size": 256, "ctx": 1,
+                         "config": tile.to_dict()}])
+    with pytest.raises(ValueError, match="malformed MLA tuned table"):
+        load_mla_tuned(path)
+    with pytest.raises(ValueError, match="^tile:"):
+        mla_decode(scale=0.1, max_seq_len=32, tile=MLATile(16, 16, tma=True), **_decode_args())
