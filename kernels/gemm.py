@@ -46,6 +46,7 @@ from kernels.utils import (
     is_interpreter,
     load_tuned_json,
     next_power_of_2,
+    tma_addressable,
     upcast_dot_operands,
 )
 
@@ -285,13 +286,6 @@ def _gemm_config(table: TunedTable, m: int, n: int, k: int, dtype: torch.dtype,
 # ----------------------------------------------------------------------------------------------
 
 
-def _tma_addressable(t: torch.Tensor) -> bool:
-    """What a TMA descriptor needs: unit stride along K, 16-byte aligned base and row stride (an
-    expanded tensor's stride 0 is not one)."""
-    return (t.stride(1) == 1 and t.stride(0) > 0 and t.data_ptr() % 16 == 0
-            and (t.stride(0) * t.element_size()) % 16 == 0)
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -345,7 +339,7 @@ def gemm(
     stride_om, stride_on = target.stride(-2), target.stride(-1)
     # A layout TMA cannot address (a view with a 2-byte-aligned row stride, say) takes the
     # per-thread loads with the same tiles: the same arithmetic, so the same bits.
-    use_tma = cfg.tma and k > 0 and _tma_addressable(x) and _tma_addressable(w)
+    use_tma = cfg.tma and k > 0 and tma_addressable(x) and tma_addressable(w)
     x_arg = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]) if use_tma else x
     w_arg = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k]) if use_tma else w
 

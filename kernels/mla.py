@@ -62,6 +62,7 @@ from kernels.utils import (
     dot_precision,
     is_host_checkable,
     next_power_of_2,
+    tma_addressable,
     upcast_dot_operands,
 )
 
@@ -429,7 +430,7 @@ def mla_prefill_attention(
     grid = (num_m_tiles, num_heads, batch + 1)
     # Descriptors over [S, H, D]: a box of BLOCK_N rows of one head, zero-filled past S and past
     # the head dim; a layout TMA cannot address takes the pointer loads with the same tiles.
-    use_tma = cfg.tma and k.shape[0] > 0 and _tma_addressable(k) and _tma_addressable(v)
+    use_tma = cfg.tma and k.shape[0] > 0 and tma_addressable(k) and tma_addressable(v)
     k1_arg = _descriptor(k, cfg.block_n, cfg.block_d1) if use_tma else k
     k2_arg = _descriptor(k, cfg.block_n, cfg.block_d2) if use_tma and cfg.block_d2 else k1_arg
     v_arg = _descriptor(v, cfg.block_n, cfg.block_dv) if use_tma else v
@@ -444,12 +445,6 @@ def mla_prefill_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
-
-
-def _tma_addressable(t: torch.Tensor) -> bool:
-    """A TMA descriptor over [S, H, D]: unit stride along D, 16-byte aligned base and strides."""
-    return (t.stride(2) == 1 and t.data_ptr() % 16 == 0
-            and all(s > 0 and (s * t.element_size()) % 16 == 0 for s in t.stride()[:2]))
 
 
 def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:

@@ -45,6 +45,13 @@ def is_host_checkable(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
 
 
+def tma_addressable(t: torch.Tensor) -> bool:
+    """Whether a Hopper TMA descriptor can cover ``t``: unit stride along the last dim, a 16-byte
+    aligned base, and every other stride positive (not an expanded dim) and 16-byte aligned."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s > 0 and (s * t.element_size()) % 16 == 0 for s in t.stride()[:-1]))
+
+
 def check_tensor(
     name: str,
     tensor: object,

@@ -12,6 +12,7 @@ from kernels import gemm as gemm_module
 from kernels.gemm import GemmConfig, auto_split_k, gemm, gemm_config, load_tuned_table
 from kernels.mode import Mode
 from kernels.reference import gemm_reference
+from kernels.utils import tma_addressable
 from tests.utils import assert_bitwise_equal, assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -85,7 +86,7 @@ def test_gemm_tma_configs_match_reference(config, dtype, monkeypatch):
 def test_gemm_tma_falls_back_where_a_descriptor_cannot_address():
     """A row stride TMA cannot take (K = 145 fp32: 580 bytes) runs the per-thread loads."""
     x, w, b = _inputs(37, 48, 145, torch.float32, seed=3)
-    assert not gemm_module._tma_addressable(x)
+    assert not tma_addressable(x)
     _check(x, w, b, config=GemmConfig(16, 32, 64, tma=True))
 
 
@@ -112,7 +113,7 @@ def test_gemm_tma_same_bits_as_pointer_loads(config, dtype):
     flat = torch.zeros(37 * 160 + 1, dtype=dtype)
     shifted = flat[1:].view(37, 160)  # one element in: the base is 2 or 4 bytes off alignment
     shifted.copy_(x)
-    assert shifted.data_ptr() % 16 and not gemm_module._tma_addressable(shifted)
+    assert shifted.data_ptr() % 16 and not tma_addressable(shifted)
     assert_bitwise_equal(gemm(shifted, w, config=config), plain, "fallback")
 
 

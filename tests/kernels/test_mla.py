@@ -3,11 +3,13 @@ expanded-attention reference for prefill), plus argument validation and the conf
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from kernels import mla as mla_module
 from kernels.mla import (
     MLATile,
     MLATunedTable,
@@ -20,6 +22,7 @@ from kernels.mla import (
 )
 from kernels.mode import Mode
 from kernels.reference import mla_decode_reference, store_mla_kv_reference
+from kernels.utils import tma_addressable
 from tests.utils import assert_bitwise_equal, assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -490,10 +493,6 @@ def test_mla_prefill_tma_same_bits_as_pointer_loads(dtype, qk_dim, v_dim, monkey
     """Key and value tiles through descriptors over [S, H, D] give the pointer path's bits: the
     second qk part past the head dim is zero-filled, and rows past a sequence (the next
     sequence's, or unwritten NaN rows after the last) never reach a score or the accumulator."""
-    import dataclasses
-
-    from kernels import mla as mla_module
-
     q_lens, k_lens = [5, 33, 1], [5, 70, 9]
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(sum(q_lens), 3, qk_dim, generator=gen).to(dtype)
@@ -519,15 +518,11 @@ def test_mla_prefill_tma_same_bits_as_pointer_loads(dtype, qk_dim, v_dim, monkey
 
 def test_mla_prefill_tma_falls_back_where_a_descriptor_cannot_address() -> None:
     """A head dim whose stride is not 16-byte aligned (fp32 qk 18: 72 bytes) runs pointer loads."""
-    import dataclasses
-
-    from kernels import mla as mla_module
-
     gen = torch.Generator().manual_seed(8)
     q, k = torch.randn(20, 2, 18, generator=gen), torch.randn(20, 2, 18, generator=gen)
     v = torch.randn(20, 2, 16, generator=gen)
     cu = torch.tensor([0, 20], dtype=torch.int32)
-    assert not mla_module._tma_addressable(k)
+    assert not tma_addressable(k)
     cfg = dataclasses.replace(mla_prefill_config(18, 16, torch.float32, Mode.CORUN), tma=True)
     out = mla_prefill_attention(q, k, v, cu, cu, 0.3, max_q_len=20, config=cfg)
     expected = mla_prefill_reference(q.double(), k.double(), v.double(), cu, cu, 0.3)
