@@ -82,26 +82,26 @@ def _gemm_kernel(
             if TMA:
                 a = x_ptr.load([pid_m * BLOCK_M, kb * BLOCK_K])
                 b = w_ptr.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
-            elif SERIAL_DOT:
-                # Interpreter only: w read as [BLOCK_N, BLOCK_K] and transposed, the layout of a
-                # TMA tile, so the serial product below sums both paths in one order and a
-                # config's bits do not depend on whether its inputs were TMA-addressable.
-                offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-                x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + offs_k[None, :] * stride_xk
-                w_ptrs = w_ptr + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk
-                a = tl.load(x_ptrs, mask=offs_k[None, :] < K, other=0.0)
-                b = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0).T
             else:
                 offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
                 x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + offs_k[None, :] * stride_xk
-                w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn
-                if EVEN_K:
-                    a = tl.load(x_ptrs)
-                    b = tl.load(w_ptrs)
-                else:
-                    # Zero padding past K adds exact zeros: the sum over the real K is unchanged.
+                if SERIAL_DOT:
+                    # Interpreter only: w read as [BLOCK_N, BLOCK_K] and transposed, the layout
+                    # of a TMA tile, so the serial product below sums both paths in one order and
+                    # a config's bits do not depend on whether its inputs were TMA-addressable.
+                    w_ptrs = w_ptr + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk
                     a = tl.load(x_ptrs, mask=offs_k[None, :] < K, other=0.0)
-                    b = tl.load(w_ptrs, mask=offs_k[:, None] < K, other=0.0)
+                    b = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0).T
+                else:
+                    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn
+                    if EVEN_K:
+                        a = tl.load(x_ptrs)
+                        b = tl.load(w_ptrs)
+                    else:
+                        # Zero padding past K adds exact zeros: the sum over the real K is
+                        # unchanged.
+                        a = tl.load(x_ptrs, mask=offs_k[None, :] < K, other=0.0)
+                        b = tl.load(w_ptrs, mask=offs_k[:, None] < K, other=0.0)
             if UPCAST:
                 # Interpreter only: its bf16 dot is wrong, fp32 is exact (kernels.utils).
                 a = a.to(tl.float32)
