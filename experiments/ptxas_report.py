@@ -201,13 +201,9 @@ def mla_prefill_reports(tiles: list, length: int = 4096) -> list[dict]:
     k = torch.empty(length, heads, qk_dim, dtype=torch.bfloat16)
     v = torch.empty(length, heads, v_dim, dtype=torch.bfloat16)
     cu = torch.tensor([0, length], dtype=torch.int32)
-    literal = mla.mla_prefill_config(qk_dim, v_dim, torch.bfloat16, Mode.CORUN,
-                                     table=mla.MLATunedTable({}, {}, {}))
     rows = []
     for tile in tiles:
-        cfg = dataclasses.replace(literal, block_m=tile.block_m, block_n=tile.block_n,
-                                  num_warps=tile.num_warps, num_stages=tile.num_stages,
-                                  tma=tile.tma)
+        cfg = mla.mla_prefill_config(qk_dim, v_dim, torch.bfloat16, Mode.CORUN, tile=tile)
         launch = capture_launches(mla, lambda cfg=cfg: mla.mla_prefill_attention(
             q, k, v, cu, cu, 0.1, max_q_len=length, config=cfg))[0]
         rows.append({"case": _tile_label(tile), "tile": tile.to_dict(), **_report(launch)})

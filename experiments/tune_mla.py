@@ -54,7 +54,6 @@ from experiments import bench_mla, harness  # noqa: E402
 from kernels.mla import (  # noqa: E402
     TUNED_PATH,
     MLATile,
-    MLATunedTable,
     mla_decode,
     mla_prefill_attention,
     mla_prefill_config,
@@ -219,8 +218,6 @@ def tune_decode(sweep: Sweep, deadline: float) -> tuple[list[dict], bool]:
 def tune_prefill(sweep: Sweep, deadline: float) -> tuple[list[dict], bool]:
     """One prefill tile (every length, every mode): the lowest geometric mean over the lengths."""
     dims = sweep.dims
-    empty = MLATunedTable({}, {}, {})
-    literal = mla_prefill_config(dims["qk_dim"], dims["v_dim"], DTYPE, Mode.CORUN, table=empty)
     times: dict[MLATile, list[float]] = {}
     done, complete = 0, True
     for length in sweep.prefill_lens:
@@ -231,10 +228,8 @@ def tune_prefill(sweep: Sweep, deadline: float) -> tuple[list[dict], bool]:
         cu = bench_mla._cu([length])
 
         def run(tile: MLATile, x=x, cu=cu, length=length):
-            cfg = dataclasses.replace(
-                literal, block_m=tile.block_m, block_n=tile.block_n,
-                num_warps=tile.num_warps, num_stages=tile.num_stages, tma=tile.tma,
-            )  # fmt: skip
+            cfg = mla_prefill_config(dims["qk_dim"], dims["v_dim"], DTYPE, Mode.CORUN,
+                                     tile=tile)  # fmt: skip
             return mla_prefill_attention(x["q"], x["k"], x["v"], cu, cu, dims["scale"],
                                          max_q_len=length, config=cfg)  # fmt: skip
 

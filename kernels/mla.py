@@ -350,14 +350,15 @@ class MLAPrefillConfig:
 
 
 def mla_prefill_config(
-    qk_dim: int, v_dim: int, dtype: torch.dtype, mode: Mode, *, table: MLATunedTable | None = None
+    qk_dim: int, v_dim: int, dtype: torch.dtype, mode: Mode, *, tile: MLATile | None = None,
+    table: MLATunedTable | None = None,
 ) -> MLAPrefillConfig:
     """The prefill policy: a pure function of the head dims and dtype, the same in every mode.
 
     It never reads the batch, the chunk lengths or the context lengths, which (with keys walked
     from key 0) makes a row's bits independent of chunking and co-runners. The tile comes from the
     tuned table's entry for (qk_dim, v_dim) for 16-bit dtypes, else from the literal rule below;
-    ``table`` overrides the checked-in table (tests).
+    ``tile`` overrides the lookup (tests and tuning), ``table`` the checked-in table (tests).
     """
     Mode.parse(mode)
     block_d1 = 1 << (max(qk_dim, 1).bit_length() - 1)  # largest power of 2 <= qk_dim
@@ -365,7 +366,9 @@ def mla_prefill_config(
     block_d2 = max(16, next_power_of_2(rest)) if rest > 0 else 0
     block_d1 = max(16, block_d1)
     wide = dtype.itemsize > 2
-    tile = (table or checked_in_table()).prefill_tile(qk_dim, v_dim, dtype) or MLATile(
+    if tile is not None and (not isinstance(tile, MLATile) or tile.dv_parts != 1):
+        raise ValueError(f"tile: expected an MLATile with dv_parts 1, got {tile!r}")
+    tile = tile or (table or checked_in_table()).prefill_tile(qk_dim, v_dim, dtype) or MLATile(
         block_m=64 if wide else 128, block_n=32 if wide else 64,
         num_warps=4 if wide else 8, num_stages=2 if wide else 3,
     )  # fmt: skip

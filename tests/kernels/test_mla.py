@@ -543,3 +543,13 @@ def test_mla_tile_tma_is_prefill_only(tmp_path) -> None:
         load_mla_tuned(path)
     with pytest.raises(ValueError, match="^tile:"):
         mla_decode(scale=0.1, max_seq_len=32, tile=MLATile(16, 16, tma=True), **_decode_args())
+
+
+def test_mla_prefill_config_tile_override() -> None:
+    """A tile passed in replaces the lookup (tuning); the head-dim split stays the shape's."""
+    tile = MLATile(64, 32, num_warps=4, num_stages=1, tma=True)
+    cfg = mla_prefill_config(192, 128, torch.bfloat16, Mode.CORUN, tile=tile)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 32, 4, 1) and cfg.tma
+    assert (cfg.block_d1, cfg.block_d2, cfg.block_dv) == (128, 64, 128)
+    with pytest.raises(ValueError, match="^tile:"):
+        mla_prefill_config(192, 128, torch.bfloat16, Mode.CORUN, tile=MLATile(64, 32, dv_parts=2))
