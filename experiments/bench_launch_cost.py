@@ -40,7 +40,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.harness import bench_us, write_results  # noqa: E402
+from experiments.harness import bench_us, kernels_replaced, write_results  # noqa: E402
 from models.config import NAMED_CONFIGS  # noqa: E402
 
 DECODE_B = 128
@@ -76,22 +76,17 @@ def _never(tensor: torch.Tensor) -> bool:
 def stubbed_kernels() -> Iterator[None]:
     """Replace every Triton kernel object bound in a ``kernels.*`` module by ``_NoLaunch``, and
     ``is_host_checkable`` by "never" (the GPU behaviour)."""
-    from triton.runtime.jit import KernelInterface
-
-    saved = []
-    for module in _kernel_modules():
-        for name, value in list(vars(module).items()):
-            if isinstance(value, KernelInterface):
-                saved.append((module, name, value))
-                setattr(module, name, _NoLaunch())
-            elif name == "is_host_checkable":
-                saved.append((module, name, value))
-                setattr(module, name, _never)
-    try:
-        yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
+    modules = _kernel_modules()
+    checks = [(module, module.is_host_checkable) for module in modules
+              if "is_host_checkable" in vars(module)]
+    with kernels_replaced(modules, lambda _: _NoLaunch()):
+        try:
+            for module, _ in checks:
+                module.is_host_checkable = _never
+            yield
+        finally:
+            for module, check in checks:
+                module.is_host_checkable = check
 
 
 def _op_calls(device: str) -> dict[str, Callable[[], object]]:

@@ -75,6 +75,24 @@ def count_jit_compiles() -> Iterator[list[str]]:
         runtime.jit_post_compile_hook = previous
 
 
+@contextmanager
+def kernels_replaced(modules: list, stand_in: Callable[[object], object]) -> Iterator[list]:
+    """Every Triton kernel object bound in ``modules`` replaced by ``stand_in(kernel)`` inside the
+    block (the launchers then call the stand-in), and put back however the block ends; yields the
+    kernels replaced."""
+    from triton.runtime.jit import KernelInterface
+
+    saved = [(module, name, value) for module in modules
+             for name, value in list(vars(module).items()) if isinstance(value, KernelInterface)]
+    try:
+        for module, name, value in saved:
+            setattr(module, name, stand_in(value))
+        yield [value for _, _, value in saved]
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 def memory_bound_us(num_bytes: float, bandwidth: float = H200_BANDWIDTH_BYTES_PER_S) -> float:
     """The time to move ``num_bytes`` once at the measured copy bandwidth, in microseconds."""
     return num_bytes / bandwidth * 1e6

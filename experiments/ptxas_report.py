@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
 import re
 import subprocess
@@ -38,6 +36,8 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+
+from experiments import harness  # noqa: E402
 
 SHARED_MEMORY_LIMIT = 232_448  # bytes of shared memory one H200 (sm_90) block may use (227 KB)
 
@@ -68,20 +68,13 @@ class _Recorder:
 def capture_launches(module: ModuleType, call: Callable[[], object]) -> list[Launch]:
     """Run ``call`` with every Triton kernel that ``module`` names replaced by a recorder; the
     launches it would have made, in order (nothing runs)."""
-    kernels = {name: value for name, value in vars(module).items()
-               if isinstance(value, triton.runtime.jit.JITFunction)}
-    if not kernels:  # e.g. under TRITON_INTERPRET=1, where kernels are interpreted functions
-        raise RuntimeError(f"{module.__name__} names no compiled Triton kernel to capture "
-                           "(run without TRITON_INTERPRET)")
     launches: list[Launch] = []
-    saved = dict(kernels)
-    try:
-        for name, kernel in kernels.items():
-            setattr(module, name, _Recorder(kernel, launches))
+    with harness.kernels_replaced([module], lambda k: _Recorder(k, launches)) as kernels:
+        # Under TRITON_INTERPRET=1 the kernels are interpreted functions: nothing to compile.
+        if not kernels or not all(isinstance(k, triton.runtime.jit.JITFunction) for k in kernels):
+            raise RuntimeError(f"{module.__name__} names no compiled Triton kernel to capture "
+                               "(run without TRITON_INTERPRET)")
         call()
-    finally:
-        for name, kernel in saved.items():
-            setattr(module, name, kernel)
     return launches
 
 
@@ -310,17 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     shape, rows = TARGETS[args.target]()
     _print(rows)
     if args.out is not None:
-        header = {
-            "header": True, "machine": "offline (no GPU): triton.compile for cuda:90, ptxas sm_90a",
-            "triton": triton.__version__, "torch": torch.__version__, "ptxas": ptxas_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": f"{sys.executable} -m experiments.ptxas_report "
-                       + " ".join(argv or sys.argv[1:]),
-            "shape": shape, "shared_limit_bytes": SHARED_MEMORY_LIMIT,
-        }
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"ptxas-{args.target}-sm90.json"
-        path.write_text(json.dumps([header, *rows], indent=1) + "\n")
+        path = harness.write_results(
+            f"ptxas-{args.target}-sm90", rows, args.out,
+            machine="offline (no GPU): triton.compile for cuda:90, ptxas sm_90a",
+            ptxas=ptxas_version(), shape=shape, shared_limit_bytes=SHARED_MEMORY_LIMIT,
+        )
         print(f"wrote {path}")
     return 0
 
