@@ -3,9 +3,8 @@ README view puts each op's host cost beside its GPU time."""
 
 from __future__ import annotations
 
-import json
-
-from experiments import bench_launch_cost, report
+from experiments import bench_launch_cost
+from tests.experiments.rendering import render_block
 
 
 def test_stub_mode_times_every_op_launcher():
@@ -27,10 +26,7 @@ def test_view_pairs_host_and_gpu_time(tmp_path, monkeypatch):
                 "gpu_us": 37.0, "host_over_gpu": 1.5},
                {"op": "gemm qkv", "shape": "decode", "mode": "native", "host_us": 30.0,
                 "gpu_error": "RuntimeError()"}]
-    (tmp_path / "launch-cost-h200.json").write_text(json.dumps([head, *records]))
-    monkeypatch.setattr(report, "RESULTS", tmp_path)
-    text = report.render_readme("<!-- results:launch-cost-h200 -->\n"
-                                "<!-- /results:launch-cost-h200 -->")
+    text = render_block(tmp_path, monkeypatch, "launch-cost-h200", head, records)
     assert "| sample | decode | 40.0 | 55.5 | 37.0 | 1.50 |" in text
     assert "| gemm qkv | decode | — | 30.0 | — | — |" in text
     assert "graph replay" in text

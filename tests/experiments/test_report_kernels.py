@@ -4,9 +4,7 @@ failing live check is still counted and pointed at."""
 
 from __future__ import annotations
 
-import json
-
-from experiments import report
+from tests.experiments.rendering import render_block
 
 HEAD = {"header": True, "machine": "NVIDIA H200", "torch": "2.11", "triton": "3.6",
         "date": "d", "command": "c", "families": ["gemm"], "timing": "graph replay"}
@@ -20,9 +18,7 @@ def _check(name: str, passed: bool, **extra: str) -> dict:
 
 
 def _render(tmp_path, monkeypatch, records: list[dict], block: str) -> str:
-    (tmp_path / "kernels-h200.json").write_text(json.dumps([HEAD, TIMING, *records]))
-    monkeypatch.setattr(report, "RESULTS", tmp_path)
-    return report.render_readme(f"<!-- results:{block} -->\n<!-- /results:{block} -->")
+    return render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, [TIMING, *records], block)
 
 
 def test_superseded_and_informative_checks_are_listed_not_counted(tmp_path, monkeypatch):
@@ -53,10 +49,7 @@ def test_ptxas_view_lists_every_launch(tmp_path, monkeypatch):
              "spill_load_bytes": 220, "shared_bytes": 151552, "fits_shared": True, "wgmma": 40,
              "cp_async": 18, "tma_loads": 0},
             {"case": "bad", "kernel": "k", "error": "OutOfResources"}]
-    (tmp_path / "ptxas-gemm-sm90.json").write_text(json.dumps([head, *rows]))
-    monkeypatch.setattr(report, "RESULTS", tmp_path)
-    text = report.render_readme("<!-- results:ptxas-gemm-sm90 -->\n"
-                                "<!-- /results:ptxas-gemm-sm90 -->")
+    text = render_block(tmp_path, monkeypatch, "ptxas-gemm-sm90", head, rows)
     assert "| 64 x 32, 8 warps | k | 255 | 320 | 220 | 151552 | yes | 40 | 18 | 0 |  |" in text
     assert "| bad | k | — | — | — | — | no | — | — | — | OutOfResources |" in text
     assert "ptxas Build cuda_12.8; s; shared memory limit 232448 bytes a block." in text

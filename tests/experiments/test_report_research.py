@@ -3,9 +3,7 @@ peer for some model, failed runs say so, the atlas marks changed cells."""
 
 from __future__ import annotations
 
-import json
-
-from experiments import report
+from tests.experiments.rendering import render_block
 
 HEAD = {"header": True, "machine": "NVIDIA H200", "torch": "2.11", "triton": "3.6",
         "date": "d", "command": "c",
@@ -16,9 +14,7 @@ HEAD = {"header": True, "machine": "NVIDIA H200", "torch": "2.11", "triton": "3.
 
 
 def _render(tmp_path, monkeypatch, name, records, block):
-    (tmp_path / f"{name}.json").write_text(json.dumps([HEAD, *records]))
-    monkeypatch.setattr(report, "RESULTS", tmp_path)
-    return report.render_readme(f"<!-- results:{block} -->\n<!-- /results:{block} -->")
+    return render_block(tmp_path, monkeypatch, name, HEAD, records, block)
 
 
 def test_paper_claims_rows_only_where_measured(tmp_path, monkeypatch):
@@ -68,10 +64,7 @@ def test_ablate_view_links_its_png(tmp_path, monkeypatch):
 def test_ablate_view_lists_every_run_of_a_repeated_point(tmp_path, monkeypatch):
     records = [{"series": "corun", "value": 256, "output_tok_s": 20.0,
                 "output_tok_s_runs": [30.0, 10.0, 20.0], "mismatches": 0}]
-    (tmp_path / "ablate-overlap-h200.json").write_text(json.dumps([{**HEAD, "repeats": 3},
-                                                                   *records]))
-    monkeypatch.setattr(report, "RESULTS", tmp_path)
-    text = report.render_readme("<!-- results:ablate-overlap-h200 -->\n"
-                                "<!-- /results:ablate-overlap-h200 -->")
+    text = render_block(tmp_path, monkeypatch, "ablate-overlap-h200", {**HEAD, "repeats": 3},
+                        records)
     assert "| series | value | output tok/s | runs (median of 3) |" in text
     assert "| corun | 256 | 20.00 | 30, 10, 20 |" in text
