@@ -289,6 +289,11 @@ def tune(setup: Setup, budget_s: float, done: list[dict],
     return entries, True
 
 
+def _needs_retune(entry: dict, retune: set[int]) -> bool:
+    """An entry at an M to re-tune that another candidate set produced."""
+    return entry["m"] in retune and entry.get("candidate_set") != CANDIDATE_SET
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=300.0, help="sweep wall-clock budget")
@@ -325,8 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         retune |= set(previous["header"].get("retune_pending_m", []))
         # Entries of this sweep's candidate sets only (they record their candidate count).
         done = [e for e in previous["entries"] if "candidates" in e]
-        stale = frozenset((e["m"], e["n"], e["k"]) for e in done if e["m"] in retune
-                          and e.get("candidate_set") != CANDIDATE_SET)
+        stale = frozenset((e["m"], e["n"], e["k"]) for e in done if _needs_retune(e, retune))
         runs = previous["header"].get("runs", [])
     t0 = time.monotonic()
     this_run = header(wall_s=0.0)
@@ -334,8 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     def write(entries: list[dict], complete: bool) -> None:
         this_run["wall_s"] = round(time.monotonic() - t0, 1)
         bi_choice = _pool_choice(entries)
-        pending = sorted({e["m"] for e in entries
-                          if e["m"] in retune and e.get("candidate_set") != CANDIDATE_SET})
+        pending = sorted({e["m"] for e in entries if _needs_retune(e, retune)})
         record = {
             "header": header(complete=complete and not pending, retune_pending_m=pending,
                              tuned_dtype=str(setup.dtype).removeprefix("torch."),
