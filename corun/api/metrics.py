@@ -160,8 +160,11 @@ class ServerMetrics:
             registry=r,
         )
         self._prefix_seen = (0, 0)  # the engine totals already counted
-        for counter in (self.prefix_cache_queries, self.prefix_cache_hits):
-            self.labels(counter)  # exported at 0 from the first scrape on
+        # Exported at 0 from the first scrape on (a labelled counter has no sample until its
+        # label is first used, so a scrape before any finished request would lack the series).
+        for counter in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
+                        self.prefix_cache_hits):
+            self.labels(counter)
         self.kv_usage = Gauge(
             "corun:kv_cache_usage_perc",
             "Fraction of KV cache blocks in use (1 = full).",
