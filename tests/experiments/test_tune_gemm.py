@@ -57,6 +57,20 @@ def test_pool_choice_is_the_geometric_mean_winner():
     assert tune_gemm._pool_choice([{"m": 1}]) is None
 
 
+def test_pool_choice_keeps_the_previous_config_within_the_margin():
+    """A re-tune does not flip the portable peer's config on a near tie (timing noise)."""
+    pool = tune_gemm.BATCH_INVARIANT_POOL
+    near_tie = [{"pool_us": [10.0, 20.0, 9.95, 20.0]}]  # pool[2] 0.5% faster than pool[0]
+    assert tune_gemm._pool_choice(near_tie) == pool[2]
+    assert tune_gemm._pool_choice(near_tie, previous=pool[0]) == pool[0]
+    clear_win = [{"pool_us": [10.0, 20.0, 9.0, 20.0]}]  # 10% faster: the new winner
+    assert tune_gemm._pool_choice(clear_win, previous=pool[0]) == pool[2]
+    # A previous config outside the pool (an older pool) is not kept.
+    outsider = dataclasses.replace(pool[0], block_k=32)
+    assert outsider not in pool
+    assert tune_gemm._pool_choice(near_tie, previous=outsider) == pool[2]
+
+
 def test_dry_run_writes_a_table_the_policy_reads_and_resumes(tmp_path):
     out = tmp_path / "gemm_tuned.json"
     assert tune_gemm.main(["--dry-run", "--out", str(out), "--budget-s", "0"]) == 0
