@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -299,9 +300,10 @@ def warm_up(args: argparse.Namespace, base_url: str, model: str) -> float:
     return time.perf_counter() - start
 
 
-def sweep(args: argparse.Namespace, base_url: str, mode: str, budget_s: float | None) -> list[dict]:
+def sweep(args: argparse.Namespace, base_url: str, mode: str, budget_s: float | None,
+          on_record: Callable[[list[dict]], object] | None = None) -> list[dict]:
     """Every rate of ``--request-rate`` (plus the max-concurrency run) against one server,
-    after a warm-up."""
+    after a warm-up; ``on_record`` gets the records so far after each run."""
     model = args.served_model or served_model(base_url)
     warmup_s = warm_up(args, base_url, model) if args.warmup_requests else 0.0
     runs = [
@@ -351,6 +353,8 @@ def sweep(args: argparse.Namespace, base_url: str, mode: str, budget_s: float | 
         print(f"\nmode={mode} rate={record['request_rate']} max_concurrency={concurrency}")
         print_result(record)
         records.append(record)
+        if on_record is not None:
+            on_record(records)
     return records
 
 
@@ -540,22 +544,30 @@ def main(argv: list[str] | None = None) -> None:
     specs = server_specs(args)
     budget = args.time_budget_s / len(specs) if args.time_budget_s else None
     records: list[dict] = []
-    for spec in specs:
-        port = free_port()
-        proc = launch_server(spec, port, args)
-        try:
-            runs = sweep(args, f"http://127.0.0.1:{port}", spec.mode, budget)
-        finally:
-            stop_server(proc)
-        records += [{"label": spec.label, **r, "extra_server_args": spec.extra_args}
-                    for r in runs]
-        path = write_results(
+
+    def labelled(spec: ServerSpec, runs: list[dict]) -> list[dict]:
+        return [{"label": spec.label, **r, "extra_server_args": spec.extra_args} for r in runs]
+
+    def save(spec: ServerSpec, runs: list[dict]) -> Path:
+        # Written after every rate, so a run cut by its time limit keeps what it measured.
+        return write_results(
             args.result_name,
-            records,
+            records + labelled(spec, runs),
             out_dir,
             bench="serving",
             args={k: str(v) for k, v in vars(args).items()},
         )
+
+    for spec in specs:
+        port = free_port()
+        proc = launch_server(spec, port, args)
+        try:
+            runs = sweep(args, f"http://127.0.0.1:{port}", spec.mode, budget,
+                         on_record=lambda runs, spec=spec: save(spec, runs))
+        finally:
+            stop_server(proc)
+        path = save(spec, runs)
+        records += labelled(spec, runs)
         plot(records, spec.label, out_dir, args.result_name)
     print(f"wrote {path}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -73,3 +74,33 @@ def test_variant_labels_must_be_unique():
     args = build_parser().parse_args(["--modes", "corun", "--variant", "corun=corun --seed 1"])
     with pytest.raises(SystemExit, match="unique"):
         server_specs(args)
+
+
+def test_a_launch_run_cut_during_a_rate_keeps_the_rates_before_it(tmp_path, monkeypatch):
+    """The results file is written after every rate: a device call's time limit that stops the
+    run (KeyboardInterrupt from `timeout --signal=INT`) leaves the rates already measured."""
+    from experiments import bench_serving
+
+    calls = []
+
+    async def fake_benchmark(base_url, model, requests, rate, *rest, **kwargs):
+        calls.append(rate)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        done = RequestResult(prompt_len=4, success=True, output_tokens=2, ttft=0.1,
+                             itl=[0.01], latency=0.11)
+        return [done], 1.0
+
+    stopped = []
+    monkeypatch.setattr(bench_serving, "launch_server", lambda spec, port, args: "proc")
+    monkeypatch.setattr(bench_serving, "stop_server", stopped.append)
+    monkeypatch.setattr(bench_serving, "served_model", lambda url: "tiny")
+    monkeypatch.setattr(bench_serving, "run_benchmark", fake_benchmark)
+    argv = ["--launch", "--modes", "default", "--request-rate", "1,2,4", "--warmup-requests", "0",
+            "--num-prompts", "2", "--result-name", "cut", "--result-dir", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        bench_serving.main(argv)
+    assert stopped == ["proc"]  # the server is shut down on the way out
+    head, *records = json.loads((tmp_path / "cut.json").read_text())
+    assert head["header"] and [r["request_rate"] for r in records] == [1.0]
+    assert records[0]["mode"] == records[0]["label"] == "default"
