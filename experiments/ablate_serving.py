@@ -7,7 +7,9 @@ saturation (``inf``: every request at t=0, the server's own throughput limit). W
 output tok/s, TTFT p50 and TPOT p50 against the rate, one line per mode. The budget
 (``--time-budget-s``) is split over the modes and rates by bench_serving and cuts each run's
 request count to fit; server start-ups come on top (about a minute each at the Qwen3-8B shape).
-``--modes default --merge EARLIER`` runs one mode and keeps an earlier file's other modes.
+``--modes default --merge EARLIER`` runs one mode and keeps an earlier file's other modes, at the
+earlier run's budget per mode (its ``--time-budget-s`` over its modes, whatever this run's flag
+says), so every mode's runs send the same number of requests at a rate and their curves compare.
 """
 
 from __future__ import annotations
@@ -24,6 +26,16 @@ SERVING_MODES = ("corun", "batch_invariant_tuned", "batch_invariant", "default")
 DRY_RUN = dict(modes=("corun",), rates="4,inf", server_args="--device cpu --dtype float32 "
                "--max-num-seqs 4 --max-model-len 128", input_len=16, output_len=4, num_prompts=4,
                warmup_requests=1)
+
+
+def merged_budget_s(earlier_head: dict, modes: int) -> float | None:
+    """This run's budget when it joins an earlier file: the earlier budget per mode times this
+    run's modes, or None when the earlier run had no budget."""
+    earlier = earlier_head.get("args", {})
+    budget, earlier_modes = earlier.get("time_budget_s"), earlier.get("modes")
+    if budget in (None, "None") or not earlier_modes:
+        return None
+    return float(budget) / len(earlier_modes.split(",")) * modes
 
 
 def serving_argv(args: argparse.Namespace, out_dir: Path) -> list[str]:
@@ -46,6 +58,13 @@ def serving_load(args: argparse.Namespace) -> None:
     out_dir = Path(os.environ.get("CORUN_RESULTS_DIR", RESULTS_DIR))
     if args.dry_run:
         args.model = "tiny-qwen3"
+    if args.merge is not None:
+        modes = len(args.modes or SERVING_MODES)
+        budget = merged_budget_s(json.loads(args.merge.read_text())[0], modes)
+        if budget is not None and budget != args.time_budget_s:
+            print(f"--merge: budget {budget:.0f} s ({args.merge.name}'s per mode x {modes}), "
+                  f"not {args.time_budget_s:.0f} s", flush=True)
+            args.time_budget_s = budget
     bench_serving.main(serving_argv(args, out_dir))
     path = out_dir / f"{args.name}.json"
     head, *records = json.loads(path.read_text())

@@ -48,6 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from experiments.harness import RESULTS_DIR, write_results  # noqa: E402
+from experiments.serving_log import print_result  # noqa: E402
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 SERVER_START_TIMEOUT_S = 600.0
@@ -247,34 +248,6 @@ def _peak_concurrency(results: list[RequestResult]) -> int:
         level += delta
         peak = max(peak, level)
     return peak
-
-
-def print_result(record: dict) -> None:
-    """The block ``vllm bench serve`` prints (log parsers key on these strings)."""
-    line = "{:<40} {:<10}"
-    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
-    print(line.format("Successful requests:", record["completed"]))
-    print(line.format("Failed requests:", record["failed"]))
-    print(line.format("Benchmark duration (s):", f"{record['duration']:.2f}"))
-    print(line.format("Total input tokens:", record["total_input_tokens"]))
-    print(line.format("Total generated tokens:", record["total_output_tokens"]))
-    print(line.format("Request throughput (req/s):", f"{record['request_throughput']:.2f}"))
-    print(line.format("Output token throughput (tok/s):", f"{record['output_throughput']:.2f}"))
-    print(line.format("Peak concurrent requests:", record["max_concurrent_requests"]))
-    print(line.format("Total Token throughput (tok/s):", f"{record['total_token_throughput']:.2f}"))
-    titles = {
-        "ttft": "Time to First Token",
-        "tpot": "Time per Output Token (excl. 1st token)",
-        "itl": "Inter-token Latency",
-        "e2el": "End-to-end Latency",
-    }
-    for metric, title in titles.items():
-        name = metric.upper()
-        print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
-        print(line.format(f"Mean {name} (ms):", f"{record[f'mean_{metric}_ms']:.2f}"))
-        print(line.format(f"Median {name} (ms):", f"{record[f'median_{metric}_ms']:.2f}"))
-        print(line.format(f"P99 {name} (ms):", f"{record[f'p99_{metric}_ms']:.2f}"))
-    print("=" * 50)
 
 
 def served_model(base_url: str) -> str:

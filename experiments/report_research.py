@@ -127,6 +127,10 @@ def _provenance(head: dict) -> str:
     if merged:
         out += (f" {merged['points_kept']} points are kept from an earlier run"
                 f" ({merged.get('date')}, `{merged.get('command')}`).")
+    for recovered in head.get("recovered") or []:
+        out += (f" {recovered['points']} points of {', '.join(recovered['modes'])} are read back"
+                f" from `{recovered['log']}`, the log of a run stopped before it saved them"
+                " (`experiments/serving_log.py`: the fields its printed result blocks hold).")
     not_run = head.get("not_run")
     if not_run:
         out += f" Not run: {', '.join(not_run['modes'])} ({not_run['why']})."

@@ -371,8 +371,9 @@ def main(argv: list[str] | None = None) -> int:
 
     entries, complete = tune(setup, args.budget_s, done, write, stale)
     write(entries, complete)
+    choice = _pool_choice(entries, previous_choice)
     print(f"wrote {len(entries)} entries to {args.out} (complete={complete}, "
-          f"batch_invariant={_pool_choice(entries, previous_choice)}) in {time.monotonic() - t0:.0f} s")
+          f"batch_invariant={choice}) in {time.monotonic() - t0:.0f} s")
     return 0
 
 

@@ -141,6 +141,32 @@ def test_serving_load_merge_keeps_the_earlier_modes(tmp_path, monkeypatch):
                                                                      ("default", 9.0)]
 
 
+def test_serving_load_merge_runs_at_the_earlier_budget_per_mode(tmp_path, monkeypatch):
+    """A merged mode sends as many requests a rate as the earlier modes did: its budget is the
+    earlier run's per mode, not this run's --time-budget-s."""
+    from experiments import ablate_serving, bench_serving
+
+    monkeypatch.setenv("CORUN_RESULTS_DIR", str(tmp_path))
+    budgets = []
+
+    def fake_bench(argv):
+        budgets.append(float(argv[argv.index("--time-budget-s") + 1]))
+        name = argv[argv.index("--result-name") + 1]
+        (tmp_path / f"{name}.json").write_text(json.dumps([{"header": True}]))
+
+    monkeypatch.setattr(bench_serving, "main", fake_bench)
+    monkeypatch.setattr(ablate_serving, "plot", lambda records, path: None)
+    earlier = tmp_path / "earlier.json"
+    four_modes = "corun,batch_invariant_tuned,batch_invariant,default"
+    earlier.write_text(json.dumps([{"header": True, "args": {
+        "modes": four_modes, "time_budget_s": "190.0"}}]))
+    ablate.main(["serving-load", "--modes", "default", "--name", "load", "--merge", str(earlier),
+                 "--time-budget-s", "200"])
+    assert budgets == [pytest.approx(47.5)]
+    assert ablate_serving.merged_budget_s({"args": {"time_budget_s": "None", "modes": "a"}}, 1) \
+        is None
+
+
 def test_count_jit_compiles_chains_and_restores_the_hook():
     """Triton's post-compile hook is counted inside the block, the earlier hook still called,
     and put back after (the offline records' jit_compiles_timed)."""
