@@ -453,11 +453,14 @@ ALIASES = {"kernels-h200-summary": "kernels-h200", "offline-h200-summary": "offl
 def render_readme(text: str) -> str:
     def replace(match: re.Match) -> str:
         name = match.group(1)
+        from experiments import report_kernels
         from experiments.report_research import ALIASES as RESEARCH_ALIASES
         from experiments.report_research import research_view
 
-        loaded = _load({**ALIASES, **RESEARCH_ALIASES}.get(name, name))
-        view = VIEWS.get(name) or research_view(name) or generic_block(name)
+        aliases = {**ALIASES, **RESEARCH_ALIASES, **report_kernels.ALIASES}
+        loaded = _load(aliases.get(name, name))
+        view = (VIEWS.get(name) or report_kernels.VIEWS.get(name) or research_view(name)
+                or generic_block(name))
         body = "_not measured yet_" if loaded is None else view(*loaded)
         return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
 

@@ -25,18 +25,21 @@ def paper_block(head: dict, records: list[dict]) -> str:
     for r in records:
         if "error" in r:
             rows.append([r["model"], r.get("layers"), r["mode"], f"failed: {r['error'][:80]}",
-                         *["—"] * 6])
+                         *["—"] * 9])
             continue
         rows.append([r["model"], r.get("layers"), r["mode"], _fmt(r["output_tok_s"]),
                      _fmt(r.get("ttft_ms_mean"), 1), _fmt(r.get("ttft_ms_p50"), 1),
                      _fmt(r.get("tpot_ms_mean")), _fmt(r.get("tpot_ms_p50")),
+                     _fmt(r.get("prefill_seconds")), _fmt(r.get("decode_step_ms_p50")),
+                     _fmt(r.get("jit_compiles_timed")),
                      _fmt(r.get("mismatches")), _fmt(r.get("num_preemptions"))])
     trunc = head.get("truncation", {})
     depth = "; ".join(f"{f}: `{t['config']}`, {t['layers']} of {t['full_layers']} layers "
                       f"({t['bf16_weight_gb']} GB)" for f, t in trunc.items())
     return "\n".join([_source(head, "paper-h200"), "", f"Depth: {depth}.", "", _table(
         ["model", "layers", "mode", "output tok/s", "TTFT mean ms", "TTFT p50 ms",
-         "TPOT mean ms", "TPOT p50 ms", "mismatches", "preemptions"], rows)])
+         "TPOT mean ms", "TPOT p50 ms", "prefill s", "decode step p50 ms",
+         "compiles in the timed run", "mismatches", "preemptions"], rows)])
 
 
 def paper_claims_block(head: dict, records: list[dict]) -> str:

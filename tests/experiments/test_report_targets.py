@@ -1,0 +1,73 @@
+"""Issue 13's targets table and the decode step before/after view, rendered from records."""
+
+from __future__ import annotations
+
+import json
+
+from tests.experiments.rendering import render_block
+
+HEAD = {"header": True, "machine": "NVIDIA H200", "date": "2026-12-04", "command": "bench"}
+
+
+def _gemm(m: int, ratio: float, layer: str = "qwen3-8b.qkv") -> dict:
+    return {"op": "gemm", "policy": "corun", "M": m, "us": 1.0, "ratio": ratio, "layer": layer}
+
+
+def _records(gemm_ratio: float) -> list[dict]:
+    mla = {"op": "mla_decode", "policy": "corun_split512", "batch": 32, "context": 1024,
+           "us": 100.0, "bound_us": 20.0, "compute_floor_us": 25.0, "bw_fraction": 0.2}
+    return [
+        *(_gemm(m, gemm_ratio) for m in (128, 256)), _gemm(1, 0.5, "deepseek-v3.kv_b"),
+        _gemm(512, 0.9, "deepseek-v3.q_a"),
+        {"op": "gemm", "policy": "corun", "M": 128, "us": 1.0, "ratio": 0.1, "superseded": True,
+         "layer": "qwen3-8b.o"},  # a superseded row counts for nothing
+        {"op": "sample", "policy": "corun", "us": 1.0, "ratio": 1.2, "target": True},
+        {"op": "sample", "policy": "corun", "us": 1.0, "ratio": 0.1, "target": False},
+        mla, {**mla, "policy": "default"}, {**mla, "batch": 8, "bw_fraction": 0.01},
+        {"op": "mla_prefill", "policy": "corun", "us": 1.0, "ratio": 0.8},
+        {"op": "rope", "shape": "deepseek-v3", "us": 1.0, "bw_fraction": 0.7},
+        {"op": "decode_attention", "policy": "corun", "us": 1.0, "bw_fraction": 0.5,
+         "target": "bw_fraction >= 0.6"},
+        {"op": "moe_align", "policy": "corun", "us": 1.0, "ratio": 3.0},
+        {"op": "moe_align_variant", "us": 1.0, "launches_us": {"count": 1.0, "scatter": 2.0}},
+    ]
+
+
+def _row(text: str, start: str) -> list[str]:
+    line = next(line for line in text.splitlines() if line.startswith(f"| {start}"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_targets_are_computed_from_the_rows_they_name(tmp_path, monkeypatch):
+    text = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, _records(0.96),
+                        block="kernels-h200-targets")
+    assert _row(text, "corun GEMM at M = 128")[2:] == [
+        "M 128: median 0.96, min 0.96; M 256: median 0.96, min 0.96", "yes"]
+    deepseek = _row(text, "corun GEMM, DeepSeek")
+    assert deepseek[2].startswith("min 0.50 (deepseek-v3.kv_b at M 1)") and deepseek[3] == "no"
+    assert "1 of 2 at >= 0.85" in deepseek[2]
+    assert _row(text, "sampling")[2:] == ["median 1.20, min 1.20", "yes"]
+    mla = _row(text, "MLA decode, corun_split512")
+    # B < 32 rows are not the target's; the floor is 1.25x the bound, so half the bound asks for
+    # 0.62 of the peak, and the kernel runs at 25 / 100 of it.
+    assert mla[2].startswith("0.20-0.20 of the memory bound") and "1.25-1.25x" in mla[2]
+    assert "asks for 0.62-0.62 of the peak" in mla[2] and "at 0.25-0.25 of it" in mla[2]
+    assert _row(text, "RoPE")[3] == "yes" and _row(text, "decode attention")[3] == "no"
+    assert _row(text, "MoE token sort")[2].startswith("2 launches")
+    missed = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, _records(0.9),
+                          block="kernels-h200-targets")
+    assert _row(missed, "corun GEMM at M = 128")[3] == "no"
+
+
+def test_decode_step_before_and_after(tmp_path, monkeypatch):
+    step = {"model": "qwen3-8b", "decode_batch": 128, "decode_context": 2048,
+            "decode_fraction_of_bound": 0.7}
+    (tmp_path / "models-h200-b128-before.json").write_text(json.dumps(
+        [{**HEAD, "command": "before"}, {**step, "decode_step_us": 200.0},
+         {**step, "model": "gone", "decode_step_us": 1.0}]))
+    text = render_block(tmp_path, monkeypatch, "models-h200-b128-after", HEAD,
+                        [{**step, "decode_step_us": 150.0},
+                         {**step, "model": "new", "decode_step_us": 9.0}])
+    assert "before: _NVIDIA H200" in text and "`before`" in text
+    assert _row(text, "qwen3-8b")[3:6] == ["200.0", "150.0", "0.750"]
+    assert _row(text, "new")[3:6] == ["—", "9.0", "—"]
