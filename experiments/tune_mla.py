@@ -17,12 +17,14 @@ result rejects the candidate at that shape), and picks:
 Decode candidates (``python -m experiments.ptxas_report mla-decode`` compiles each for sm_90a
 offline and writes ``experiments/results/ptxas-mla-decode-sm90.json``): BLOCK_H 64 on 8 warps
 (two warp groups) in 16- or 32-token steps at 2 or 3 stages with the whole [64, 512] fp32
-accumulator in one program, the shipped literal tile first, although with Triton 3.6 all four
-spill (24-320 bytes a thread); and the same steps with the latent output columns split over 2
-programs (8 warps) or 4 (4 warps), which shrinks the accumulator and spills nothing (205-232
-registers). BLOCK_H 32 has no wgmma tile and spills kilobytes; 64-token steps need more than
-227 KB of shared memory. Prefill 128 x 64 / 128 x 32 on 8 warps or 64 x 64 on 4 (128 x 128
-needs more shared memory than an SM has at 3 stages), each also TMA-fed (``MLATile.tma``).
+accumulator in one program, the shipped literal tile first (32-token steps at 3 stages: the
+table's pick at every point it tuned on the H200, 2026-12-04), although with Triton 3.6 all four
+spill (24-320 bytes a thread); 64-token steps at 2 stages (3 need more than the 227 KB of shared
+memory a block may have); and the 16- and 32-token steps with the latent output columns split
+over 2 programs (8 warps) or 4 (4 warps), which shrinks the accumulator and spills nothing
+(205-232 registers). BLOCK_H 32 has no wgmma tile and spills kilobytes. Prefill 128 x 64 /
+128 x 32 on 8 warps or 64 x 64 on 4 (128 x 128 needs more shared memory than an SM has at 3
+stages), each also TMA-fed (``MLATile.tma``).
 Fixed and default decode share one compiled kernel (the split rule is a run-time argument), so the
 sweep compiles each candidate once. A wall-clock budget bounds it (checked before each shape):
 shapes past it are left to the literal policies and the header says ``complete: false``. The set is
@@ -66,10 +68,13 @@ DTYPE = torch.bfloat16
 FIXED_SPLITS = tuple(dict.fromkeys(
     split for _, mode, split in bench_mla.DECODE_POLICIES if mode is Mode.CORUN))
 # The current literal decode tile first: the reference output and the never-worse fallback.
-LITERAL_DECODE = MLATile(64, 32, num_warps=8, num_stages=2)
+LITERAL_DECODE = MLATile(64, 32, num_warps=8, num_stages=3)
 DECODE_CANDIDATES = (
     LITERAL_DECODE,
-    MLATile(64, 32, num_warps=8, num_stages=3),
+    MLATile(64, 32, num_warps=8, num_stages=2),
+    # 64-token steps: half the online-softmax rescales a token; 2 stages just fit shared memory
+    # (229376 of 232448 bytes a block, compiled offline) and spill, as the literal does.
+    MLATile(64, 64, num_warps=8, num_stages=2),
     MLATile(64, 16, num_warps=8, num_stages=2),
     MLATile(64, 16, num_warps=8, num_stages=3),
     MLATile(64, 32, num_warps=8, num_stages=2, dv_parts=2),

@@ -147,15 +147,17 @@ class MLADecodeConfig:
 
 
 def _literal_decode_tile(num_heads: int, dtype: torch.dtype) -> MLATile:
-    """The fallback tile: up to 64 heads a program (two warp groups, each holding half of the
-    [64, 512] fp32 accumulator) and 32-token steps; 4-byte elements halve the step. It is the
-    measured one (kernels-h200.json), though compiled offline with Triton 3.6 it spills registers
-    (experiments/results/ptxas-mla-decode-sm90.json), as the 2- and 4-part value splits do not:
-    those wait for experiments/tune_mla.py to time them on the H200."""
+    """The fallback tile (splits, head counts and contexts the tuned table lacks): up to 64 heads
+    a program (two warp groups, each holding half of the [64, 512] fp32 accumulator) and 32-token
+    steps in 3 stages, the tile the H200's table picked at every fixed split, context and batch it
+    tuned (kernels/tuned/mla_h200.json, 2026-12-04: faster than 2 stages at every point, though
+    compiled offline it spills registers, experiments/results/ptxas-mla-decode-sm90.json).
+    4-byte elements halve the step and keep 2 stages, so their q tile and stages fit an SM."""
     block_h = min(64, max(16, next_power_of_2(num_heads)))
+    narrow = dtype.itemsize <= 2
     return MLATile(
-        block_m=block_h, block_n=32 if dtype.itemsize <= 2 else 16,
-        num_warps=8 if block_h == 64 else 4, num_stages=2,
+        block_m=block_h, block_n=32 if narrow else 16,
+        num_warps=8 if block_h == 64 else 4, num_stages=3 if narrow else 2,
     )  # fmt: skip
 
 

@@ -336,7 +336,10 @@ def test_tuned_table_missing_file_is_empty(tmp_path) -> None:
     table = load_mla_tuned(tmp_path / "absent.json")
     assert table == MLATunedTable({}, {}, {})
     cfg = mla_decode_config(64, 128, 512, 64, 4096, torch.bfloat16, Mode.CORUN, table=table)
-    assert (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 32, 8, 2)
+    assert (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 32, 8, 3)
+    # 4-byte elements: half the step and 2 stages, so the q tile and the stages fit an SM.
+    cfg = mla_decode_config(64, 128, 512, 64, 4096, torch.float32, Mode.CORUN, table=table)
+    assert (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 16, 8, 2)
 
 
 @pytest.mark.parametrize(
