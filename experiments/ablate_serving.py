@@ -28,14 +28,14 @@ DRY_RUN = dict(modes=("corun",), rates="4,inf", server_args="--device cpu --dtyp
                warmup_requests=1)
 
 
-def merged_budget_s(earlier_head: dict, modes: int) -> float | None:
+def merged_budget_s(earlier_head: dict, num_modes: int) -> float | None:
     """This run's budget when it joins an earlier file: the earlier budget per mode times this
-    run's modes, or None when the earlier run had no budget."""
+    run's number of modes, or None when the earlier header does not say its budget and modes."""
     earlier = earlier_head.get("args", {})
     budget, earlier_modes = earlier.get("time_budget_s"), earlier.get("modes")
     if budget in (None, "None") or not earlier_modes:
         return None
-    return float(budget) / len(earlier_modes.split(",")) * modes
+    return float(budget) / len(earlier_modes.split(",")) * num_modes
 
 
 def serving_argv(args: argparse.Namespace, out_dir: Path) -> list[str]:
@@ -58,18 +58,25 @@ def serving_load(args: argparse.Namespace) -> None:
     out_dir = Path(os.environ.get("CORUN_RESULTS_DIR", RESULTS_DIR))
     if args.dry_run:
         args.model = "tiny-qwen3"
+    path = out_dir / f"{args.name}.json"
+    earlier_head, earlier = None, []
     if args.merge is not None:
-        modes = len(args.modes or SERVING_MODES)
-        budget = merged_budget_s(json.loads(args.merge.read_text())[0], modes)
-        if budget is not None and budget != args.time_budget_s:
-            print(f"--merge: budget {budget:.0f} s ({args.merge.name}'s per mode x {modes}), "
-                  f"not {args.time_budget_s:.0f} s", flush=True)
+        if args.merge.resolve() == path.resolve():  # written after every rate: a cut run
+            raise ValueError(f"--merge {args.merge}: this run writes that file as it goes; "
+                             "pass --name (or CORUN_RESULTS_DIR) for another output file")
+        earlier_head, *earlier = json.loads(args.merge.read_text())
+        num_modes = len(args.modes or SERVING_MODES)
+        budget = merged_budget_s(earlier_head, num_modes)
+        if budget is None:
+            print(f"--merge: {args.merge.name}'s header has no budget and modes; this run's "
+                  f"{args.time_budget_s:.0f} s may send other request counts", flush=True)
+        elif budget != args.time_budget_s:
+            print(f"--merge: budget {budget:.0f} s ({args.merge.name}'s per mode x "
+                  f"{num_modes}), not {args.time_budget_s:.0f} s", flush=True)
             args.time_budget_s = budget
     bench_serving.main(serving_argv(args, out_dir))
-    path = out_dir / f"{args.name}.json"
     head, *records = json.loads(path.read_text())
-    if args.merge is not None:  # an earlier run's modes that this one did not run
-        earlier_head, *earlier = json.loads(args.merge.read_text())
+    if earlier_head is not None:  # an earlier run's modes that this one did not run
         ran = {r["mode"] for r in records}
         kept = [r for r in earlier if not r.get("header") and r.get("mode") not in ran]
         records = kept + records

@@ -17,7 +17,8 @@ Per variant:
   short requests) so that the dynamic modes compile their per-M configs too. Their mixed steps
   still reach shapes the warm-up did not (Triton specialises a kernel on each int argument's
   divisibility by 16 as well as on its config), so a main run in which Triton compiled is run
-  again on a fresh engine, up to ``--reruns-if-compiled`` times, and the last one is recorded:
+  again on a fresh engine, up to ``--reruns-if-compiled`` times, and the last one is recorded
+  (``timed_run``; the discarded runs' compiles and seconds are in ``discarded_runs``):
   on the H200 the peers' first runs compiled 2-10 kernels and paid seconds for it;
 - **main run**: all requests: output tokens/s, TTFT and TPOT (mean/p50/p99) from each request's
   arrival, first-token and finish times, and a per-step profile (``LLMEngine(profile_steps)``:
@@ -225,6 +226,35 @@ def warm_up(engine: LLMEngine, work: Workload, args: argparse.Namespace) -> floa
     return time.perf_counter() - start
 
 
+@dataclasses.dataclass
+class TimedRun:
+    """The recorded main run: its engine (step records, stats), each request's final output,
+    wall seconds, the kernels Triton compiled in it, and the runs discarded before it."""
+
+    engine: LLMEngine
+    finals: dict
+    seconds: float
+    compiled: list[str]
+    discarded: list[dict]
+
+
+def timed_run(config: EngineConfig, runner: ModelRunner, work: Workload, order: list[int],
+              label: str, reruns_if_compiled: int) -> TimedRun:
+    """The whole workload timed on a fresh engine, run again (up to ``reruns_if_compiled`` more
+    times) while Triton compiles in it: a compile is a shape the warm-up missed, and its seconds
+    are not the workload's. Every engine is new (scheduler, block manager, prefix cache); the
+    runner's KV storage and graphs are shared, as the warm-up's and audit's engines share them.
+    The discarded runs' compiles and wall seconds are kept for the record."""
+    discarded: list[dict] = []
+    while True:
+        engine = LLMEngine(config, model_runner=runner, profile_steps=True)
+        with count_jit_compiles() as compiled:
+            finals, seconds = run_workload(engine, work, order, desc=label)
+        if not compiled or len(discarded) == reruns_if_compiled:
+            return TimedRun(engine, finals, seconds, compiled, discarded)
+        discarded.append({"jit_compiles": len(compiled), "wall_s": round(seconds, 3)})
+
+
 def engine_config(variant: str, args: argparse.Namespace, caching: bool = True) -> EngineConfig:
     mode, overrides = VARIANTS[variant]
     fields = dict(
@@ -256,16 +286,8 @@ def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload,
     warmup_s = warm_up(LLMEngine(config, model_runner=runner), work, args)
     order = list(range(len(work.prompts)))
     label = variant if caching or args.prefix_caching != "both" else f"{variant}_nocache"
-    compiled_before: list[int] = []  # compiles of each discarded main run
-    for _ in range(args.reruns_if_compiled + 1):
-        main_engine = LLMEngine(config, model_runner=runner, profile_steps=True)
-        with count_jit_compiles() as compiled:
-            first, seconds = run_workload(main_engine, work, order, desc=f"{label} main")
-        if not compiled:
-            break
-        compiled_before.append(len(compiled))
-    else:
-        compiled_before.pop()  # the last run is the one recorded
+    main = timed_run(config, runner, work, order, f"{label} main", args.reruns_if_compiled)
+    main_engine, first, seconds, compiled = main.engine, main.finals, main.seconds, main.compiled
     outputs = [first[i] for i in order]
     stats = main_engine.stats()
     record = {
@@ -280,7 +302,7 @@ def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload,
         "num_kv_blocks": runner.num_kv_blocks, "build_s": round(build_s, 1),
         "warmup_s": round(warmup_s, 1),
         "jit_compiles_timed": len(compiled), "jit_compiled_kernels": sorted(set(compiled))[:12],
-        "jit_compiles_discarded_runs": compiled_before,
+        "discarded_runs": main.discarded,
         "config": {k: getattr(config, k) for k in (
             "max_num_seqs", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
             "prefill_step_tokens", "max_prefill_seqs_per_step", "prefill_token_budget",
@@ -401,6 +423,13 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-8b")
@@ -422,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--alone-sample", type=int, default=16)
     parser.add_argument("--warmup-burst", type=int, default=32,
                         help="requests of the warm-up's burst (mixed steps at full budget)")
-    parser.add_argument("--reruns-if-compiled", type=int, default=1, metavar="N",
+    parser.add_argument("--reruns-if-compiled", type=non_negative_int, default=1, metavar="N",
                         help="run a main run again (up to N times) if Triton compiled in it")
     parser.add_argument("--no-audit", action="store_true")
     parser.add_argument("--graph-check", type=int, default=0, metavar="N",

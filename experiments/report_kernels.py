@@ -15,65 +15,97 @@ def _timed(records: list[dict], op: str, **match: object) -> list[dict]:
             and not r.get("error") and all(r.get(k) == v for k, v in match.items())]
 
 
-def _stats(values: list[float]) -> tuple[float, float, float]:
-    return min(values), statistics.median(values), max(values)
+def _stats(values: list[float]) -> tuple[float, float, float] | None:
+    """(min, median, max), or None when no row was measured."""
+    return (min(values), statistics.median(values), max(values)) if values else None
 
 
-def _gemm_at(records: list[dict], m: int) -> tuple[str, bool]:
-    low, mid, _ = _stats([r["ratio"] for r in _timed(records, "gemm", policy="corun", M=m)])
+NOT_MEASURED = ("not measured", None)
+
+
+def _gemm_at(records: list[dict], m: int) -> tuple[str, bool | None]:
+    stats = _stats([r["ratio"] for r in _timed(records, "gemm", policy="corun", M=m)])
+    if stats is None:
+        return f"M {m}: not measured", None
+    low, mid, _ = stats
     return f"M {m}: median {mid:.2f}, min {low:.2f}", mid >= 0.95 and low >= 0.85
 
 
-def _rows(records: list[dict]) -> list[list[str]]:
-    rows = []
+def _gemm_rows(records: list[dict]) -> list[tuple[str, str, str, bool | None]]:
     at_128, ok_128 = _gemm_at(records, 128)
     at_256, ok_256 = _gemm_at(records, 256)
-    rows.append(["corun GEMM at M = 128 / 256 vs cuBLAS", "median >= 0.95, min >= 0.85",
-                 f"{at_128}; {at_256}", ok_128 and ok_256])
+    both = None if None in (ok_128, ok_256) else ok_128 and ok_256
+    rows = [("corun GEMM at M = 128 / 256 vs cuBLAS", "median >= 0.95, min >= 0.85",
+             f"{at_128}; {at_256}", both)]
     deepseek = [r for r in _timed(records, "gemm", policy="corun")
                 if str(r.get("layer", "")).startswith("deepseek-v3.")]
-    worst = min(deepseek, key=lambda r: r["ratio"])
-    low, mid, _ = _stats([r["ratio"] for r in deepseek])
-    rows.append(["corun GEMM, DeepSeek-V3 shapes, every M", ">= 0.85 every shape",
-                 f"min {low:.2f} ({worst['layer']} at M {worst['M']}), median {mid:.2f}, "
-                 f"{sum(r['ratio'] >= 0.85 for r in deepseek)} of {len(deepseek)} at >= 0.85",
-                 low >= 0.85])
-    sample = [r["ratio"] for r in _timed(records, "sample", policy="corun", target=True)]
-    low, mid, _ = _stats(sample)
-    rows.append(["sampling vs torch softmax + exponential race (vocab 152k and 129k, B 1-256)",
-                 "median >= 1.0, min >= 0.8", f"median {mid:.2f}, min {low:.2f}",
-                 mid >= 1.0 and low >= 0.8])
-    mla = [r for r in _timed(records, "mla_decode") if r["batch"] >= 32 and r["context"] >= 1024]
-    for policy in ("corun_split512", "default"):
-        rs = [r for r in mla if r["policy"] == policy]
-        low, _, high = _stats([r["bw_fraction"] for r in rs])
-        floor_low, _, floor_high = _stats([r["compute_floor_us"] / r["bound_us"] for r in rs])
-        peak_low, _, peak_high = _stats([r["compute_floor_us"] / r["us"] for r in rs])
-        rows.append([f"MLA decode, {policy} (128 heads, absorbed), B >= 32, ctx >= 1024",
-                     ">= 0.5 of the memory bound",
-                     f"{low:.2f}-{high:.2f} of the memory bound. The MMA floor (the FLOPs at "
-                     f"the measured dense peak) is {floor_low:.2f}-{floor_high:.2f}x that bound, "
-                     f"so the target asks for {floor_low / 2:.2f}-{floor_high / 2:.2f} of the "
-                     f"peak; the kernel runs at {peak_low:.2f}-{peak_high:.2f} of it",
-                     low >= 0.5])
-    low, _, high = _stats([r["ratio"] for r in _timed(records, "mla_prefill", policy="corun")])
-    rows.append(["MLA prefill vs SDPA (v padded)", ">= 0.9", f"{low:.2f}-{high:.2f}", low >= 0.9])
-    rope = [r["bw_fraction"] for r in _timed(records, "rope", shape="deepseek-v3")]
-    low, mid, high = _stats(rope)
-    rows.append(["RoPE, DeepSeek 64-dim rope x 128 heads, M 1-8192", ">= 0.6 of the bound",
-                 f"median {mid:.2f}, {low:.2f}-{high:.2f}", mid >= 0.6])
-    attention = [r["bw_fraction"] for r in _timed(records, "decode_attention", policy="corun")
-                 if r.get("target")]
-    low, mid, high = _stats(attention)
-    rows.append(["decode attention at B <= 8 (the benchmark's target rows)",
-                 ">= 0.6 of the bound", f"{low:.2f}-{high:.2f}, median {mid:.2f}", low >= 0.6])
-    align = _timed(records, "moe_align", policy="corun")
-    low, mid, _ = _stats([r["ratio"] for r in align])
-    launches = max(len(r.get("launches_us") or {}) for r in _timed(records, "moe_align_variant"))
-    rows.append(["MoE token sort before the grouped GEMM", "one kernel, graph-capturable",
-                 f"{launches} launches (count, scatter), captured in the decode graphs; "
-                 f"{low:.2f}-{mid:.2f}x faster than the torch sort (min, median)", launches == 1])
-    return [[what, target, measured, "yes" if met else "no"]
+    measured = NOT_MEASURED
+    if deepseek:
+        worst = min(deepseek, key=lambda r: r["ratio"])
+        low, mid, _ = _stats([r["ratio"] for r in deepseek])
+        measured = (f"min {low:.2f} ({worst['layer']} at M {worst['M']}), median {mid:.2f}, "
+                    f"{sum(r['ratio'] >= 0.85 for r in deepseek)} of {len(deepseek)} at >= 0.85",
+                    low >= 0.85)
+    rows.append(("corun GEMM, DeepSeek-V3 shapes, every M", ">= 0.85 every shape", *measured))
+    return rows
+
+
+def _mla_decode_row(records: list[dict], policy: str) -> tuple[str, str, str, bool | None]:
+    rows = [r for r in _timed(records, "mla_decode", policy=policy)
+            if r["batch"] >= 32 and r["context"] >= 1024]
+    measured = NOT_MEASURED
+    if rows:
+        low, _, high = _stats([r["bw_fraction"] for r in rows])
+        floor_low, _, floor_high = _stats([r["compute_floor_us"] / r["bound_us"] for r in rows])
+        peak_low, _, peak_high = _stats([r["compute_floor_us"] / r["us"] for r in rows])
+        measured = (f"{low:.2f}-{high:.2f} of the memory bound. The MMA floor (the FLOPs at "
+                    f"the measured dense peak) is {floor_low:.2f}-{floor_high:.2f}x that bound, "
+                    f"so the target asks for {floor_low / 2:.2f}-{floor_high / 2:.2f} of the "
+                    f"peak; the kernel runs at {peak_low:.2f}-{peak_high:.2f} of it", low >= 0.5)
+    return (f"MLA decode, {policy} (128 heads, absorbed), B >= 32, ctx >= 1024",
+            ">= 0.5 of the memory bound", *measured)
+
+
+def _span_row(what: str, target: str, values: list[float], threshold: float,
+              by_median: bool = False) -> tuple[str, str, str, bool | None]:
+    stats = _stats(values)
+    if stats is None:
+        return (what, target, *NOT_MEASURED)
+    low, mid, high = stats
+    return (what, target, f"median {mid:.2f}, {low:.2f}-{high:.2f}",
+            (mid if by_median else low) >= threshold)
+
+
+def _rows(records: list[dict]) -> list[list[str]]:
+    rows = _gemm_rows(records)
+    sample = _stats([r["ratio"] for r in _timed(records, "sample", policy="corun", target=True)])
+    rows.append(("sampling vs torch softmax + exponential race (vocab 152k and 129k, B 1-256)",
+                 "median >= 1.0, min >= 0.8",
+                 *((f"median {sample[1]:.2f}, min {sample[0]:.2f}",
+                    sample[1] >= 1.0 and sample[0] >= 0.8) if sample else NOT_MEASURED)))
+    rows += [_mla_decode_row(records, policy) for policy in ("corun_split512", "default")]
+    rows.append(_span_row("MLA prefill vs SDPA (v padded)", ">= 0.9",
+                          [r["ratio"] for r in _timed(records, "mla_prefill", policy="corun")],
+                          0.9))
+    rows.append(_span_row("RoPE, DeepSeek 64-dim rope x 128 heads, M 1-8192",
+                          ">= 0.6 of the bound (median)",
+                          [r["bw_fraction"] for r in _timed(records, "rope", policy="corun",
+                                                             shape="deepseek-v3")],
+                          0.6, by_median=True))
+    rows.append(_span_row("decode attention at B <= 8 (the benchmark's target rows)",
+                          ">= 0.6 of the bound",
+                          [r["bw_fraction"] for r in _timed(records, "decode_attention",
+                                                            policy="corun") if r.get("target")],
+                          0.6))
+    align = _stats([r["ratio"] for r in _timed(records, "moe_align", policy="corun")])
+    launches = [len(r.get("launches_us") or {}) for r in _timed(records, "moe_align_variant")]
+    measured = NOT_MEASURED
+    if align and launches:
+        measured = (f"{max(launches)} launches; {align[0]:.2f}-{align[1]:.2f}x faster than the "
+                    "torch sort (min, median)", max(launches) == 1)
+    rows.append(("MoE token sort before the grouped GEMM", "one kernel, graph-capturable",
+                 *measured))
+    return [[what, target, measured, "—" if met is None else "yes" if met else "no"]
             for what, target, measured, met in rows]
 
 
@@ -86,14 +118,19 @@ def kernels_targets_block(head: dict, records: list[dict]) -> str:
 def decode_step_change_block(head: dict, records: list[dict]) -> str:
     """bench_models' decode step, the same build timed before and after a change of the tuned
     tables: ``models-h200-b128-before`` beside this file (``-after``), one row per model."""
-    before_head, before = _load("models-h200-b128-before") or ({}, [])
+    loaded = _load("models-h200-b128-before")
+    if loaded is None:
+        return "_not measured yet_ (`experiments/results/models-h200-b128-before.json`)"
+    before_head, before = loaded
     earlier = {r["model"]: r for r in before}
     rows = []
     for r in records:
         old = earlier.get(r["model"], {})
+        ratio = (r["decode_step_us"] / old["decode_step_us"]
+                 if old.get("decode_step_us") else None)
         rows.append([r["model"], r["decode_batch"], r["decode_context"],
                      _fmt(old.get("decode_step_us"), 1), _fmt(r["decode_step_us"], 1),
-                     _fmt(r["decode_step_us"] / old["decode_step_us"], 3) if old else "—",
+                     _fmt(ratio, 3),
                      _fmt(old.get("decode_fraction_of_bound")),
                      _fmt(r["decode_fraction_of_bound"])])
     return "\n".join([

@@ -59,17 +59,21 @@ def print_result(record: dict) -> None:
     print("=" * 50)
 
 
-def _number(text: str) -> int | float:
-    return float(text) if any(c in text for c in ".en") else int(text)
+def _number(line: str, value: str) -> int | float:
+    try:
+        return float(value) if any(c in value for c in ".en") else int(value)
+    except ValueError:
+        raise ValueError(f"expected a number after the label in the line {line!r}") from None
 
 
 def parse_result_blocks(text: str) -> list[dict]:
     """Every ``mode=... rate=...`` line of a bench_serving log with the block printed after it:
     mode, request_rate (a float, or ``"inf"``), max_concurrency and the block's fields. Other
     lines in between (a server's access log) are skipped; a block cut before its closing rule
-    is left out."""
+    is left out, and a (mode, rate, concurrency) printed twice keeps its last block."""
     labels = {label: key for label, key, _ in _lines()}
-    records, current = [], None
+    records: dict[tuple, dict] = {}
+    current = None
     for line in text.replace("\r", "\n").splitlines():
         run = _RUN_LINE.match(line)
         if run:
@@ -79,16 +83,18 @@ def parse_result_blocks(text: str) -> list[dict]:
             continue
         if current is None:
             continue
-        if line == "=" * 50:
+        if line.strip() == "=" * 50:
             if len(current) == 3 + len(labels):  # every printed field was read
-                records.append(current)
+                key = (current["mode"], current["request_rate"], current["max_concurrency"])
+                records.pop(key, None)
+                records[key] = current
             current = None
             continue
         for label, key in labels.items():
             if line.startswith(label):
-                current[key] = _number(line[len(label):].strip())
+                current[key] = _number(line, line[len(label):].strip())
                 break
-    return records
+    return list(records.values())
 
 
 def recover(log: Path, into: Path, mode: str | None) -> list[dict]:
@@ -107,8 +113,9 @@ def recover(log: Path, into: Path, mode: str | None) -> list[dict]:
                  for r in found]
     modes = {r["mode"] for r in recovered}
     kept = [r for r in records if r.get("mode") not in modes]
-    head.setdefault("recovered", []).append(
-        {"log": log.name, "modes": sorted(modes), "points": len(recovered)})
+    # Recovering the same log again replaces its entry rather than adding a second one.
+    head["recovered"] = [*(r for r in head.get("recovered", []) if r["log"] != log.name),
+                         {"log": log.name, "modes": sorted(modes), "points": len(recovered)}]
     into.write_text(json.dumps([head, *kept, *recovered], indent=1) + "\n")
     return recovered
 

@@ -34,11 +34,12 @@ from corun.model_runner import ModelRunner
 from experiments.bench_offline import (
     latency_stats,
     make_workload,
-    run_workload,
+    non_negative_int,
     step_profile,
+    timed_run,
     warm_up,
 )
-from experiments.harness import count_jit_compiles, write_results
+from experiments.harness import write_results
 
 # The decode split size is baked into the captured graphs, so it keys the runner too.
 RUNNER_FIELDS = ("mode", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
@@ -67,14 +68,15 @@ def measure_point(config: EngineConfig, runner: ModelRunner, work, args: argpars
     # Warm up on an engine of its own: with prefix caching on, the warm-up's burst would leave
     # the first requests' prompts cached for the timed run.
     warm_up(LLMEngine(config, model_runner=runner), work, args)
-    engine = LLMEngine(config, model_runner=runner, profile_steps=True)
-    with count_jit_compiles() as compiled:
-        finals, seconds = run_workload(engine, work, list(range(len(work.prompts))), desc=label)
+    main = timed_run(config, runner, work, list(range(len(work.prompts))), label,
+                     args.reruns_if_compiled)
+    engine, finals, seconds, compiled = main.engine, main.finals, main.seconds, main.compiled
     outputs = list(finals.values())
     record = {"output_tok_s": round(sum(len(o.token_ids) for o in outputs) / seconds, 2),
               "wall_s": round(seconds, 3), **latency_stats(outputs),
               "jit_compiles_timed": len(compiled),
               "jit_compiled_kernels": sorted(set(compiled))[:12],
+              "discarded_runs": main.discarded,
               "num_preemptions": engine.stats()["num_preemptions"],
               **step_profile(engine.step_records, runner)}
     return engine, finals, record
@@ -204,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     parser.add_argument("--dry-run", action="store_true", help="CPU smoke: tiny steps")
     parser.add_argument("--warmup-burst", type=int, default=32)
+    parser.add_argument("--reruns-if-compiled", type=non_negative_int, default=1, metavar="N",
+                        help="run a point's timed run again (up to N times) if Triton compiled")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="sweep-offline-h200")
     parser.add_argument("--print-best", metavar="RESULTS_JSON", nargs="+", default=None,

@@ -56,6 +56,7 @@ from experiments import bench_mla, harness  # noqa: E402
 from kernels.mla import (  # noqa: E402
     TUNED_PATH,
     MLATile,
+    _literal_decode_tile,
     mla_decode,
     mla_prefill_attention,
     mla_prefill_config,
@@ -68,7 +69,7 @@ DTYPE = torch.bfloat16
 FIXED_SPLITS = tuple(dict.fromkeys(
     split for _, mode, split in bench_mla.DECODE_POLICIES if mode is Mode.CORUN))
 # The current literal decode tile first: the reference output and the never-worse fallback.
-LITERAL_DECODE = MLATile(64, 32, num_warps=8, num_stages=3)
+LITERAL_DECODE = _literal_decode_tile(128, DTYPE)  # DeepSeek-V3's 128 heads
 DECODE_CANDIDATES = (
     LITERAL_DECODE,
     MLATile(64, 32, num_warps=8, num_stages=2),

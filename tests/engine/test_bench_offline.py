@@ -34,6 +34,7 @@ def test_bench_offline_writes_records_with_audits(tmp_path, monkeypatch):
 @pytest.mark.parametrize("compiling_runs, reruns, recorded, discarded", [
     (1, 1, 0, [3]),  # the warm-up missed shapes: the run is repeated, the clean one recorded
     (5, 1, 3, [3]),  # still compiling after its reruns: the last run is recorded, with its count
+    (5, 2, 3, [3, 3]),
     (1, 0, 3, []),  # reruns off
 ])
 def test_a_main_run_that_compiled_is_run_again(tmp_path, monkeypatch, compiling_runs, reruns,
@@ -56,8 +57,37 @@ def test_a_main_run_that_compiled_is_run_again(tmp_path, monkeypatch, compiling_
     _, record = json.loads((tmp_path / "rerun-test.json").read_text())
     assert len(calls) == min(compiling_runs, reruns) + 1
     assert record["jit_compiles_timed"] == recorded
-    assert record["jit_compiles_discarded_runs"] == discarded
+    assert [run["jit_compiles"] for run in record["discarded_runs"]] == discarded
+    assert all(run["wall_s"] > 0 for run in record["discarded_runs"])
     assert record["requests"] == 6 and record["output_tok_s"] > 0
+
+
+def test_reruns_if_compiled_must_not_be_negative(capsys):
+    with pytest.raises(SystemExit):
+        bench_offline.build_parser().parse_args(["--reruns-if-compiled", "-1"])
+    assert "expected an int >= 0" in capsys.readouterr().err
+
+
+def test_an_ablation_point_that_compiled_is_run_again(tmp_path, monkeypatch):
+    """sweep_offline.measure_point (every ablation point) records its clean rerun too."""
+    import contextlib
+
+    from experiments import ablate
+
+    monkeypatch.setenv("CORUN_RESULTS_DIR", str(tmp_path))
+    calls = []
+
+    @contextlib.contextmanager
+    def fake_count():  # the first timed run of every point compiles
+        calls.append(1)
+        yield ["_gemm_kernel"] if len(calls) % 2 == 1 else []
+
+    monkeypatch.setattr(bench_offline, "count_jit_compiles", fake_count)
+    ablate.main(["overlap", "--dry-run", "--modes", "corun", "--values", "false", "--name",
+                 "overlap-test"])
+    _, *records = json.loads((tmp_path / "overlap-test.json").read_text())
+    assert records and all(r["jit_compiles_timed"] == 0 for r in records)
+    assert all([run["jit_compiles"] for run in r["discarded_runs"]] == [1] for r in records)
 
 
 def test_sweep_dry_run_writes_points(tmp_path, monkeypatch):

@@ -163,6 +163,11 @@ def test_serving_load_merge_runs_at_the_earlier_budget_per_mode(tmp_path, monkey
     ablate.main(["serving-load", "--modes", "default", "--name", "load", "--merge", str(earlier),
                  "--time-budget-s", "200"])
     assert budgets == [pytest.approx(47.5)]
+    # The output file is written after every rate: merging from it would lose it to a cut run.
+    with pytest.raises(ValueError, match="writes that file as it goes"):
+        ablate.main(["serving-load", "--modes", "default", "--name", "earlier", "--merge",
+                     str(earlier)])
+    assert budgets == [pytest.approx(47.5)]  # refused before any work
     assert ablate_serving.merged_budget_s({"args": {"time_budget_s": "None", "modes": "a"}}, 1) \
         is None
 

@@ -25,7 +25,7 @@ def _records(gemm_ratio: float) -> list[dict]:
         {"op": "sample", "policy": "corun", "us": 1.0, "ratio": 0.1, "target": False},
         mla, {**mla, "policy": "default"}, {**mla, "batch": 8, "bw_fraction": 0.01},
         {"op": "mla_prefill", "policy": "corun", "us": 1.0, "ratio": 0.8},
-        {"op": "rope", "shape": "deepseek-v3", "us": 1.0, "bw_fraction": 0.7},
+        {"op": "rope", "policy": "corun", "shape": "deepseek-v3", "us": 1.0, "bw_fraction": 0.7},
         {"op": "decode_attention", "policy": "corun", "us": 1.0, "bw_fraction": 0.5,
          "target": "bw_fraction >= 0.6"},
         {"op": "moe_align", "policy": "corun", "us": 1.0, "ratio": 3.0},
@@ -53,10 +53,30 @@ def test_targets_are_computed_from_the_rows_they_name(tmp_path, monkeypatch):
     assert mla[2].startswith("0.20-0.20 of the memory bound") and "1.25-1.25x" in mla[2]
     assert "asks for 0.62-0.62 of the peak" in mla[2] and "at 0.25-0.25 of it" in mla[2]
     assert _row(text, "RoPE")[3] == "yes" and _row(text, "decode attention")[3] == "no"
-    assert _row(text, "MoE token sort")[2].startswith("2 launches")
+    assert _row(text, "MoE token sort")[2:] == [
+        "2 launches; 3.00-3.00x faster than the torch sort (min, median)", "no"]
     missed = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, _records(0.9),
                           block="kernels-h200-targets")
     assert _row(missed, "corun GEMM at M = 128")[3] == "no"
+
+
+def test_a_family_not_measured_renders_as_such(tmp_path, monkeypatch):
+    """A fresh or partial results file (one family run) renders every row, unmeasured ones
+    as such, instead of failing the whole README render."""
+    only_gemm = [r for r in _records(0.96) if r["op"] == "gemm"]
+    text = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, only_gemm,
+                        block="kernels-h200-targets")
+    assert _row(text, "corun GEMM at M = 128")[3] == "yes"
+    for start in ("sampling", "MLA decode, corun_split512", "MLA prefill", "RoPE",
+                  "decode attention", "MoE token sort"):
+        assert _row(text, start)[2:] == ["not measured", "—"], start
+
+
+def test_decode_step_without_a_before_file(tmp_path, monkeypatch):
+    text = render_block(tmp_path, monkeypatch, "models-h200-b128-after", HEAD,
+                        [{"model": "m", "decode_batch": 1, "decode_context": 1,
+                          "decode_step_us": 1.0, "decode_fraction_of_bound": 0.5}])
+    assert "_not measured yet_" in text
 
 
 def test_decode_step_before_and_after(tmp_path, monkeypatch):

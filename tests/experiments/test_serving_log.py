@@ -63,3 +63,24 @@ def test_recover_replaces_the_modes_records_and_marks_them(tmp_path, capsys):
     assert head["recovered"] == [{"log": "run.log", "modes": ["default"], "points": 1}]
     with pytest.raises(ValueError, match="no complete result block of mode batch_invariant"):
         serving_log.recover(log, results, mode="batch_invariant")
+
+
+def test_a_repeated_rate_keeps_its_last_block_and_recovery_is_idempotent(tmp_path, capsys):
+    log = tmp_path / "run.log"
+    log.write_text(_log(capsys, [("default", "1.0", _record(0.2)), ("default", "1.0",
+                                                                    _record(0.4))]) + "\n")
+    (parsed,) = serving_log.parse_result_blocks(log.read_text())
+    assert parsed["median_ttft_ms"] == pytest.approx(400.0)
+    results = tmp_path / "ablate.json"
+    results.write_text(json.dumps([{"header": True, "args": {}}]))
+    serving_log.recover(log, results, mode=None)
+    serving_log.recover(log, results, mode=None)
+    head, *records = json.loads(results.read_text())
+    assert len(records) == 1 and head["recovered"] == [
+        {"log": "run.log", "modes": ["default"], "points": 1}]
+
+
+def test_a_value_that_is_not_a_number_names_its_line():
+    text = "mode=default rate=1.0 max_concurrency=None\nSuccessful requests:   many\n"
+    with pytest.raises(ValueError, match="Successful requests"):
+        serving_log.parse_result_blocks(text)
