@@ -13,13 +13,14 @@ with its own sampling seed) run under every variant asked for, on the same weigh
 Per variant:
 
 - **warm-up** before anything is timed: every fixed shape (graph capture or one eager run) and a
-  warm-up workload (single prompts at every GEMM bucket length, then a burst of ``--warmup-burst``
-  short requests) so that the dynamic modes compile their per-M configs too. Their mixed steps
-  still reach shapes the warm-up did not (Triton specialises a kernel on each int argument's
-  divisibility by 16 as well as on its config), so a main run in which Triton compiled is run
-  again on a fresh engine, up to ``--reruns-if-compiled`` times, and the last one is recorded
-  (``timed_run``; the discarded runs' compiles and seconds are in ``discarded_runs``):
-  on the H200 the peers' first runs compiled 2-10 kernels and paid seconds for it;
+  warm-up workload (single prompts at every GEMM bucket length and one token short of it,
+  ``harness.WARMUP_LENGTHS``, then a burst of ``--warmup-burst`` short requests) so that the
+  dynamic modes compile their per-M configs too. Their mixed steps can still reach shapes the
+  warm-up did not (Triton specialises a kernel on each int argument's divisibility by 16 as well
+  as on its config), so a main run in which Triton compiled is run again on a fresh engine, up
+  to ``--reruns-if-compiled`` times, and the last one is recorded (``timed_run``; the discarded
+  runs' compiles and seconds are in ``discarded_runs``): on the H200 the peers' first runs
+  compiled 2-10 kernels and paid seconds for it;
 - **main run**: all requests: output tokens/s, TTFT and TPOT (mean/p50/p99) from each request's
   arrival, first-token and finish times, and a per-step profile (``LLMEngine(profile_steps)``:
   the device is synchronised around each step): steps per kind, their median ms, mean live rows;
@@ -67,7 +68,12 @@ from corun.engine import LLMEngine, StepRecord
 from corun.model_runner import ModelRunner
 from corun.outputs import RequestOutput
 from corun.sampling_params import SamplingParams
-from experiments.harness import count_jit_compiles, memory_bound_us, write_results
+from experiments.harness import (
+    WARMUP_LENGTHS,
+    count_jit_compiles,
+    memory_bound_us,
+    write_results,
+)
 
 # Variant -> (engine mode, EngineConfig overrides). corun first: if the device time runs out,
 # the headline record is already written.
@@ -80,8 +86,6 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "default": ("default", {}),
 }
 HEADLINE = ("corun", "batch_invariant_tuned", "batch_invariant", "default")
-# Prompt lengths of the warm-up's single requests: the GEMM policies' M buckets.
-WARMUP_LENGTHS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from experiments.harness import RESULTS_DIR, write_results  # noqa: E402
+from experiments.harness import RESULTS_DIR, WARMUP_LENGTHS, write_results  # noqa: E402
 from experiments.serving_log import print_result  # noqa: E402
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -256,13 +256,14 @@ def served_model(base_url: str) -> str:
 
 def warm_up(args: argparse.Namespace, base_url: str, model: str) -> float:
     """Untimed requests first, so no timed run pays for JIT compilation or a first-shape
-    allocation: single prompts at every GEMM bucket length up to the longest the runs send,
-    then a burst of ``--warmup-requests`` at the workload's lengths, all at once. Returns seconds.
+    allocation: single prompts at every warm-up length (``harness.WARMUP_LENGTHS``) up to the
+    longest the runs send, then a burst of ``--warmup-requests`` at the workload's lengths, all at
+    once. Returns seconds.
     """
     start = time.perf_counter()
     longest = int(args.random_input_len * (1 + args.random_range_ratio))
-    singles = [([i % args.vocab_range] * n, 2, i) for i, n in enumerate(
-        (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096)) if n <= longest]
+    singles = [([i % args.vocab_range] * n, 2, i) for i, n in enumerate(WARMUP_LENGTHS)
+               if n <= longest]
     for request in singles:
         asyncio.run(run_benchmark(base_url, model, [request], math.inf, None, 1.0,
                                   args.temperature, args.seed))
