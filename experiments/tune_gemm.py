@@ -51,8 +51,12 @@ BATCH_INVARIANT_POOL = (
     GemmConfig(64, 128, 64, num_warps=4, num_stages=4, persistent=True),
     GemmConfig(64, 64, 64, num_warps=4, num_stages=4, persistent=True),
 )
-# (block_n, block_k, num_warps, num_stages) tiles per M range; block_m follows M for decode.
-_DECODE_TILES = ((32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3))
+# (block_n, block_k, num_warps, num_stages) tiles per M range; block_m follows M for decode. The
+# 64-deep ones are for short K: DeepSeek-V3's kv_b (K = 512) had only the three deep tiles, two
+# K steps each, and ran at 0.47 of cuBLAS at M 1 on the H200; 64-deep steps keep a pipeline going
+# and leave shared memory for more programs an SM.
+_DECODE_TILES = ((32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (64, 64, 4, 4),
+                 (128, 64, 4, 4))
 # Mid M (65..256) streams the weights like decode but fills few tiles: one M tile of 128 reads each
 # weight tile once, and split-K 2 / 3 / 4 (corun and default only) is what fills the 132 SMs. 3
 # because the H200 picked split 2 for Qwen3-8B's qkv at M 128 (96 tiles of 128 x 64 -> 192
@@ -64,7 +68,7 @@ _MID_SPLITS = (2, 3, 4)
 # offline (128) decode batches and mid M, where the weights stream from HBM.
 TMA_M_RANGE = (64, 256)
 # Names the candidate generator an entry was tuned with; --retune-m re-tunes entries of another.
-CANDIDATE_SET = "tma-split3-m64-256"
+CANDIDATE_SET = "tma-split3-bk64-decode"
 _LARGE_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
                 (64, 256, 64, 4, 4))
 

@@ -36,6 +36,14 @@ def test_shapes_are_every_gemm_of_the_named_models_once():
     assert bench == shapes[: len(bench)]
 
 
+def test_decode_candidates_include_shallow_k_steps_for_short_k():
+    """DeepSeek-V3's kv_b (K = 512) gets tiles of more than two K steps at decode M."""
+    for m in (1, 8, 32, 64):
+        configs = tune_gemm.candidates(m, 32768, 512, with_pool=False)
+        assert any(-(-512 // c.block_k) >= 8 for c in configs), m
+        assert {c.block_m for c in configs} == {16 if m <= 16 else min(64, m)}
+
+
 def test_mid_m_candidates_split_k_where_k_allows():
     configs = tune_gemm.candidates(128, 6144, 4096, with_pool=False)
     splits = {c.split_k for c in configs}
