@@ -241,6 +241,12 @@ class TimedRun:
     compiled: list[str]
     discarded: list[dict]
 
+    def compile_fields(self) -> dict:
+        """The record's account of JIT compilation: in the recorded run, and in those discarded."""
+        return {"jit_compiles_timed": len(self.compiled),
+                "jit_compiled_kernels": sorted(set(self.compiled))[:12],
+                "discarded_runs": self.discarded}
+
 
 def timed_run(config: EngineConfig, runner: ModelRunner, work: Workload, order: list[int],
               label: str, reruns_if_compiled: int) -> TimedRun:
@@ -291,7 +297,7 @@ def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload,
     order = list(range(len(work.prompts)))
     label = variant if caching or args.prefix_caching != "both" else f"{variant}_nocache"
     main = timed_run(config, runner, work, order, f"{label} main", args.reruns_if_compiled)
-    main_engine, first, seconds, compiled = main.engine, main.finals, main.seconds, main.compiled
+    main_engine, first, seconds = main.engine, main.finals, main.seconds
     outputs = [first[i] for i in order]
     stats = main_engine.stats()
     record = {
@@ -305,8 +311,7 @@ def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload,
         "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 4),
         "num_kv_blocks": runner.num_kv_blocks, "build_s": round(build_s, 1),
         "warmup_s": round(warmup_s, 1),
-        "jit_compiles_timed": len(compiled), "jit_compiled_kernels": sorted(set(compiled))[:12],
-        "discarded_runs": main.discarded,
+        **main.compile_fields(),
         "config": {k: getattr(config, k) for k in (
             "max_num_seqs", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
             "prefill_step_tokens", "max_prefill_seqs_per_step", "prefill_token_budget",

@@ -40,10 +40,13 @@ _LINE = "{:<40} {:<10}"
 _RUN_LINE = re.compile(r"^mode=(\S+) rate=(\S+) max_concurrency=(\S+)\s*$")
 
 
+def _metric_lines(metric: str) -> list[tuple[str, str, str]]:
+    return [(f"{stat} {metric.upper()} (ms):", f"{key}_{metric}_ms", "{:.2f}")
+            for stat, key in _STATS]
+
+
 def _lines() -> list[tuple[str, str, str]]:
-    metric_lines = [(f"{stat} {metric.upper()} (ms):", f"{key}_{metric}_ms", "{:.2f}")
-                    for metric in METRIC_TITLES for stat, key in _STATS]
-    return [*SUMMARY_LINES, *metric_lines]
+    return [*SUMMARY_LINES, *(line for metric in METRIC_TITLES for line in _metric_lines(metric))]
 
 
 def print_result(record: dict) -> None:
@@ -53,9 +56,8 @@ def print_result(record: dict) -> None:
         print(_LINE.format(label, fmt.format(record[key])))
     for metric, title in METRIC_TITLES.items():
         print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
-        for stat, key in _STATS:
-            print(_LINE.format(f"{stat} {metric.upper()} (ms):",
-                               f"{record[f'{key}_{metric}_ms']:.2f}"))
+        for label, key, fmt in _metric_lines(metric):
+            print(_LINE.format(label, fmt.format(record[key])))
     print("=" * 50)
 
 

@@ -70,13 +70,11 @@ def measure_point(config: EngineConfig, runner: ModelRunner, work, args: argpars
     warm_up(LLMEngine(config, model_runner=runner), work, args)
     main = timed_run(config, runner, work, list(range(len(work.prompts))), label,
                      args.reruns_if_compiled)
-    engine, finals, seconds, compiled = main.engine, main.finals, main.seconds, main.compiled
+    engine, finals, seconds = main.engine, main.finals, main.seconds
     outputs = list(finals.values())
     record = {"output_tok_s": round(sum(len(o.token_ids) for o in outputs) / seconds, 2),
               "wall_s": round(seconds, 3), **latency_stats(outputs),
-              "jit_compiles_timed": len(compiled),
-              "jit_compiled_kernels": sorted(set(compiled))[:12],
-              "discarded_runs": main.discarded,
+              **main.compile_fields(),
               "num_preemptions": engine.stats()["num_preemptions"],
               **step_profile(engine.step_records, runner)}
     return engine, finals, record

@@ -136,7 +136,7 @@ def gemm_shapes(models: tuple[str, ...] = TUNED_MODELS) -> list[tuple[str, int, 
 
 def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfig]:
     """The bounded candidate set at one point: M-range tiles, each without and with auto split-K
-    (mid M also with split-K 2 and 4, large M with 2 where the tiles leave SMs idle), each of
+    (mid M also with split-K 2, 3 and 4, large M with 2 where the tiles leave SMs idle), each of
     those also TMA-fed for M in ``TMA_M_RANGE``, plus the batch-invariant pool when
     ``with_pool`` (timed at every point of the bench shapes for its geometric mean)."""
     tiles: list[GemmConfig] = []
@@ -276,7 +276,7 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
 
 
 def tune(setup: Setup, budget_s: float, done: list[dict],
-         on_progress: Callable[[list[dict], bool], None],
+         on_progress: Callable[[list[dict], bool], object],
          stale: frozenset[tuple[int, int, int]] = frozenset()) -> tuple[list[dict], bool]:
     """Sweep every (shape, M) not in ``done`` (entries of an earlier, cut run) or in ``stale``
     ((m, n, k) points of ``done`` to tune again: each keeps its old entry until the new one
@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     this_run = header(wall_s=0.0)
 
-    def write(entries: list[dict], complete: bool) -> None:
+    def write(entries: list[dict], complete: bool) -> GemmConfig | None:
+        """Rewrite the table; returns its portable batch-invariant choice."""
         this_run["wall_s"] = round(time.monotonic() - t0, 1)
         bi_choice = _pool_choice(entries, previous_choice)
         pending = sorted({e["m"] for e in entries if _needs_retune(e, retune)})
@@ -374,10 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")
+        return bi_choice
 
     entries, complete = tune(setup, args.budget_s, done, write, stale)
-    write(entries, complete)
-    choice = _pool_choice(entries, previous_choice)
+    choice = write(entries, complete)
     print(f"wrote {len(entries)} entries to {args.out} (complete={complete}, "
           f"batch_invariant={choice}) in {time.monotonic() - t0:.0f} s")
     return 0

@@ -28,8 +28,8 @@ stages), each also TMA-fed (``MLATile.tma``).
 Fixed and default decode share one compiled kernel (the split rule is a run-time argument), so the
 sweep compiles each candidate once. A wall-clock budget bounds it (checked before each shape):
 shapes past it are left to the literal policies and the header says ``complete: false``. The set is
-sized so that 260 s covers every shape (an estimate: 18 compiles and about 850 graph-replay
-timings; the header's ``complete`` says whether it did).
+sized so that 260 s covers every shape (the H200 took 148 s on 2026-12-04, with one decode tile
+fewer than now; the header's ``complete`` says whether it did).
 
     python -m experiments.tune_mla [--budget-s 260] [--out kernels/tuned/mla_h200.json]
     TRITON_INTERPRET=1 python -m experiments.tune_mla --dry-run --out /tmp/mla_tuned.json
@@ -56,7 +56,7 @@ from experiments import bench_mla, harness  # noqa: E402
 from kernels.mla import (  # noqa: E402
     TUNED_PATH,
     MLATile,
-    _literal_decode_tile,
+    literal_decode_tile,
     mla_decode,
     mla_prefill_attention,
     mla_prefill_config,
@@ -69,7 +69,7 @@ DTYPE = torch.bfloat16
 FIXED_SPLITS = tuple(dict.fromkeys(
     split for _, mode, split in bench_mla.DECODE_POLICIES if mode is Mode.CORUN))
 # The current literal decode tile first: the reference output and the never-worse fallback.
-LITERAL_DECODE = _literal_decode_tile(128, DTYPE)  # DeepSeek-V3's 128 heads
+LITERAL_DECODE = literal_decode_tile(128, DTYPE)  # DeepSeek-V3's 128 heads
 DECODE_CANDIDATES = (
     LITERAL_DECODE,
     MLATile(64, 32, num_warps=8, num_stages=2),

@@ -146,7 +146,7 @@ class MLADecodeConfig:
     num_stages: int
 
 
-def _literal_decode_tile(num_heads: int, dtype: torch.dtype) -> MLATile:
+def literal_decode_tile(num_heads: int, dtype: torch.dtype) -> MLATile:
     """The fallback tile (splits, head counts and contexts the tuned table lacks): up to 64 heads
     a program (two warp groups, each holding half of the [64, 512] fp32 accumulator) and 32-token
     steps in 3 stages, the tile the H200's table picked at every fixed split, context and batch it
@@ -193,7 +193,7 @@ def mla_decode_config(
         tuned = (table or checked_in_table()).decode_tile(
             batch, num_heads, latent_dim, rope_dim, max_seq_len, dtype, mode, split_size
         )
-        tile = tuned or _literal_decode_tile(num_heads, dtype)
+        tile = tuned or literal_decode_tile(num_heads, dtype)
     _check_decode_tile(tile, latent_dim)
     block_h = tile.block_m
     block_dv = max(16, next_power_of_2(latent_dim))
