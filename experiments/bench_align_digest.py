@@ -1,8 +1,9 @@
 """The MoE token sort and the logits digest on the H200 vs the torch versions they replace.
 
-- ``moe_align`` (kernels/moe_align.py, two launches) vs ``moe_align_block_size_reference`` (the
-  ~25-op torch sort), at Qwen3-30B-A3B (E = 128) and DeepSeek-V3 (E = 256) routings, k = 8,
-  T from decode to an 8192-token prefill, BLOCK_M 16 and 64.
+- ``moe_align`` (kernels/moe_align.py, one launch at decode sizes, two past them) vs
+  ``moe_align_block_size_reference`` (the ~25-op torch sort), at Qwen3-30B-A3B (E = 128) and
+  DeepSeek-V3 (E = 256) routings, k = 8, T from decode to an 8192-token prefill, BLOCK_M 16
+  and 64.
 - ``logits_digest`` (kernels/logits_digest.py) vs corun's torch ``LogitsDigest`` (weights built
   once, as the engine holds them), fp32 [N, 151936].
 Both sides are timed as CUDA-graph replays (harness.bench_us). The checks compare the kernels
@@ -16,6 +17,7 @@ the sort), and a negative control shows the comparison sees a one-token change.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from functools import partial
 from pathlib import Path
@@ -29,7 +31,12 @@ from corun.fingerprint import LogitsDigest  # noqa: E402
 from experiments.harness import bench_us, family_main, kernel_record, memory_bound_us  # noqa: E402
 from kernels.logits_digest import logits_digest  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
-from kernels.moe_align import MoEAlignConfig, moe_align, moe_align_config  # noqa: E402
+from kernels.moe_align import (  # noqa: E402
+    FUSED_MAX_PAIRS,
+    MoEAlignConfig,
+    moe_align,
+    moe_align_config,
+)
 from kernels.reference import moe_align_block_size_reference  # noqa: E402
 
 ROUTINGS = (("qwen3-30b-a3b", 128, 8), ("deepseek-v3", 256, 8))  # (label, experts, top_k)
@@ -39,8 +46,9 @@ BLOCK_MS = (16, 64)
 DIGEST_ROWS = (1, 64, 256)
 CHECK_TOKENS = (256, 8192)
 # The sort's config sweep at decode and prefill sizes (qwen3-30b-a3b routing, BLOCK_M 16):
-# (BLOCK_P, QB, num_warps) beside the policy's pick, and each launch's own GPU time.
-VARIANT_TOKENS = (128, 2048, 8192)
+# (BLOCK_P, QB, num_warps), one launch and two, beside the policy's pick, and each launch's own
+# GPU time.
+VARIANT_TOKENS = (128, 512, 2048, 8192)
 VARIANTS = ((64, 16, 4), (128, 16, 4), (128, 32, 4), (256, 16, 4), (256, 32, 4), (512, 16, 8),
             (512, 64, 8))
 VOCAB = 151936
@@ -69,12 +77,15 @@ def collect(quick: bool = False) -> list[dict]:
         for tokens in QUICK_TOKENS if quick else TOKENS:
             ids = _routing(tokens, experts, top_k)
             for block_m in BLOCK_MS[:1] if quick else BLOCK_MS:
-                us = bench(partial(moe_align, ids, experts, block_m))
+                run = partial(moe_align, ids, experts, block_m)
+                us = bench(run)
                 peer = bench(partial(moe_align_block_size_reference, ids, experts, block_m))
                 records.append(kernel_record(
                     "moe_align", str(Mode.CORUN), tokens, experts, top_k, torch.int32, us,
                     "torch-sort (moe_align_block_size_reference)", peer,
-                    shape=label, block_m=block_m))
+                    shape=label, block_m=block_m,
+                    fused=moe_align_config(tokens * top_k, experts, block_m).fused,
+                    launches_us=_launch_us(run)))
     if not quick:
         records += _align_variants(bench)
     digest = LogitsDigest(VOCAB, DEVICE)
@@ -105,29 +116,33 @@ def _launch_us(fn, iters: int = 50) -> dict[str, float]:
 
 
 def _config_label(cfg: MoEAlignConfig) -> str:
-    return f"BLOCK_P {cfg.BLOCK_P}, QB {cfg.QB}, {cfg.num_warps} warps"
+    launches = "one launch" if cfg.fused else "two launches"
+    return f"BLOCK_P {cfg.BLOCK_P}, QB {cfg.QB}, {cfg.num_warps} warps, {launches}"
 
 
 def _align_variants(bench) -> list[dict]:
     """moe_align at each VARIANTS config (same layout: any config gives the same bits), timed
-    against the policy's config, with the per-launch split of each."""
+    against the policy's config, with the per-launch split of each; up to FUSED_MAX_PAIRS pairs
+    each config both as one launch and as two."""
     label, experts, top_k = ROUTINGS[0]
     records = []
     for tokens in VARIANT_TOKENS:
         ids = _routing(tokens, experts, top_k)
         policy = moe_align_config(tokens * top_k, experts, 16)
         policy_us = bench(partial(moe_align, ids, experts, 16))
-        for block_p, qb, warps in VARIANTS:
+        fused_choices = (False, True) if tokens * top_k <= FUSED_MAX_PAIRS else (False,)
+        for (block_p, qb, warps), fused in itertools.product(VARIANTS, fused_choices):
             if block_p > max(16, tokens * top_k):
                 continue
             cfg = MoEAlignConfig(BLOCK_P=block_p, BINS=policy.BINS, ROWS=policy.ROWS,
-                                 FILL=policy.FILL, QB=qb, num_warps=warps)
+                                 FILL=policy.FILL, QB=qb, num_warps=warps, fused=fused,
+                                 HIST_P=policy.HIST_P)
             run = partial(moe_align, ids, experts, 16, config=cfg)
             records.append(kernel_record(
                 "moe_align_variant", str(Mode.CORUN), tokens, experts, top_k, torch.int32,
                 bench(run), f"policy config ({_config_label(policy)})", policy_us, shape=label,
                 block_m=16,
-                variant=[block_p, qb, warps], launches_us=_launch_us(run)))
+                variant=[block_p, qb, warps, fused], launches_us=_launch_us(run)))
     return records
 
 

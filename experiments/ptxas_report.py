@@ -212,8 +212,9 @@ def _tile_label(tile) -> str:
 def moe_align_reports(experts: tuple[int, ...] = (128, 192, 256), top_k: int = 8,
                       tokens: tuple[int, ...] = (1, 128, 2048, 8192),
                       block_ms: tuple[int, ...] = (16, 64)) -> list[dict]:
-    """Both launches of every distinct moe_align policy pick over the named MoE models' expert
-    counts (Qwen3 128, Hy3 192, DeepSeek-V3 256), decode to prefill token counts, both block_m."""
+    """The launches (one fused, or two) of every distinct moe_align policy pick over the named
+    MoE models' expert counts (Qwen3 128, Hy3 192, DeepSeek-V3 256), decode to prefill token
+    counts, both block_m."""
     from kernels import moe_align
 
     rows, seen = [], set()
@@ -230,7 +231,9 @@ def moe_align_reports(experts: tuple[int, ...] = (128, 192, 256), top_k: int = 8
                     rows.append({"case": f"E {num_experts}, block_m {block_m}, T {num_tokens} "
                                          f"x k {top_k}: BLOCK_P {cfg.BLOCK_P}, BINS {cfg.BINS}, "
                                          f"QB {cfg.QB}, FILL {cfg.FILL}, ROWS {cfg.ROWS}, "
-                                         f"{cfg.num_warps} warps",
+                                         f"{cfg.num_warps} warps"
+                                         + (f", fused (HIST_P {cfg.HIST_P})" if cfg.fused
+                                            else ""),
                                  **_report(launch)})
     return rows
 
@@ -278,7 +281,8 @@ def _mla_prefill_target() -> tuple[str, list[dict]]:
 TARGETS: dict[str, Callable[[], tuple[str, list[dict]]]] = {
     "mla-decode": _mla_decode_target,
     "mla-prefill": _mla_prefill_target,
-    "moe-align": lambda: ("moe_align's count and scatter launches at every distinct policy pick",
+    "moe-align": lambda: ("moe_align's launches (fused, or count and scatter) at every "
+                          "distinct policy pick",
                           moe_align_reports()),
     "gemm": lambda: ("the corun GEMM policy's launch (bf16) at M 128 and 256, and its tile "
                      "TMA-fed", gemm_reports()),

@@ -1,4 +1,4 @@
-"""MoE token sort before the grouped GEMMs, in two Triton launches (CUDA-graph capturable).
+"""MoE token sort before the grouped GEMMs, in one or two Triton launches (CUDA-graph capturable).
 
 ``moe_align(topk_ids [T, k], num_experts E, block_m, token_mask [T] | None)`` returns
 ``(sorted_pair_ids int32 [num_blocks * block_m], block_expert_ids int32 [num_blocks])``, bit for
@@ -8,15 +8,20 @@ expert padded to a multiple of block_m rows with the value ``T * k``; masked tok
 outside [0, E) are dropped; ``block_expert_ids`` is the expert of each block, -1 past the last
 used one. ``num_blocks`` depends on (T, k, E, block_m) only, so no size depends on the routing.
 
-The two launches, both over pieces of BLOCK_P pairs:
-1. ``_moe_align_count_kernel``: each piece's histogram of expert ids (dropped pairs -> bin E).
-2. ``_moe_align_scatter_kernel``: each piece reads every piece's histogram (totals -> padded
-   expert starts; earlier pieces -> its offset inside each expert), ranks each of its pairs among
-   its earlier pairs of the same expert (a [BLOCK_P, QB] compare, no sort) and writes it to
-   ``start[e] + earlier[e] + rank``; it also writes its share of the padding slots and of
-   ``block_expert_ids``.
-Every value written is a pure function of the routing (integer counts), whatever the piece size
-or the order the programs run in, so the result is deterministic and equals the reference.
+Up to ``FUSED_MAX_PAIRS`` pairs (every decode step of the MoE models: B 512 at k = 8) the sort
+is one launch; past it (prefill), two. Both are over pieces of BLOCK_P pairs:
+1. ``_moe_align_count_kernel`` (two-launch path only): each piece's histogram of expert ids
+   (dropped pairs -> bin E).
+2. ``_moe_align_scatter_kernel``: each piece gets the totals of every expert (-> padded expert
+   starts) and the pairs of each expert in earlier pieces (-> its offset inside each expert):
+   from the count kernel's [pieces, BINS] table, or, fused, by counting every pair itself,
+   HIST_P at a time (each program reads all the ids: cheap at decode sizes, where one launch
+   fewer is what counts). It ranks each of its pairs among its earlier pairs of the same expert
+   (a [BLOCK_P, QB] compare, no sort) and writes it to ``start[e] + earlier[e] + rank``; it also
+   writes its share of the padding slots and of ``block_expert_ids``.
+Every value written is a pure function of the routing (integer counts), whatever the piece size,
+the launch count or the order the programs run in, so the result is deterministic and equals
+the reference.
 """
 
 from __future__ import annotations
@@ -103,6 +108,8 @@ def _moe_align_scatter_kernel(
     ROWS: tl.constexpr,
     FILL: tl.constexpr,
     QB: tl.constexpr,
+    FUSED: tl.constexpr,
+    HIST_P: tl.constexpr,
 ):
     piece = tl.program_id(0)
     offs_e = tl.arange(0, BINS)
@@ -110,12 +117,22 @@ def _moe_align_scatter_kernel(
     # Every piece's histogram: totals per expert, and the pairs of each expert in earlier pieces.
     total = tl.zeros([BINS], tl.int32)
     earlier = tl.zeros([BINS], tl.int32)
-    for r0 in range(0, num_pieces, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        tile = tl.load(counts_ptr + rows[:, None] * BINS + offs_e[None, :],
-                       mask=(rows < num_pieces)[:, None], other=0)
-        total += tl.sum(tile, axis=0)
-        earlier += tl.sum(tl.where((rows < piece)[:, None], tile, 0), axis=0)
+    if FUSED:  # count every pair here: no count launch, no table
+        piece_start = piece.to(tl.int64) * BLOCK_P
+        for c0 in range(0, num_pairs, HIST_P):
+            chunk = c0 + tl.arange(0, HIST_P).to(tl.int64)
+            chunk_experts = _pair_experts(topk_ids_ptr, token_mask_ptr, chunk, num_pairs, top_k,
+                                          num_experts, stride_ids_t, HAS_MASK)
+            total += tl.histogram(chunk_experts, BINS)
+            earlier += tl.histogram(tl.where(chunk < piece_start, chunk_experts, num_experts),
+                                    BINS)
+    else:
+        for r0 in range(0, num_pieces, ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            tile = tl.load(counts_ptr + rows[:, None] * BINS + offs_e[None, :],
+                           mask=(rows < num_pieces)[:, None], other=0)
+            total += tl.sum(tile, axis=0)
+            earlier += tl.sum(tl.where((rows < piece)[:, None], tile, 0), axis=0)
     padded = tl.where(is_expert, (total + block_m - 1) // block_m * block_m, 0)
     padded_end = tl.cumsum(padded, axis=0)
     padded_start = padded_end - padded
@@ -166,7 +183,8 @@ def _moe_align_scatter_kernel(
 @dataclass(frozen=True)
 class MoEAlignConfig:
     """Pairs per piece, histogram bins (>= E + 1, a power of two), rows of the histogram table
-    read per step, padding slots written per step, pairs compared per step of the rank."""
+    read per step, padding slots written per step, pairs compared per step of the rank; and
+    whether the scatter launch counts the pairs itself (one launch), HIST_P pairs a step."""
 
     BLOCK_P: int
     BINS: int
@@ -174,6 +192,14 @@ class MoEAlignConfig:
     FILL: int
     QB: int
     num_warps: int
+    fused: bool = False
+    HIST_P: int = 1024
+
+
+# Pairs up to which the sort is one launch: each of its programs then reads every id, at most
+# FUSED_MAX_PAIRS / HIST_P = 4 steps. It covers every decode batch of the engine (B <= 512 at
+# k = 8), where the sort is latency-bound; prefills keep the count launch, read once.
+FUSED_MAX_PAIRS = 4096
 
 
 # Values a [.., ..] step of the scatter kernel may hold: 64 a thread over its 4 warps.
@@ -192,9 +218,11 @@ def moe_align_config(num_pairs: int, num_experts: int, block_m: int) -> MoEAlign
     pairs. A [512, 64] padding step (256 experts at block_m 64) took 47 s to compile there and
     spills 1.1 KB (Triton 3.9's sm_90a build, ptxas -v; the policy's picks spill nothing). Past
     128 pieces (a 2048-token prefill at k = 8) pieces grow to 256 pairs, since every piece reads
-    the whole [pieces, BINS] histogram table."""
+    the whole [pieces, BINS] histogram table. Up to FUSED_MAX_PAIRS pairs the count launch is
+    folded into the scatter launch (``fused``), 1024 pairs a counting step (8 a thread)."""
     bins = next_power_of_2(num_experts + 1)
     block_p = 256 if num_pairs > 128 * 128 else min(128, max(16, next_power_of_2(num_pairs)))
+    fused = num_pairs <= FUSED_MAX_PAIRS
     return MoEAlignConfig(
         BLOCK_P=block_p,
         BINS=bins,
@@ -202,6 +230,8 @@ def moe_align_config(num_pairs: int, num_experts: int, block_m: int) -> MoEAlign
         FILL=max(1, min(64, _STEP_VALUES // bins, max(16, next_power_of_2(block_m)))),
         QB=min(16, block_p),
         num_warps=4,
+        fused=fused,
+        HIST_P=min(1024, max(16, next_power_of_2(num_pairs))),
     )
 
 
@@ -238,19 +268,24 @@ def moe_align(
     if num_pairs == 0:
         return sorted_pair_ids, block_expert_ids
     cfg = config or moe_align_config(num_pairs, num_experts, block_m)
-    if cfg.BINS < num_experts + 1 or cfg.QB > cfg.BLOCK_P:
+    if cfg.BINS < num_experts + 1 or cfg.QB > cfg.BLOCK_P or cfg.HIST_P & (cfg.HIST_P - 1):
         raise ValueError(f"config: BINS {cfg.BINS} must be >= num_experts + 1 "
-                         f"({num_experts + 1}) and QB {cfg.QB} <= BLOCK_P {cfg.BLOCK_P}")
+                         f"({num_experts + 1}), QB {cfg.QB} <= BLOCK_P {cfg.BLOCK_P} and HIST_P "
+                         f"{cfg.HIST_P} a power of two")
     num_pieces = cdiv(num_pairs, cfg.BLOCK_P)
-    counts = torch.empty((num_pieces, cfg.BINS), dtype=torch.int32, device=device)
     base = torch.empty((num_pieces, cfg.BINS), dtype=torch.int32, device=device)
     mask_arg = token_mask.view(torch.uint8) if token_mask is not None else topk_ids  # unused dummy
     common = dict(HAS_MASK=token_mask is not None, BLOCK_P=cfg.BLOCK_P, BINS=cfg.BINS,
                   num_warps=cfg.num_warps)
-    _moe_align_count_kernel[(num_pieces,)](
-        topk_ids, mask_arg, counts, num_pairs, top_k, num_experts, topk_ids.stride(0), **common)
+    if cfg.fused:
+        counts = base  # unread
+    else:
+        counts = torch.empty((num_pieces, cfg.BINS), dtype=torch.int32, device=device)
+        _moe_align_count_kernel[(num_pieces,)](
+            topk_ids, mask_arg, counts, num_pairs, top_k, num_experts, topk_ids.stride(0),
+            **common)
     _moe_align_scatter_kernel[(num_pieces,)](
         topk_ids, mask_arg, counts, base, sorted_pair_ids, block_expert_ids,
         num_pairs, top_k, num_experts, num_pieces, num_blocks, block_m, topk_ids.stride(0),
-        ROWS=cfg.ROWS, FILL=cfg.FILL, QB=cfg.QB, **common)
+        ROWS=cfg.ROWS, FILL=cfg.FILL, QB=cfg.QB, FUSED=cfg.fused, HIST_P=cfg.HIST_P, **common)
     return sorted_pair_ids, block_expert_ids

@@ -1,5 +1,5 @@
-"""``moe_align`` (two Triton launches) vs ``moe_align_block_size_reference`` (the torch sort it
-replaces), bitwise, over many random routings: token masks, empty experts, out-of-range ids,
+"""``moe_align`` (one or two Triton launches) vs ``moe_align_block_size_reference`` (the torch
+sort it replaces), bitwise, over many random routings: token masks, empty experts, out-of-range ids,
 int32/int64 ids, block sizes, and piece sizes that split the pairs over many programs."""
 
 import pytest
@@ -7,8 +7,15 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from kernels import moe_align as moe_align_module
 from kernels.moe import moe_align_block_size
-from kernels.moe_align import MoEAlignConfig, moe_align, moe_align_config, moe_num_blocks
+from kernels.moe_align import (
+    FUSED_MAX_PAIRS,
+    MoEAlignConfig,
+    moe_align,
+    moe_align_config,
+    moe_num_blocks,
+)
 from kernels.reference import moe_align_block_size_reference
 
 
@@ -47,21 +54,25 @@ def _assert_same(ids, num_experts, block_m, mask, config=None):
     masked=st.booleans(),
     dtype=st.sampled_from([torch.int32, torch.int64]),
     piece=st.sampled_from([None, 16, 32]),
+    fused=st.booleans(),
     seed=st.integers(0, 2**32),
 )
 @example(num_tokens=64, top_k=8, num_experts=256, empty_fraction=0.0, block_m=16,
-         out_of_range=False, masked=True, dtype=torch.int32, piece=None, seed=0)
+         out_of_range=False, masked=True, dtype=torch.int32, piece=None, fused=True, seed=0)
+@example(num_tokens=64, top_k=8, num_experts=256, empty_fraction=0.0, block_m=16,
+         out_of_range=True, masked=True, dtype=torch.int64, piece=16, fused=True, seed=1)
 def test_moe_align_equals_reference(num_tokens, top_k, num_experts, empty_fraction, block_m,
-                                    out_of_range, masked, dtype, piece, seed):
+                                    out_of_range, masked, dtype, piece, fused, seed):
     """For any routing, the kernel's layout is the reference's, bit for bit, whatever the piece
-    size (one program or many)."""
+    size (one program or many) and launch count (the scatter launch counting the pairs itself,
+    over several counting steps, or reading the count launch's table)."""
     used = max(1, round(num_experts * (1 - empty_fraction)))
     ids, mask = _routing(num_tokens, top_k, num_experts, used, seed, out_of_range, masked, dtype)
     config = None
     if piece is not None:
         base = moe_align_config(num_tokens * top_k, num_experts, block_m)
         config = MoEAlignConfig(BLOCK_P=piece, BINS=base.BINS, ROWS=2, FILL=16, QB=8,
-                                num_warps=1)
+                                num_warps=1, fused=fused, HIST_P=32)
     _assert_same(ids, num_experts, block_m, mask, config)
 
 
@@ -85,8 +96,9 @@ def test_moe_align_edge_cases(case):
         ids = torch.randint(0, 8, (13, 6), generator=gen)[:, ::2].contiguous()[:, :2]
         ids = torch.randint(0, 8, (13, 5), generator=gen)[:, :3]  # stride(0) = 5
     _assert_same(ids, 8, 4, mask)
-    _assert_same(ids, 8, 4, mask, MoEAlignConfig(BLOCK_P=16, BINS=16, ROWS=1, FILL=16, QB=4,
-                                                 num_warps=1))
+    for fused in (False, True):
+        _assert_same(ids, 8, 4, mask, MoEAlignConfig(BLOCK_P=16, BINS=16, ROWS=1, FILL=16, QB=4,
+                                                     num_warps=1, fused=fused, HIST_P=16))
 
 
 def test_moe_align_block_size_calls_the_kernel_and_sizes():
@@ -147,3 +159,27 @@ def test_moe_align_policy_pick_past_128_pieces_equals_reference():
                          dtype=torch.int32)
     assert moe_align_config(ids.numel(), 128, 16).BLOCK_P == 256
     _assert_same(ids, 128, 16, mask)
+
+
+class _NoLaunch:
+    """Stands in for a kernel that must not be launched."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the count launch ran")
+
+
+@pytest.mark.parametrize("num_tokens, num_experts", [(1, 128), (128, 256), (512, 192)])
+def test_moe_align_policy_is_one_launch_at_decode_sizes(monkeypatch, num_tokens, num_experts):
+    """Up to FUSED_MAX_PAIRS pairs (every decode batch up to 512 at k = 8) the policy's sort is
+    the scatter launch alone: the count launch is replaced by one that fails if launched."""
+    ids, mask = _routing(num_tokens, 8, num_experts, num_experts, seed=4, out_of_range=True,
+                         masked=True, dtype=torch.int32)
+    assert ids.numel() <= FUSED_MAX_PAIRS and moe_align_config(ids.numel(), num_experts, 16).fused
+    monkeypatch.setattr(moe_align_module, "_moe_align_count_kernel", _NoLaunch())
+    _assert_same(ids, num_experts, 16, mask)
+
+
+def test_moe_align_policy_keeps_the_count_launch_past_the_fused_limit():
+    """Past FUSED_MAX_PAIRS every program would read every id: the table is counted once."""
+    assert not moe_align_config(FUSED_MAX_PAIRS + 1, 256, 16).fused
+    assert moe_align_config(FUSED_MAX_PAIRS, 256, 16).HIST_P * 4 >= FUSED_MAX_PAIRS
