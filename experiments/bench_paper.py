@@ -16,7 +16,8 @@ truncation changes is the ratio of per-layer to per-model costs (embedding, LM h
 host work per step), which weighs more at 6-14 layers than at 61-94.
 
 Writes ``experiments/results/<--name>.json`` (header + one record per (model, mode), rewritten
-after each, so a cut run keeps what it measured). ``--dry-run``: the tiny configs of the same
+after each, so a cut run keeps what it measured) and a PNG beside it (``--replot PATH`` redraws
+it from a results file). ``--dry-run``: the tiny configs of the same
 families on the CPU in seconds (CI runs it).
 
     python -m experiments.bench_paper --models hy3        # H200, ~3-4 min per model
@@ -100,6 +101,52 @@ def add_paper_ratios(records: list[dict]) -> None:
                         100 * (corun[key] / other[key] - 1), 1)
 
 
+PLOT_METRICS = (("output_tok_s", "output tokens/s", "throughput"),
+                ("ttft_ms_mean", "TTFT mean (ms)", "ttft"),
+                ("tpot_ms_mean", "TPOT mean (ms)", "tpot"))
+MODE_COLORS = {"default": "#999999", "batch_invariant": "#cc6666",
+               "batch_invariant_tuned": "#aa3333", "corun": "#3366cc"}
+
+
+def plot(records: list[dict], path: Path) -> None:
+    """Throughput, TTFT and TPOT (means, the paper's statistics) per family and mode, corun's
+    bars labelled with its change against the portable batch-invariant peer; each panel's title
+    gives the paper's claim for that metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in records if "output_tok_s" in r]
+    families = list(dict.fromkeys(r["model"] for r in measured))
+    modes = [m for m in MODES if any(r["mode"] == m for r in measured)]
+    claims = {"throughput": "paper: +{}% to +{}%".format(
+                  *PAPER_CLAIMS["throughput_gain_over_batch_invariant_pct"]),
+              "ttft": f"paper: {PAPER_CLAIMS['ttft_change_pct_mean']:+}% mean",
+              "tpot": f"paper: {PAPER_CLAIMS['tpot_change_pct_mean']:+}% mean"}
+    width = 0.8 / max(1, len(modes))
+    fig, axes = plt.subplots(1, len(PLOT_METRICS), figsize=(14, 4))
+    for ax, (key, label, short) in zip(axes, PLOT_METRICS, strict=True):
+        for i, mode in enumerate(modes):
+            by_family = {r["model"]: r for r in measured if r["mode"] == mode}
+            xs = [f + (i - (len(modes) - 1) / 2) * width for f in range(len(families))]
+            values = [by_family.get(f, {}).get(key) or 0 for f in families]
+            ax.bar(xs, values, width, label=mode, color=MODE_COLORS.get(mode, "#666666"))
+            if mode != "corun":
+                continue
+            for x, family, value in zip(xs, families, values, strict=True):
+                change = by_family.get(family, {}).get(f"{short}_change_pct_vs_batch_invariant")
+                if change is not None:
+                    ax.text(x, value, f"{change:+.0f}%", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(families)), families, fontsize=8)
+        ax.set_title(f"{label}\ncorun vs batch_invariant; {claims[short]}", fontsize=9)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(modes), fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def earlier_records(path: str | None, rerun: set[str]) -> tuple[list[dict], dict, dict]:
     """(records, truncation, command per family) of an earlier results file, less the models
     run again now."""
@@ -118,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--models", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--dry-run", action="store_true",
                         help="the tiny configs on the CPU (CI smoke)")
+    parser.add_argument("--replot", default=None, metavar="PATH",
+                        help="only redraw the PNG beside this results file (no run)")
     parser.add_argument("--merge", default=None, metavar="PATH",
                         help="keep the records of the models not run now from this earlier "
                              "results file (one model per device call; ignored if missing)")
@@ -131,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.replot:
+        path = Path(args.replot)
+        plot(json.loads(path.read_text())[1:], path.with_suffix(".png"))
+        return
     if args.dry_run:  # the dry run's sizes, unless given explicitly on the command line
         parser.set_defaults(**DRY_RUN_ARGS)
         args = parser.parse_args(argv)
@@ -183,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.empty_cache()
             add_paper_ratios(records)
             path = write_results(args.name, records, **extra)  # partial results as it goes
+            plot(records, path.with_suffix(".png"))
             bar.update(1)
         del model
         gc.collect()

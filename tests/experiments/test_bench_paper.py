@@ -26,6 +26,11 @@ def test_dry_run_covers_the_three_families_over_two_calls(tmp_path, monkeypatch)
     assert [(r["model"], r["mode"]) for r in records] == [
         (f, m) for f in ("qwen3-235b-a22b", "deepseek-v3", "hy3") for m in ("default", "corun")]
     assert not [r for r in records if "error" in r] and all("measured_at" in r for r in records)
+    png = tmp_path / "paper-test.png"
+    assert png.stat().st_size > 0
+    png.unlink()
+    bench_paper.main(["--replot", str(tmp_path / "paper-test.json")])
+    assert png.stat().st_size > 0
     for corun in (r for r in records if r["mode"] == "corun"):
         assert corun["mismatches"] == 0 and corun["output_tok_s"] > 0
         assert "throughput_change_pct_vs_default" in corun and "tpot_change_pct_vs_default" in corun
