@@ -13,8 +13,8 @@ per-expert MoE loop), one row r (id 0) is compared bit for bit across:
 
 Each check records the count of changed elements (of ``row_elements``, or of the whole output
 for (d)). Position invariance is (a) and (b) at 0; batch invariance is (c) at 0 as well. The
-all-reduce is measured only where more than one GPU is visible (it is not on the one-H200
-stage; the record says so).
+all-reduce (``experiments.atlas_all_reduce``) runs on one NCCL rank per GPU where at least two
+are visible, on 4 gloo CPU ranks in the dry run, and is a ``skipped`` record on one GPU.
 
 Writes ``experiments/results/<--name>.json`` (header + one record per case, rewritten after
 each) and renders as the README's atlas table (``experiments.report``). ``--time-budget-s``
@@ -73,12 +73,18 @@ def check_case(case) -> dict:
             "deterministic": run_to_run == 0}
 
 
-def all_reduce_record() -> dict:
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return {"op": "all_reduce", "impl": "NCCL", "policy": "vendor", "shape": "—",
-            "skipped": f"{count} GPU(s) visible: an all-reduce needs at least 2 (on 4 gloo CPU "
-                       "ranks a ring all-reduce is not position-invariant: "
-                       "tests/parallel/test_reduction.py, docs/DESIGN.md)"}
+def case_record(case) -> dict:
+    """One case's record: what it is, its four checks (or the error that stopped it), seconds."""
+    record = {"op": case.op, "impl": case.impl, "policy": case.policy, "shape": case.shape,
+              "batch": case.batch, "sizes": list(case.sizes)}
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            record.update(check_case(case))
+    except Exception as exc:  # a backend that cannot run the shape: say so, go on
+        record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    record["seconds"] = round(time.perf_counter() - start, 2)
+    return record
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,22 +119,20 @@ def main(argv: list[str] | None = None) -> None:
                         "row_index": "(b) the row moved from slot 0 to the last slot",
                         "batch_size": "(c) alone vs with co-runners, max over batch_size_by_m",
                         "run_to_run": "(d) the same batch twice, whole output"}}
-    records: list[dict] = [all_reduce_record()] if args.ops is None else []
+    records: list[dict] = []
+    if args.ops is None or "all_reduce" in args.ops:
+        from experiments.atlas_all_reduce import all_reduce_records
+
+        records += all_reduce_records(native, tiny)
+        for record in records:
+            tqdm.write(json.dumps({k: v for k, v in record.items() if k != "batch_size_by_m"}))
     skipped: list[str] = []
     for case in tqdm(cases, desc="atlas", unit="case"):
         label = f"{case.op} {case.impl} {case.policy}"
         if time.perf_counter() - t0 > args.time_budget_s:
             skipped.append(label)
             continue
-        record = {"op": case.op, "impl": case.impl, "policy": case.policy, "shape": case.shape,
-                  "batch": case.batch, "sizes": list(case.sizes)}
-        start = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                record.update(check_case(case))
-        except Exception as exc:  # a backend that cannot run the shape: say so, go on
-            record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        record["seconds"] = round(time.perf_counter() - start, 2)
+        record = case_record(case)
         records.append(record)
         tqdm.write(json.dumps({k: v for k, v in record.items() if k != "batch_size_by_m"}))
         path = write_results(name, records, **extra, skipped=skipped)

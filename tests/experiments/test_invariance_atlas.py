@@ -43,3 +43,29 @@ def test_checks_count_changed_elements():
     assert out["batch_sizes_changed"] == [2, 3] and out["run_to_run"] == 0
     assert not out["position_invariant"] and out["deterministic"]
     assert invariance_atlas.diff_count(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0])) == 1
+
+
+def test_all_reduce_dry_run_on_gloo_ranks(tmp_path, monkeypatch):
+    """On 4 gloo CPU ranks the backend's ring all-reduce moves a row's order of addition with
+    its index (and the batch size); ours in the batch-invariant and corun policies (all-gather,
+    then the sum in rank order) keeps every bit."""
+    monkeypatch.setenv("CORUN_RESULTS_DIR", str(tmp_path))
+    invariance_atlas.main(["--dry-run", "--ops", "all_reduce", "--name", "atlas-ar"])
+    head, *records = json.loads((tmp_path / "atlas-ar.json").read_text())
+    by = {(r["impl"], r["policy"]): r for r in records}
+    assert all(r["op"] == "all_reduce" and r["world_size"] == 4 for r in records)
+    vendor = by[("gloo dist.all_reduce", "vendor")]
+    assert vendor["row_index"] > 0 and not vendor["position_invariant"]
+    assert vendor["deterministic"]
+    for policy in ("batch_invariant", "corun"):
+        ours = by[("ParallelContext.all_reduce (rank_order)", policy)]
+        assert ours["batch_invariant"] and ours["deterministic"], policy
+    assert by[("ParallelContext.all_reduce (all_reduce)", "default")]["row_index"] > 0
+
+
+def test_all_reduce_on_one_gpu_is_a_skipped_record(monkeypatch):
+    from experiments import atlas_all_reduce
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    (record,) = atlas_all_reduce.all_reduce_records(native=True, tiny=False)
+    assert record["op"] == "all_reduce" and "needs at least 2" in record["skipped"]
