@@ -25,7 +25,12 @@ def _records(gemm_ratio: float) -> list[dict]:
         {"op": "sample", "policy": "corun", "us": 1.0, "ratio": 0.1, "target": False},
         mla, {**mla, "policy": "default"}, {**mla, "batch": 8, "bw_fraction": 0.01},
         {"op": "mla_prefill", "policy": "corun", "us": 1.0, "ratio": 0.8},
-        {"op": "rope", "policy": "corun", "shape": "deepseek-v3", "us": 1.0, "bw_fraction": 0.7},
+        {"op": "rope", "policy": "corun", "shape": "deepseek-v3", "M": 1, "us": 1.0,
+         "bound_us": 0.1, "bw_fraction": 0.1},
+        {"op": "rope", "policy": "corun", "shape": "deepseek-v3", "M": 64, "us": 1.0,
+         "bound_us": 0.7, "bw_fraction": 0.7},
+        {"op": "rope", "policy": "corun", "shape": "deepseek-v3", "M": 512, "us": 4.0,
+         "bound_us": 3.6, "bw_fraction": 0.9},
         {"op": "decode_attention", "policy": "corun", "us": 1.0, "bw_fraction": 0.5,
          "target": "bw_fraction >= 0.6"},
         {"op": "moe_align", "policy": "corun", "us": 1.0, "ratio": 3.0},
@@ -52,7 +57,11 @@ def test_targets_are_computed_from_the_rows_they_name(tmp_path, monkeypatch):
     # 0.62 of the peak, and the kernel runs at 25 / 100 of it.
     assert mla[2].startswith("0.20-0.20 of the memory bound") and "1.25-1.25x" in mla[2]
     assert "asks for 0.62-0.62 of the peak" in mla[2] and "at 0.25-0.25 of it" in mla[2]
-    assert _row(text, "RoPE")[3] == "yes" and _row(text, "decode attention")[3] == "no"
+    # The floor is M 1's 1 us: M 1 could reach 0.1, M 64 0.7 and M 512 1.0 of their bounds.
+    assert _row(text, "RoPE")[2:] == [
+        "median 0.70, 0.10-0.90. At the M 1 time (1.00 us) as a floor for every M the median "
+        "could reach 0.70", "yes"]
+    assert _row(text, "decode attention")[3] == "no"
     assert _row(text, "MoE token sort")[2:] == [
         "2 launches; 3.00-3.00x faster than the torch sort (min, median)", "no"]
     missed = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, _records(0.9),
