@@ -25,7 +25,7 @@ import torch
 
 from experiments.atlas_cases import POLICIES, REAL, TINY, Bank, Case
 from kernels.mode import Mode
-from models.parallel import ParallelContext, reduce_policy, spawn_workers
+from models.parallel import ParallelContext, WorkerError, reduce_policy, spawn_workers
 
 CPU_RANKS = 4
 MAX_GPU_RANKS = 8
@@ -44,28 +44,29 @@ def all_reduce_cases(parallel: ParallelContext, device: torch.device, tiny: bool
                      backend: str) -> list[Case]:
     """The vendor collective and ``ParallelContext.all_reduce`` in every policy at the atlas's
     hidden size and batch sizes (``REAL`` / ``TINY``)."""
-    s = TINY if tiny else REAL
-    bank = Bank(device, s["dtype"])
-    hidden, world = s["hidden"], parallel.world_size
+    sizes = TINY if tiny else REAL
+    bank = Bank(device, sizes["dtype"])
+    hidden, world = sizes["hidden"], parallel.world_size
     shape = f"[M, {hidden}] on {world} ranks"
 
     def partials(ids: list[int]) -> torch.Tensor:
         return bank.rows(f"all_reduce rank {parallel.rank}", ids, (hidden,))
 
-    cases = [Case(OP, f"{backend} dist.all_reduce", "vendor", shape, s["batch"], s["sizes"],
+    cases = [Case(OP, f"{backend} dist.all_reduce", "vendor", shape, sizes["batch"],
+                  sizes["sizes"],
                   lambda ids: list(_backend_sum(partials(ids), parallel)))]
     for policy in POLICIES:
         if policy == "batch_invariant_tuned":  # the same reduction as batch_invariant
             continue
         mode = Mode(policy)
         impl = f"ParallelContext.all_reduce ({reduce_policy(mode, world).value})"
-        cases.append(Case(OP, impl, policy, shape, s["batch"], s["sizes"],
+        cases.append(Case(OP, impl, policy, shape, sizes["batch"], sizes["sizes"],
                           lambda ids, m=mode: list(parallel.all_reduce(partials(ids).clone(),
                                                                        m))))
     return cases
 
 
-def _worker(parallel: ParallelContext, tiny: bool, backend: str) -> list[dict]:
+def _rank_records(parallel: ParallelContext, tiny: bool, backend: str) -> list[dict]:
     from experiments.invariance_atlas import case_record
 
     device = torch.device("cuda", parallel.rank) if backend == "nccl" else torch.device("cpu")
@@ -75,15 +76,19 @@ def _worker(parallel: ParallelContext, tiny: bool, backend: str) -> list[dict]:
     return records if parallel.rank == 0 else []
 
 
-def all_reduce_records(native: bool, tiny: bool, timeout_s: float = 600.0) -> list[dict]:
-    """The all-reduce cases' records (rank 0's), or one ``skipped`` record saying why not."""
+def all_reduce_records(native: bool, tiny: bool, timeout_s: float = 120.0) -> list[dict]:
+    """The all-reduce cases' records (rank 0's); one ``skipped`` record saying why not, or one
+    ``error`` record when the ranks failed (start-up, a collective, ``timeout_s``)."""
     gpus = torch.cuda.device_count() if native else 0
-    if native and gpus < 2:
-        return [{"op": OP, "impl": "NCCL dist.all_reduce", "policy": "vendor", "shape": "—",
-                 "skipped": f"{gpus} GPU visible: an NCCL all-reduce needs at least 2 (the "
-                            "dry run measures gloo on 4 CPU ranks)"}]
     backend, world = ("nccl", min(gpus, MAX_GPU_RANKS)) if native else ("gloo", CPU_RANKS)
-    per_rank = spawn_workers(_worker, world, (tiny, backend), backend=backend,
-                             timeout_s=timeout_s, start_method="spawn" if native else "fork",
-                             num_threads=None if native else 1)
+    head = {"op": OP, "impl": f"{backend} dist.all_reduce", "policy": "vendor", "shape": "—"}
+    if native and gpus < 2:
+        return [{**head, "skipped": f"{gpus} GPU visible: an NCCL all-reduce needs at least 2 "
+                                    "(the dry run measures gloo on 4 CPU ranks)"}]
+    try:
+        per_rank = spawn_workers(_rank_records, world, (tiny, backend), backend=backend,
+                                 timeout_s=timeout_s, start_method="spawn" if native else "fork",
+                                 num_threads=None if native else 1)
+    except WorkerError as exc:  # the atlas's other cases still run
+        return [{**head, "world_size": world, "error": str(exc).splitlines()[0][:300]}]
     return [{**r, "world_size": world, "backend": backend} for r in per_rank[0]]

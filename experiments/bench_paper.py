@@ -31,6 +31,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import shlex
 import sys
 import time
@@ -118,6 +119,8 @@ def plot(records: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     measured = [r for r in records if "output_tok_s" in r]
+    if not measured:  # every mode so far failed: nothing to draw
+        return
     families = list(dict.fromkeys(r["model"] for r in measured))
     modes = [m for m in MODES if any(r["mode"] == m for r in measured)]
     claims = {"throughput": "paper: +{}% to +{}%".format(
@@ -130,7 +133,8 @@ def plot(records: list[dict], path: Path) -> None:
         for i, mode in enumerate(modes):
             by_family = {r["model"]: r for r in measured if r["mode"] == mode}
             xs = [f + (i - (len(modes) - 1) / 2) * width for f in range(len(families))]
-            values = [by_family.get(f, {}).get(key) or 0 for f in families]
+            # A family this mode did not measure gets no bar (NaN), not a zero-height one.
+            values = [by_family.get(f, {}).get(key) or math.nan for f in families]
             ax.bar(xs, values, width, label=mode, color=MODE_COLORS.get(mode, "#666666"))
             if mode != "corun":
                 continue
@@ -139,7 +143,9 @@ def plot(records: list[dict], path: Path) -> None:
                 if change is not None:
                     ax.text(x, value, f"{change:+.0f}%", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(families)), families, fontsize=8)
-        ax.set_title(f"{label}\ncorun vs batch_invariant; {claims[short]}", fontsize=9)
+        against = ("corun vs batch_invariant; " if {"corun", "batch_invariant"} <= set(modes)
+                   else "")
+        ax.set_title(f"{label}\n{against}{claims[short]}", fontsize=9)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(modes), fontsize=8)
     fig.tight_layout(rect=(0, 0.07, 1, 1))

@@ -41,3 +41,13 @@ def test_truncated_configs_fit_one_h200_with_room_for_kv():
         info = bench_paper.truncation(family, name)
         assert info["layers"] < info["full_layers"] and info["moe_layers"] >= 1
         assert info["bf16_weight_gb"] < 0.75 * bench_paper.H200_BYTES / 1e9
+
+
+def test_plot_of_failed_modes_draws_nothing_and_does_not_raise(tmp_path):
+    """A first mode that failed (say, out of memory) must not stop the run at its plot."""
+    path = tmp_path / "paper.png"
+    bench_paper.plot([{"model": "hy3", "mode": "default", "error": "OutOfMemoryError"}], path)
+    assert not path.exists()
+    bench_paper.plot([{"model": "hy3", "mode": "corun", "output_tok_s": 1.0, "ttft_ms_mean": 2.0,
+                       "tpot_ms_mean": 3.0}], path)
+    assert path.stat().st_size > 0

@@ -103,16 +103,21 @@ def test_decode_step_before_and_after(tmp_path, monkeypatch):
 
 
 def test_moe_sort_row_counts_the_policys_profiled_launches(tmp_path, monkeypatch):
-    """Records that carry the policy run's launches: decode and prefill sizes apart, and the
-    target met only when every size is one launch."""
+    """Records that carry the policy run's launches: decode and prefill sizes apart; the
+    target (the graph-captured decode step's sort) met at decode sizes when those are one
+    launch, wholly when every size is."""
     align = {"op": "moe_align", "policy": "corun", "us": 1.0, "ratio": 2.0}
-    records = [{**align, "M": 128, "launches_us": {"scatter": 3.0}},
-               {**align, "M": 2048, "ratio": 4.0, "launches_us": {"count": 1.0, "scatter": 2.0}}]
+    records = [{**align, "M": 512, "K": 8, "launches_us": {"scatter": 3.0}},
+               {**align, "M": 2048, "K": 8, "ratio": 4.0,
+                "launches_us": {"count": 1.0, "scatter": 2.0}}]
     text = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, records,
                         block="kernels-h200-targets")
     assert _row(text, "MoE token sort")[2:] == [
-        "decode (T <= 256): 1 launch; prefill: 2 launches; 2.00-3.00x faster than the torch "
-        "sort (min, median)", "no"]
+        "decode (T x k <= 4096): 1 launch; prefill: 2 launches; 2.00-3.00x faster than the "
+        "torch sort (min, median)", "at decode sizes"]
+    two = [{**r, "launches_us": {"count": 1.0, "scatter": 2.0}} for r in records]
+    assert _row(render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, two,
+                             block="kernels-h200-targets"), "MoE token sort")[3] == "no"
     one = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, records[:1],
                        block="kernels-h200-targets")
     assert _row(one, "MoE token sort")[3] == "yes"

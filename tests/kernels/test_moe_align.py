@@ -2,6 +2,8 @@
 sort it replaces), bitwise, over many random routings: token masks, empty experts, out-of-range ids,
 int32/int64 ids, block sizes, and piece sizes that split the pairs over many programs."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -68,10 +70,10 @@ def test_moe_align_equals_reference(num_tokens, top_k, num_experts, empty_fracti
     over several counting steps, or reading the count launch's table)."""
     used = max(1, round(num_experts * (1 - empty_fraction)))
     ids, mask = _routing(num_tokens, top_k, num_experts, used, seed, out_of_range, masked, dtype)
-    config = None
+    policy = moe_align_config(num_tokens * top_k, num_experts, block_m)
+    config = dataclasses.replace(policy, fused=fused)  # the policy's tiles, either launch count
     if piece is not None:
-        base = moe_align_config(num_tokens * top_k, num_experts, block_m)
-        config = MoEAlignConfig(BLOCK_P=piece, BINS=base.BINS, ROWS=2, FILL=16, QB=8,
+        config = MoEAlignConfig(BLOCK_P=piece, BINS=policy.BINS, ROWS=2, FILL=16, QB=8,
                                 num_warps=1, fused=fused, HIST_P=32)
     _assert_same(ids, num_experts, block_m, mask, config)
 
@@ -179,7 +181,32 @@ def test_moe_align_policy_is_one_launch_at_decode_sizes(monkeypatch, num_tokens,
     _assert_same(ids, num_experts, 16, mask)
 
 
-def test_moe_align_policy_keeps_the_count_launch_past_the_fused_limit():
-    """Past FUSED_MAX_PAIRS every program would read every id: the table is counted once."""
-    assert not moe_align_config(FUSED_MAX_PAIRS + 1, 256, 16).fused
-    assert moe_align_config(FUSED_MAX_PAIRS, 256, 16).HIST_P * 4 >= FUSED_MAX_PAIRS
+class _CountedLaunch:
+    """Wraps a kernel and counts its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def test_moe_align_policy_keeps_the_count_launch_past_the_fused_limit(monkeypatch):
+    """Past FUSED_MAX_PAIRS every program would read every id: the policy launches the count
+    kernel once, which reads each id once, and the layout is still the reference's."""
+    ids, mask = _routing(FUSED_MAX_PAIRS // 8 + 1, 8, 16, 16, seed=5, out_of_range=True,
+                         masked=True, dtype=torch.int32)
+    assert not moe_align_config(ids.numel(), 16, 16).fused
+    counted = _CountedLaunch(moe_align_module._moe_align_count_kernel)
+    monkeypatch.setattr(moe_align_module, "_moe_align_count_kernel", counted)
+    _assert_same(ids, 16, 16, mask)
+    assert counted.launches == 1
+
+
+@pytest.mark.parametrize("field, value", [("BINS", 8), ("QB", 64), ("HIST_P", 0),
+                                          ("HIST_P", 24), ("HIST_P", 16.0)])
+def test_moe_align_bad_config_names_the_field(field, value):
+    config = dataclasses.replace(moe_align_config(6, 8, 4), **{field: value})
+    with pytest.raises(ValueError, match=f"^config.{field}"):
+        moe_align(torch.zeros(3, 2, dtype=torch.int32), 8, 4, config=config)
