@@ -6,13 +6,16 @@ cache blocks of 16 tokens scattered at random).
   way (target ratio >= 0.8, the attention row of the README).
 - ``decode_attention``: batch {1, 8, 32, 64, 128} x context {512 .. 32768}, every sequence at the
   full context; policies ``corun`` (split 256 tokens, grid for max_seq_len = the context) and
-  ``default``, plus ``corun_stages5`` at B <= 8 (the corun split with a 5-stage pipeline: two KV
-  tiles in flight behind the block-table load, to show whether the policy's 2 stages starve the
-  few programs of a small batch). Peer: SDPA with q length 1 over a contiguous cache (flash, else
-  the efficient backend). Bound (``bound_us``): K and V read once plus q and out, at the measured
-  4.3 TB/s copy bandwidth; ``bw_fraction`` = bound_us / us. Issue 13's target for B <= 8 is
-  bw_fraction >= 0.6 (``meets_target``), set where the bound is at least 3 us: below that one
-  graph-replayed launch (~2-3 us even for an empty kernel) is already more than bound / 0.6.
+  ``default``, ``corun_fused`` (the corun split with the combine done by each sequence's last
+  lane in the split launch: one launch, ``DecodeAttentionConfig.fused_combine``, arrival counts
+  held across calls), plus ``corun_stages5`` at B <= 8 (the corun split with a 5-stage pipeline:
+  two KV tiles in flight behind the block-table load, to show whether the policy's 2 stages
+  starve the few programs of a small batch). Peer: SDPA with q length 1 over a contiguous
+  cache (flash, else the efficient backend). Bound (``bound_us``): K and V read once plus q and
+  out, at the measured 4.3 TB/s copy bandwidth; ``bw_fraction`` = bound_us / us. Issue 13's
+  target for B <= 8 is bw_fraction >= 0.6 (``meets_target``), set where the bound is at least
+  3 us: below that one graph-replayed launch (~2-3 us even for an empty kernel) is already more
+  than bound / 0.6.
 
 Timing: harness.bench_us (CUDA-graph replay medians), ours and the peer the same way.
 Run: ``python -m experiments.bench_attention [--quick]`` -> experiments/results/attention-h200.json.
@@ -157,11 +160,15 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
             continue
     peer_us = bench_us(peer_fn) if peer_fn is not None else 0.0  # ratio 0: no peer ran
     targeted = batch <= 8 and bound >= DECODE_TARGET_MIN_BOUND_US
-    policies = [("corun", Mode.CORUN, None), ("default", Mode.DEFAULT, None)]
+    corun_cfg = decode_attention_config(batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, context,
+                                        DTYPE, Mode.CORUN)
+    policies = [("corun", Mode.CORUN, None), ("default", Mode.DEFAULT, None),
+                ("corun_fused", Mode.CORUN, dataclasses.replace(corun_cfg, fused_combine=True))]
     if batch <= 8:
-        cfg = decode_attention_config(batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, context, DTYPE,
-                                      Mode.CORUN)
-        policies.append(("corun_stages5", Mode.CORUN, dataclasses.replace(cfg, num_stages=5)))
+        policies.append(("corun_stages5", Mode.CORUN,
+                         dataclasses.replace(corun_cfg, num_stages=5)))
+    # The fused combine's arrival counts, held across calls as an engine would (no memset).
+    arrivals = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=device)
     records = []
     for policy, mode, override in policies:
         # corun: the engine's max_model_len; here the context itself (the grid bound only).
@@ -169,7 +176,7 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
                                                   context, DTYPE, mode)
         us = bench_us(lambda mode=mode, override=override: decode_attention(
             q, k_cache, v_cache, tables, seq_lens, SCALE, max_seq_len=context, mode=mode,
-            config=override))
+            config=override, arrivals=arrivals))
         fraction = bound / us
         records.append(kernel_record(
             "decode_attention", policy, batch, NUM_Q_HEADS, HEAD_DIM, DTYPE, us,
@@ -177,7 +184,8 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
             peer_gqa=gqa, kv_bytes=kv_bytes, bound_us=round(bound, 3),
             bw_fraction=round(fraction, 4), split_size=cfg.split_size,
             num_splits=cfg.max_num_splits, lanes=cfg.num_split_programs,
-            num_stages=cfg.num_stages, launches=1 if cfg.max_num_splits == 1 else 2,
+            num_stages=cfg.num_stages,
+            launches=1 if cfg.max_num_splits == 1 or cfg.fused_combine else 2,
             bound_assumes="K + V + q + out bytes once at 4.3 TB/s",
             target=f"bw_fraction >= {DECODE_TARGET_BW_FRACTION}" if targeted else None,
             meets_target=(fraction >= DECODE_TARGET_BW_FRACTION) if targeted else None,
@@ -259,6 +267,7 @@ def check_invariance_gpu() -> list[dict]:
                           f"lengths and contents changed)",
             })
     results += _one_split_check(device) + _packed_prefill_check(device) + _graph_check(device)
+    results += _fused_combine_check(device)
     length = 4096
     whole = _prefill_chunked(device, length, length)
     for chunk, promised in ((1024, True), (512, True), (1000, False)):
@@ -274,6 +283,40 @@ def check_invariance_gpu() -> list[dict]:
                       + ("" if promised else "; C not a multiple of BLOCK_M: not promised"),
         })
     return results
+
+
+def _fused_combine_check(device, repeats: int = 50) -> list[dict]:
+    """The fused combine (last lane of each sequence and kv head combines) against the two-launch
+    path, bit for bit, ``repeats`` times in a row (an ordering bug would show as an occasional
+    difference), mixed lengths with fewer lanes than splits and more, and one held arrivals
+    buffer left at zero after every call."""
+    lens = [4096, 3000, 0, 200, 256, 257, 8000, 1]
+    seeds = [700 + i for i in range(len(lens))]
+    k_cache, v_cache, tables, _, _ = _paged_cache(lens, seeds, device)
+    q = _queries(seeds, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    arrivals = torch.zeros(len(lens) * NUM_KV_HEADS, dtype=torch.int32, device=device)
+    records = []
+    for lanes in (3, 64):
+        cfg = dataclasses.replace(
+            decode_attention_config(len(lens), NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 8192, DTYPE,
+                                    Mode.CORUN), num_split_programs=lanes)
+        run = lambda cfg: decode_attention(  # noqa: E731
+            q, k_cache, v_cache, tables, seq_lens, SCALE, max_seq_len=8192, config=cfg,
+            arrivals=arrivals)
+        two = run(cfg)
+        fused_cfg = dataclasses.replace(cfg, fused_combine=True)
+        diffs = [_diff_count(run(fused_cfg), two) for _ in range(repeats)]
+        torch.cuda.synchronize()
+        left = int(arrivals.count_nonzero())
+        records.append({
+            "op": "decode_attention", "check": "fused_combine_equals_two_launches",
+            "mode": Mode.CORUN.value, "shape": f"B=8 lens {lens} split 256, {lanes} lanes",
+            "passed": not any(diffs) and left == 0,
+            "detail": f"{sum(d > 0 for d in diffs)} of {repeats} calls differ (most elements "
+                      f"{max(diffs)}); {left} arrival counts left nonzero",
+        })
+    return records
 
 
 def _one_split_check(device) -> list[dict]:

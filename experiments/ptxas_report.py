@@ -14,6 +14,7 @@ Triton and ptxas that made a results file).
     python -m experiments.ptxas_report mla-decode            # tune_mla's decode candidates
     python -m experiments.ptxas_report mla-prefill           # tune_mla's prefill candidates
     python -m experiments.ptxas_report moe-align|gemm        # the policies' picks
+    python -m experiments.ptxas_report decode-attention      # two launches, and fused
     python -m experiments.ptxas_report gemm --out experiments/results
 """
 
@@ -262,6 +263,37 @@ def gemm_reports(ms: tuple[int, ...] = (128, 256)) -> list[dict]:
     return rows
 
 
+def decode_attention_reports(batches: tuple[int, ...] = (1, 8), ctx: int = 4096) -> list[dict]:
+    """decode_attention's launches at Qwen3-8B's heads (32 q / 8 kv of 128, bf16, 16-token
+    blocks) under corun's 256-token splits: the two-launch path and the fused combine, which
+    is built as on a GPU (its fence included; the capture runs on CPU tensors)."""
+    from kernels import attention
+    from kernels.mode import Mode
+
+    q_heads, kv_heads, head_dim, block = 32, 8, 128, 16
+    rows = []
+    for batch in batches:
+        blocks = -(-ctx // block)
+        q = torch.empty(batch, q_heads, head_dim, dtype=torch.bfloat16)
+        cache = torch.empty(batch * blocks, block, kv_heads, head_dim, dtype=torch.bfloat16)
+        tables = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
+        lens = torch.full((batch,), ctx, dtype=torch.int32)
+        policy = attention.decode_attention_config(batch, q_heads, kv_heads, head_dim, ctx,
+                                                   torch.bfloat16, Mode.CORUN)
+        for cfg in (policy, dataclasses.replace(policy, fused_combine=True)):
+            args = (q, cache, cache, tables, lens, 0.1)
+            launches = capture_launches(attention, lambda args=args, cfg=cfg: (
+                attention.decode_attention(*args, max_seq_len=ctx, config=cfg)))
+            for launch in launches:
+                if "GPU_FENCE" in launch.kwargs:
+                    launch = dataclasses.replace(launch, kwargs={**launch.kwargs,
+                                                                 "GPU_FENCE": True})
+                rows.append({"case": f"B {batch}, ctx {ctx}: {policy.num_split_programs} lanes"
+                                     f"{', fused combine' if cfg.fused_combine else ''}",
+                             **_report(launch)})
+    return rows
+
+
 def _mla_decode_target() -> tuple[str, list[dict]]:
     from experiments.tune_mla import DECODE_CANDIDATES
 
@@ -286,6 +318,9 @@ TARGETS: dict[str, Callable[[], tuple[str, list[dict]]]] = {
                           moe_align_reports()),
     "gemm": lambda: ("the corun GEMM policy's launch (bf16) at M 128 and 256, and its tile "
                      "TMA-fed", gemm_reports()),
+    "decode-attention": lambda: ("decode_attention at Qwen3-8B's heads, corun splits of 256: "
+                                 "the split and combine launches, and the fused combine",
+                                 decode_attention_reports()),
 }
 
 

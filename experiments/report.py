@@ -442,7 +442,7 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "kernels-h200-summary": kernels_summary_block,
     "launch-cost-h200": launch_cost_block,
     **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
-       for target in ("mla-decode", "mla-prefill", "moe-align", "gemm")},
+       for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "decode-attention")},
 }
 ALIASES = {"kernels-h200-summary": "kernels-h200", "offline-h200-summary": "offline-h200",
            "serving-h200-summary": "serving-h200",

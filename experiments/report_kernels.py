@@ -108,6 +108,11 @@ def _rows(records: list[dict]) -> list[list[str]]:
                           [r["bw_fraction"] for r in _timed(records, "decode_attention",
                                                             policy="corun") if r.get("target")],
                           0.6))
+    fused = [r["bw_fraction"] for r in _timed(records, "decode_attention", policy="corun_fused")
+             if r.get("target")]
+    if fused:  # the one-launch combine, opt-in until it is measured faster
+        rows.append(_span_row("decode attention at B <= 8, fused combine (one launch)",
+                              ">= 0.6 of the bound", fused, 0.6))
     rows.append(("MoE token sort before the grouped GEMM", "one kernel, graph-capturable",
                  *_moe_align_measured(records)))
     return [[what, target, measured,

@@ -287,6 +287,10 @@ class DecodeAttentionConfig:
     BLOCK_H: int  # query heads of one kv head, padded to >= 16 rows for tl.dot
     num_warps: int
     num_stages: int
+    # The last lane of each (sequence, kv head) combines the splits in the split launch: one
+    # launch instead of two, the same bits (``_decode_split_kernel``). Off in every policy until
+    # timed on the H200 (experiments/bench_attention.py's ``corun_fused`` rows).
+    fused_combine: bool = False
 
 
 def _decode_block_n(split_size: int) -> int:
@@ -350,6 +354,7 @@ def decode_attention(
     mode: Mode = Mode.CORUN,
     split_size: int = 256,
     config: DecodeAttentionConfig | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its ``seq_lens[b]`` cached tokens -> [B, Hq, D] in q's dtype.
 
@@ -361,6 +366,10 @@ def decode_attention(
     whichever launch count the grid bound gives. ``max_seq_len`` (host int) bounds every seq_len:
     max_model_len under corun / batch_invariant (fixed launch shape), the batch's longest under
     default. seq_len 0 (a dummy slot) gives zeros. Invariance per mode: module docstring.
+
+    ``arrivals`` (int32, >= B * num_kv_heads zeros) is the fused combine's per-(sequence, kv head)
+    arrival count; the kernel leaves it zeroed, so a caller can hold one buffer for every call
+    (under a CUDA graph: no memset). Without it a fused launch allocates zeros each call.
     """
     _check_paged_attention(q, k_cache, v_cache, block_tables)
     num_seqs, num_q_heads, head_dim = q.shape
@@ -394,8 +403,18 @@ def decode_attention(
                               dtype=torch.float32, device=q.device)
     else:  # every sequence is one split, written by stage 1: one launch, no partials
         mid_o = mid_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
+    fused = cfg.fused_combine and cfg.max_num_splits > 1
+    if fused and arrivals is None:
+        arrivals = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=q.device)
+    elif fused:
+        check_tensor("arrivals", arrivals, ndim=1, dtypes=(torch.int32,), contiguous=True)
+        if arrivals.numel() < num_seqs * num_kv_heads:
+            raise ValueError(f"arrivals: expected >= {num_seqs * num_kv_heads} counts "
+                             f"(B x kv heads), got {arrivals.numel()}")
+        check_same_device(q=q, arrivals=arrivals)
     _decode_split_kernel[(num_seqs, num_kv_heads, cfg.num_split_programs)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+        arrivals if fused else mid_lse,
         num_q_heads // num_kv_heads, block_size, cfg.split_size, cfg.num_split_programs,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
@@ -403,9 +422,10 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         BLOCK_N=cfg.BLOCK_N, BLOCK_H=cfg.BLOCK_H, BLOCK_D=head_dim,
         UPCAST=upcast_dot_operands(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
+        FUSED_COMBINE=fused, COMBINE_BLOCK_S=DECODE_COMBINE_BLOCK_S, GPU_FENCE=q.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if cfg.max_num_splits > 1:
+    if cfg.max_num_splits > 1 and not fused:
         _decode_combine_kernel[(num_seqs, num_q_heads)](
             mid_o, mid_lse, seq_lens, out,
             head_dim, cfg.split_size,

@@ -208,6 +208,7 @@ def _prefill_attention_kernel(
 def _decode_split_kernel(
     # pointers
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, o_ptr, mid_o_ptr, mid_lse_ptr,
+    arrivals_ptr,
     # sizes
     group_size, block_size, split_size, num_lanes, qk_scale,
     # strides
@@ -216,6 +217,7 @@ def _decode_split_kernel(
     # constexprs
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, COMBINE_BLOCK_S: tl.constexpr, GPU_FENCE: tl.constexpr,
 ):
     """Stage 1: one program per (sequence, kv head, lane). The lane takes a contiguous run of the
     sequence's splits (lane l of L: splits l*n//L .. (l+1)*n//L - 1 of its n) and walks their
@@ -223,7 +225,12 @@ def _decode_split_kernel(
     writes the split's normalised fp32 partial and log2-sum-exp, which depend only on the split's
     tokens, never on the lane. A sequence of one split writes its output directly instead (no
     partial round trip; stage 2 skips it); a sequence of length 0 gets zeros. split_size is a
-    multiple of BLOCK_N, so no KV tile straddles two splits."""
+    multiple of BLOCK_N, so no KV tile straddles two splits.
+
+    FUSED_COMBINE (one launch, no stage 2): each lane, once its partials are written, counts its
+    arrival in ``arrivals[b, kv head]``; the last of the min(lanes, splits) lanes to arrive
+    combines the kv head's query heads with ``_combine_splits``, as stage 2 would (the same bits:
+    split order, whichever lane is last), and sets the count back to 0 for the next call."""
     pid_b = tl.program_id(0)
     pid_kvh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -294,6 +301,71 @@ def _decode_split_kernel(
             m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
             acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if FUSED_COMBINE:
+        if num_splits > 1:
+            # CUDA's threadFenceReduction order: every thread fences its partial stores, the
+            # block syncs, then one thread takes the ticket (acq_rel); the last lane's threads
+            # fence again before they read the other lanes' partials (L2 loads, ".cg").
+            if GPU_FENCE:
+                _fence_acq_rel_gpu()
+            tl.debug_barrier()
+            arrivals = arrivals_ptr + pid_b * tl.num_programs(1) + pid_kvh
+            arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.minimum(num_lanes, num_splits) - 1:
+                if GPU_FENCE:
+                    _fence_acq_rel_gpu()
+                for h in range(group_size):
+                    head = pid_kvh * group_size + h
+                    _combine_splits(
+                        mid_o_ptr + pid_b.to(tl.int64) * stride_mb + head * stride_mh,
+                        mid_lse_ptr + pid_b.to(tl.int64) * stride_lb + head * stride_lh,
+                        o_ptr + pid_b.to(tl.int64) * stride_ob + head * stride_oh,
+                        num_splits, BLOCK_D, stride_ms, COMBINE_BLOCK_S, BLOCK_D)
+                tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _fence_acq_rel_gpu():
+    """Each thread's ``fence.acq_rel.gpu`` (CUDA's __threadfence()); GPU builds only."""
+    tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _combine_splits(
+    mid_o_head_ptr, mid_lse_head_ptr, out_head_ptr, num_splits, head_dim, stride_ms,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One query head's splits -> its output: sum_s w_s o_s / sum_s w_s, w_s = exp2(lse_s - max).
+
+    The splits are added one at a time in index order, each an elementwise multiply-add, with no
+    reduction across threads: the bits depend only on the splits, not on the program's layout
+    or warp count, so the combine kernel and the split kernel's fused combine (different warp
+    counts) give the same output. BLOCK_S splits are loaded per unrolled step, so their loads do
+    not wait on the previous split's sums."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    m_max = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):  # the max is exact in any order
+        lse = tl.load(mid_lse_head_ptr + s0 + offs_s, mask=s0 + offs_s < num_splits,
+                      other=float("-inf"), cache_modifier=".cg")
+        m_max = tl.maximum(m_max, lse)
+    m = tl.max(m_max, 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    l_sum = tl.zeros([], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        for j in tl.static_range(BLOCK_S):
+            # Past the last split: read the last one again (no scalar masks: the interpreter
+            # has none) with weight 0, which adds an exact zero.
+            split = tl.minimum(s0 + j, num_splits - 1)
+            lse = tl.load(mid_lse_head_ptr + split, cache_modifier=".cg")
+            part = tl.load(mid_o_head_ptr + split * stride_ms + offs_d, mask=d_mask, other=0.0,
+                           cache_modifier=".cg")
+            weight = tl.where(s0 + j < num_splits, tl.exp2(lse - m), 0.0)
+            acc += weight * part
+            l_sum += weight
+    tl.store(out_head_ptr + offs_d, (acc / l_sum).to(out_head_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -307,37 +379,15 @@ def _decode_combine_kernel(
     # constexprs
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Stage 2: one program per (sequence, q head) with two or more splits: out = sum_s w_s o_s /
-    sum_s w_s, w_s = exp2(lse_s - max lse). The splits are taken BLOCK_S at a time in index order
-    (a fixed tree within a block, blocks added in order), so the result depends only on the
-    sequence's own splits; the loads of a block do not wait on the previous block's sums."""
+    """Stage 2: one program per (sequence, q head) with two or more splits (``_combine_splits``),
+    so the result depends only on the sequence's own splits."""
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + pid_b)
     num_splits = tl.cdiv(seq_len, split_size)
     if num_splits <= 1:  # written by stage 1 (one split) or a dummy slot (zeros)
         return
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_dim
-    base_o = mid_o_ptr + pid_b.to(tl.int64) * stride_mb + pid_h * stride_mh
-    base_l = mid_lse_ptr + pid_b.to(tl.int64) * stride_lb + pid_h * stride_lh
-    m_max = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):  # the max is exact in any order
-        lse = tl.load(base_l + s0 + offs_s, mask=s0 + offs_s < num_splits, other=float("-inf"))
-        m_max = tl.maximum(m_max, lse)
-    m = tl.max(m_max, 0)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    l_sum = tl.zeros([], dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        s_mask = s0 + offs_s < num_splits
-        lse = tl.load(base_l + s0 + offs_s, mask=s_mask, other=float("-inf"))
-        part = tl.load(base_o + (s0 + offs_s)[:, None] * stride_ms + offs_d[None, :],
-                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-        weight = tl.exp2(lse - m)  # 0 for the masked splits
-        acc += tl.sum(weight[:, None] * part, 0)
-        l_sum += tl.sum(weight, 0)
-    tl.store(
-        o_ptr + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh + offs_d,
-        (acc / l_sum).to(o_ptr.dtype.element_ty), mask=d_mask,
-    )
+    _combine_splits(mid_o_ptr + pid_b.to(tl.int64) * stride_mb + pid_h * stride_mh,
+                    mid_lse_ptr + pid_b.to(tl.int64) * stride_lb + pid_h * stride_lh,
+                    o_ptr + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh,
+                    num_splits, head_dim, stride_ms, BLOCK_S, BLOCK_D)

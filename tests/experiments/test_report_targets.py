@@ -33,6 +33,8 @@ def _records(gemm_ratio: float) -> list[dict]:
          "bound_us": 3.6, "bw_fraction": 0.9},
         {"op": "decode_attention", "policy": "corun", "us": 1.0, "bw_fraction": 0.5,
          "target": "bw_fraction >= 0.6"},
+        {"op": "decode_attention", "policy": "corun_fused", "us": 1.0, "bw_fraction": 0.7,
+         "target": "bw_fraction >= 0.6"},
         {"op": "moe_align", "policy": "corun", "us": 1.0, "ratio": 3.0},
         {"op": "moe_align_variant", "us": 1.0, "launches_us": {"count": 1.0, "scatter": 2.0}},
     ]
@@ -61,7 +63,9 @@ def test_targets_are_computed_from_the_rows_they_name(tmp_path, monkeypatch):
     assert _row(text, "RoPE")[2:] == [
         "median 0.70, 0.10-0.90. At the M 1 time (1.00 us) as a floor for every M the median "
         "could reach 0.70", "yes"]
-    assert _row(text, "decode attention")[3] == "no"
+    assert _row(text, "decode attention at B <= 8 (")[3] == "no"
+    assert _row(text, "decode attention at B <= 8, fused")[2:] == ["median 0.70, 0.70-0.70",
+                                                                  "yes"]
     assert _row(text, "MoE token sort")[2:] == [
         "2 launches; 3.00-3.00x faster than the torch sort (min, median)", "no"]
     missed = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, _records(0.9),

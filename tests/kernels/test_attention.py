@@ -7,6 +7,8 @@ stores, masking and casts; native bf16 dots are checked on the H200.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -147,6 +149,42 @@ def test_decode_attention_config_policies():
     long = decode_attention_config(8, 32, 8, 128, 32768, torch.bfloat16, Mode.DEFAULT)
     assert short.split_size != long.split_size
     assert long.split_size % long.BLOCK_N == 0 and long.max_num_splits <= 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lanes", [1, 2, 8], ids=lambda n: f"lanes{n}")
+def test_decode_attention_fused_combine_equals_two_launches(dtype, lanes):
+    """The split launch's fused combine (the last lane of each sequence and kv head combines)
+    gives the two-launch path's bits, with fewer lanes than splits, as many, or more; one-split
+    sequences and dummy slots included. The arrival counts are left at zero, so a held buffer
+    serves the next call."""
+    lens = [150, 0, 16, 17, 64, 3]
+    k_cache, v_cache, tables, gen = make_paged(lens, 2, 32, 8, dtype, seed=6)
+    q = torch.randn(len(lens), 8, 32, generator=gen).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    base = dataclasses.replace(
+        decode_attention_config(len(lens), 8, 2, 32, 160, dtype, Mode.CORUN, split_size=16),
+        num_split_programs=lanes)
+    assert base.max_num_splits == 10 and not base.fused_combine
+    args = (q, k_cache, v_cache, tables, seq_lens, 0.2)
+    two = decode_attention(*args, max_seq_len=160, config=base)
+    arrivals = torch.zeros(len(lens) * 2 + 3, dtype=torch.int32)  # longer than needed: fine
+    fused_cfg = dataclasses.replace(base, fused_combine=True)
+    for _ in range(2):  # the second call reuses the counts the first left at zero
+        fused = decode_attention(*args, max_seq_len=160, config=fused_cfg, arrivals=arrivals)
+        assert_bitwise_equal(fused, two)
+        assert not arrivals.any()
+    assert_bitwise_equal(decode_attention(*args, max_seq_len=160, config=fused_cfg), two)
+
+
+def test_decode_attention_fused_combine_checks_arrivals():
+    args = _decode_args()
+    cfg = dataclasses.replace(decode_attention_config(2, 4, 2, 16, 24, torch.float32, Mode.CORUN,
+                                                      split_size=16), fused_combine=True)
+    for bad, message in ((torch.zeros(3, dtype=torch.int32), "arrivals: expected >= 4"),
+                         (torch.zeros(4, dtype=torch.int64), "arrivals")):
+        with pytest.raises(ValueError, match=message):
+            decode_attention(*args.values(), max_seq_len=24, config=cfg, arrivals=bad)
 
 
 # ----------------------------------------------------------------------------------------------
