@@ -69,6 +69,9 @@ class EngineConfig:
       counts against ``prefill_token_budget``. Not supported with ``tensor_parallel_size > 1``
       (the two parts' collectives on two streams of one communicator could interleave
       differently per rank).
+    - ``decode_fused_combine``: decode attention combines a sequence's splits in its split
+      launch (the last lane to finish does it) instead of a second launch; the same bits either
+      way (kernels/attention.py), so a speed knob only, off until timed on the H200.
     - ``cuda_graphs``: capture every fixed-shape step as a CUDA graph (decode at its buckets;
       corun's prefill shapes too, where the model allows it) and replay it (ignored off CUDA).
     - ``seed``: the seed of the random model weights (named configs); request seeds are separate.
@@ -106,6 +109,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     overlap_prefill_decode: bool = False
     decode_split_size: int = 512
+    decode_fused_combine: bool = False
     cuda_graphs: bool = True
     seed: int = 0
     max_queue_len: int | None = None
@@ -171,6 +175,9 @@ class EngineConfig:
         if isinstance(split, bool) or not isinstance(split, int) or split < 16 or split % 16:
             raise ValueError(
                 f"decode_split_size: expected a positive multiple of 16, got {split!r}")
+        if not isinstance(self.decode_fused_combine, bool):
+            raise ValueError(f"decode_fused_combine: expected a bool, "
+                             f"got {self.decode_fused_combine!r}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ValueError(f"seed: expected an int in [0, 2**64), got {self.seed!r}")
         if self.max_queue_len is not None:

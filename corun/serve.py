@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode attention split size in tokens (corun, batch_invariant)",
     )
     p.add_argument(
+        "--decode-fused-combine",
+        action="store_true",
+        help="decode attention combines a sequence's splits in its split launch (one launch; "
+        "the same bits)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=2048,
@@ -246,6 +252,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         prefill_token_budget=args.prefill_token_budget,
         overlap_prefill_decode=args.overlap_prefill_decode,
         decode_split_size=args.decode_split_size,
+        decode_fused_combine=args.decode_fused_combine,
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
         num_kv_blocks=args.num_kv_blocks,
         dtype=args.dtype,  # None: EngineConfig's one default (bf16 on CUDA, fp32 on the CPU)

@@ -127,9 +127,11 @@ class StepBuffers:
                 and shape.num_sample_rows <= samples)
 
     def bind(self, shape: StepShape, kv_cache: KVCache, ops: OpsConfig, max_seq_len: int,
-             host: StepHost | None = None, cache: bool = True) -> BoundStep:
+             host: StepHost | None = None, cache: bool = True,
+             decode_arrivals: torch.Tensor | None = None) -> BoundStep:
         """The views of ``shape``. A fixed shape's are built once (a graph captures them) unless
-        ``cache`` is False; a dynamic step's host ints come from ``host``."""
+        ``cache`` is False; a dynamic step's host ints come from ``host``. ``decode_arrivals``:
+        the runner's held buffer for decode attention's fused combine (``ForwardBatch``)."""
         cache = cache and shape.is_fixed
         if cache and shape in self._bound:
             return self._bound[shape]
@@ -144,7 +146,8 @@ class StepBuffers:
                       token_mask=v["token_mask"][:t])
         if not shape.is_prefill:
             batch = ForwardBatch(is_prefill=False, seq_lens=v["seq_lens"][:n],
-                                 max_seq_len=max_seq_len, **common)
+                                 max_seq_len=max_seq_len, decode_arrivals=decode_arrivals,
+                                 **common)
         else:
             num_chunks = n - nd
             batch = ForwardBatch(
@@ -153,7 +156,8 @@ class StepBuffers:
                 max_q_len=shape.max_q_len if shape.is_fixed else host.max_q_len,
                 seq_lens=v["seq_lens"][:nd] if nd else None,
                 max_seq_len=max_seq_len, num_decode_tokens=nd,
-                context_lens_host=None if shape.is_fixed else host.context_lens, **common)
+                context_lens_host=None if shape.is_fixed else host.context_lens,
+                decode_arrivals=decode_arrivals if nd else None, **common)
         bound = BoundStep(
             shape=shape, input_ids=v["input_ids"][:t], batch=batch,
             sample_rows=v["sample_rows"][:r] if shape.is_prefill else None,

@@ -59,8 +59,10 @@ def kv_bytes_per_token(model: torch.nn.Module, elem_bytes: int) -> int:
     return spec.num_layers * per_layer * elem_bytes
 
 
-def bench_model(name: str, prefill_len: int, decode_batch: int, device: torch.device) -> dict:
-    dtype, ops = torch.bfloat16, OpsConfig(mode=Mode.CORUN, backend="triton")
+def bench_model(name: str, prefill_len: int, decode_batch: int, device: torch.device,
+                decode_fused_combine: bool = False) -> dict:
+    dtype = torch.bfloat16
+    ops = OpsConfig(mode=Mode.CORUN, backend="triton", decode_fused_combine=decode_fused_combine)
     torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     model, config = build_model(name, dtype=dtype, device=device, seed=0)
@@ -98,7 +100,10 @@ def bench_model(name: str, prefill_len: int, decode_batch: int, device: torch.de
         block_tables=block_tables, kv_cache=cache, ops=ops,
         seq_lens=torch.full((decode_batch,), context + 1, dtype=torch.int32, device=device),
         max_seq_len=MAX_MODEL_LEN,
-        token_mask=torch.ones(decode_batch, dtype=torch.bool, device=device))
+        token_mask=torch.ones(decode_batch, dtype=torch.bool, device=device),
+        # Held across replays, as the engine's runner holds it (ForwardBatch.decode_arrivals).
+        decode_arrivals=torch.zeros(decode_batch * max(1, cache.spec.num_kv_heads),
+                                    dtype=torch.int32, device=device))
     step_ids = torch.randint(0, config.vocab_size, (decode_batch,), device=device, generator=gen)
 
     def run_decode() -> torch.Tensor:
@@ -118,6 +123,7 @@ def bench_model(name: str, prefill_len: int, decode_batch: int, device: torch.de
         "model": name, "architecture": config.architecture,
         "num_hidden_layers": config.num_hidden_layers,
         "parameters": num_parameters(config), "dtype": "bfloat16", "mode": "corun",
+        "decode_fused_combine": decode_fused_combine,
         "backend": "triton", "prefill_timing": "eager", "decode_timing": "cuda_graph",
         "build_s": round(build_s, 2),
         "logits_finite": finite,
@@ -139,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(NAMED_CONFIGS))
     parser.add_argument("--prefill-len", type=int, default=2048)
     parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--decode-fused-combine", action="store_true",
+                        help="decode attention combines the splits in its split launch")
     parser.add_argument("--name", default="models-h200")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -148,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda")
     records = []
     for name in args.models:
-        record = bench_model(name, args.prefill_len, args.decode_batch, device)
+        record = bench_model(name, args.prefill_len, args.decode_batch, device,
+                             args.decode_fused_combine)
         gc.collect()
         torch.cuda.empty_cache()
         print(record, flush=True)

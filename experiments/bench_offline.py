@@ -316,7 +316,7 @@ def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload,
             "max_num_seqs", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
             "prefill_step_tokens", "max_prefill_seqs_per_step", "prefill_token_budget",
             "overlap_prefill_decode", "max_num_batched_tokens", "decode_split_size",
-            "cuda_graphs")},
+            "decode_fused_combine", "cuda_graphs")},
         **step_profile(main_engine.step_records, runner),
     }
     if record.get("tpot_ms_p50") and record.get("decode_bound_ms_at_live_mean"):

@@ -104,3 +104,26 @@ def test_unpadded_packing_changes_bits_negative_control(model, monkeypatch):
 
     monkeypatch.setattr(CoRunPolicy, "_schedule_prefill", unpadded)
     assert len(_prints(EngineConfig(model=model, **CORUN))) > 1
+
+
+@pytest.mark.slow
+def test_fused_decode_combine_keeps_the_engines_bits():
+    """``decode_fused_combine`` is a speed knob only: with 16-token splits (several per decode
+    sequence) every request's fingerprint is the same with the combine fused into the split
+    launch as with the two launches, and the runner's held arrival counts are zeros after."""
+    config = EngineConfig(model="tiny-qwen3", decode_split_size=16, **CORUN)
+    fused = dataclasses.replace(config, decode_fused_combine=True)
+    prints = {}
+    for name, cfg in (("two launches", config), ("fused", fused)):
+        engine = LLMEngine(cfg)
+        for i, prompt in enumerate([TARGET, [5] * 7, [6] * 30]):
+            engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.8, seed=i),
+                               f"r{i}")
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: o.fingerprint for o in engine.step() if o.finished})
+        prints[name] = finals
+        arrivals = engine.runner.decode_arrivals
+        assert (arrivals is None) == (name == "two launches")
+        assert arrivals is None or not arrivals.any()
+    assert prints["fused"] == prints["two launches"] and len(prints["fused"]) == 3

@@ -37,6 +37,7 @@ CUDA-graph capture. ``max_q_len`` vs the table capacity is a host int and always
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -354,6 +355,7 @@ def decode_attention(
     mode: Mode = Mode.CORUN,
     split_size: int = 256,
     config: DecodeAttentionConfig | None = None,
+    fused_combine: bool = False,
     arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its ``seq_lens[b]`` cached tokens -> [B, Hq, D] in q's dtype.
@@ -367,9 +369,11 @@ def decode_attention(
     max_model_len under corun / batch_invariant (fixed launch shape), the batch's longest under
     default. seq_len 0 (a dummy slot) gives zeros. Invariance per mode: module docstring.
 
-    ``arrivals`` (int32, >= B * num_kv_heads zeros) is the fused combine's per-(sequence, kv head)
-    arrival count; the kernel leaves it zeroed, so a caller can hold one buffer for every call
-    (under a CUDA graph: no memset). Without it a fused launch allocates zeros each call.
+    ``fused_combine`` turns the policy's fused combine on (``config`` carries its own); the bits
+    are those of the two launches. ``arrivals`` (int32, >= B * num_kv_heads zeros) is its
+    per-(sequence, kv head) arrival count; the kernel leaves it zeroed, so a caller can hold one
+    buffer for every call (under a CUDA graph: no memset). Without it a fused launch allocates
+    zeros each call.
     """
     _check_paged_attention(q, k_cache, v_cache, block_tables)
     num_seqs, num_q_heads, head_dim = q.shape
@@ -396,6 +400,8 @@ def decode_attention(
     num_kv_heads = k_cache.shape[2]
     cfg = config or decode_attention_config(num_seqs, num_q_heads, num_kv_heads, head_dim,
                                             max_seq_len, q.dtype, mode, split_size)
+    if fused_combine and config is None:
+        cfg = dataclasses.replace(cfg, fused_combine=True)
     if cfg.max_num_splits > 1:
         mid_o = torch.empty((num_seqs, num_q_heads, cfg.max_num_splits, head_dim),
                             dtype=torch.float32, device=q.device)

@@ -30,6 +30,8 @@ class OpsConfig:
     backend: Backend = "triton"
     # Decode attention split size in tokens (corun / batch_invariant), DESIGN.md section 3.
     decode_split_size: int = 256
+    # Decode attention combines the splits in its split launch (same bits, one launch fewer).
+    decode_fused_combine: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -41,6 +43,9 @@ class OpsConfig:
         if isinstance(split, bool) or not isinstance(split, int) or split < 16 or split % 16:
             raise ValueError(
                 f"decode_split_size: expected a positive multiple of 16, got {split!r}")
+        if not isinstance(self.decode_fused_combine, bool):
+            raise TypeError(f"decode_fused_combine: expected a bool, "
+                            f"got {type(self.decode_fused_combine).__name__}")
 
 
 @dataclass
@@ -68,6 +73,10 @@ class ForwardBatch:
 
     ``token_mask`` [T] bool marks real tokens (False for dummies) so MoE routing can skip them.
 
+    ``decode_arrivals`` (int32, zeros, held by the runner) is decode attention's per-(sequence,
+    kv head) arrival count when ``ops.decode_fused_combine``; every call leaves it at zero, so
+    one buffer serves every layer and step (None: the kernel allocates zeros per call).
+
     Packed prefill (corun): ``T`` tokens in ``R`` chunk rows, fixed; real chunks first, then
     zero-length rows (their ``cu_seqlens_q`` entries repeat, ``context_lens`` 0) and trailing
     dummy tokens past ``cu_seqlens_q[-1]`` (slot -1, mask False): kernels skip both, so every
@@ -91,6 +100,7 @@ class ForwardBatch:
     # have length 0 and are left out). Layers that size work by a sequence's context (MLA's
     # expansion) read these instead of syncing the device; None under a CUDA graph capture.
     context_lens_host: tuple[int, ...] | None = None
+    decode_arrivals: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # Shapes only (no tensor values): a check must not sync the device.
@@ -121,7 +131,8 @@ class ForwardBatch:
             is_prefill=False, positions=self.positions[:nd], slot_mapping=self.slot_mapping[:nd],
             block_tables=self.block_tables[:nd], kv_cache=self.kv_cache, ops=self.ops,
             seq_lens=self.seq_lens, max_seq_len=self.max_seq_len,
-            token_mask=None if self.token_mask is None else self.token_mask[:nd])
+            token_mask=None if self.token_mask is None else self.token_mask[:nd],
+            decode_arrivals=self.decode_arrivals)
 
     def prefill_part(self) -> ForwardBatch:
         """The prefill chunks of a mixed batch as a prefill batch (views, no copies)."""

@@ -215,7 +215,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
         return decode_kernel(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
                              max_seq_len=batch.max_seq_len, mode=batch.ops.mode,
-                             split_size=batch.ops.decode_split_size)
+                             split_size=batch.ops.decode_split_size,
+                             fused_combine=batch.ops.decode_fused_combine,
+                             arrivals=batch.decode_arrivals)
     return ref.decode_attention_reference(q, k_cache, v_cache, batch.block_tables,
                                           batch.seq_lens, scale)
 

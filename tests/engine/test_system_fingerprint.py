@@ -17,6 +17,7 @@ BASE = EngineConfig(model="tiny-qwen3", device="cpu", max_num_seqs=8, max_model_
 @pytest.mark.parametrize("change", [
     dict(num_kv_blocks=200), dict(max_queue_len=3), dict(prefill_token_budget=64),
     dict(cuda_graphs=False), dict(gpu_memory_utilization=0.5), dict(overlap_prefill_decode=True),
+    dict(decode_fused_combine=True),  # the same bits (invariance_tests/test_engine_triton.py)
 ])
 def test_sizing_and_pacing_knobs_keep_the_fingerprint(change):
     assert system_fingerprint(dataclasses.replace(BASE, **change)) == system_fingerprint(BASE)
