@@ -25,9 +25,11 @@ Invariance, per op:
   fixed ``split_size`` tokens, so its bits depend only on its own query, length and KV: not on the
   other sequences, the batch size, its slot, or ``max_seq_len`` (which only sizes the grid, so one
   launch shape serves every step of a CUDA graph). A sequence that is one split is written by
-  stage 1 directly, whether or not the grid needs stage 2 for others. Under ``default`` the split
-  size follows the batch's longest sequence and the batch size to fill the GPU, so a sequence's
-  bits change when only the other sequences change.
+  stage 1 directly, whether or not the grid needs stage 2 for others. The splits are combined
+  one at a time in split order, by stage 2 or, with ``fused_combine``, by the sequence's last
+  lane inside stage 1: the same bits, so the choice may depend on anything. Under ``default``
+  the split size follows the batch's longest sequence and the batch size to fill the GPU, so a
+  sequence's bits change when only the other sequences change.
 
 Host-side checks: shapes, dtypes, devices and host ints always. Checks that read tensor values
 (cu_seqlens consistency, lengths vs table capacity, block ids < num_blocks, slots in range) run
@@ -68,8 +70,8 @@ NUM_SMS = 132
 DECODE_TARGET_PROGRAMS = 2 * NUM_SMS
 # Cap on the default mode's splits, bounding the partial-output buffer and the combine loop.
 DECODE_MAX_SPLITS_DEFAULT = 64
-# Splits the combine loads at once: a constant (never derived from max_seq_len), because it fixes
-# the order the splits are summed in.
+# Splits the combine loads per unrolled step. They are added one at a time in split order
+# whatever it is; a constant anyway, so the combine's code never changes with max_seq_len.
 DECODE_COMBINE_BLOCK_S = 32
 
 
