@@ -285,7 +285,7 @@ def prefill_attention(
 class DecodeAttentionConfig:
     split_size: int  # tokens per split; splits of a sequence start at multiples of it
     max_num_splits: int  # cdiv(max_seq_len, split_size): the partial buffers' split dim
-    num_split_programs: int  # stage-1 lanes per (sequence, kv head); lane s does s, s + lanes, ...
+    num_split_programs: int  # stage-1 lanes per (sequence, kv head), each a contiguous run
     BLOCK_N: int
     BLOCK_H: int  # query heads of one kv head, padded to >= 16 rows for tl.dot
     num_warps: int

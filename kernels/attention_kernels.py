@@ -356,11 +356,14 @@ def _combine_splits(
     l_sum = tl.zeros([], dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         for j in tl.static_range(BLOCK_S):
-            # Past the last split: read the last one again (no scalar masks: the interpreter
-            # has none) with weight 0, which adds an exact zero.
+            # Past the last split: its partial is masked off (0, no memory traffic) and its
+            # weight is 0, so it adds an exact zero. The scalar lse load is clamped to a real
+            # split instead of masked (the interpreter has no scalar masks), and the vector
+            # mask is built as a tensor for the same reason.
             split = tl.minimum(s0 + j, num_splits - 1)
             lse = tl.load(mid_lse_head_ptr + split, cache_modifier=".cg")
-            part = tl.load(mid_o_head_ptr + split * stride_ms + offs_d, mask=d_mask, other=0.0,
+            in_range = d_mask & (offs_d * 0 + s0 + j < num_splits)
+            part = tl.load(mid_o_head_ptr + split * stride_ms + offs_d, mask=in_range, other=0.0,
                            cache_modifier=".cg")
             weight = tl.where(s0 + j < num_splits, tl.exp2(lse - m), 0.0)
             acc += weight * part

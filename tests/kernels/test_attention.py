@@ -182,7 +182,9 @@ def test_decode_attention_fused_combine_checks_arrivals():
     cfg = dataclasses.replace(decode_attention_config(2, 4, 2, 16, 24, torch.float32, Mode.CORUN,
                                                       split_size=16), fused_combine=True)
     for bad, message in ((torch.zeros(3, dtype=torch.int32), "arrivals: expected >= 4"),
-                         (torch.zeros(4, dtype=torch.int64), "arrivals")):
+                         (torch.zeros(4, dtype=torch.int64), "arrivals"),
+                         (torch.zeros(4, dtype=torch.int32, device="meta"),
+                          "arrivals: expected device")):
         with pytest.raises(ValueError, match=message):
             decode_attention(*args.values(), max_seq_len=24, config=cfg, arrivals=bad)
 
