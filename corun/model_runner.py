@@ -43,7 +43,7 @@ from corun.sampler import Sampler, SamplingTensors, top_token_ids
 from corun.step import StepPart, StepShape
 from corun.step_inputs import BoundStep, StepBuffers, StepHost
 from kernels.mode import Mode
-from models.forward_batch import ForwardBatch, KVCache, KVCacheSpec, OpsConfig
+from models.forward_batch import ForwardBatch, KVCache, OpsConfig
 from models.parallel import SINGLE, ParallelContext
 
 # Prompt logprobs run the LM head over a prompt's rows in tiles of this many rows, tile t holding
@@ -111,11 +111,16 @@ class ModelRunner:
         self.block_width = config.max_blocks_per_seq
         self.sampler = Sampler(config.resolved_backend, self.device)
         self.digest = LogitsDigest(self.vocab_size, self.device)
+        spec = self.model.kv_cache_spec()
+        # Decode attention's fused combine counts arrivals per (row, kv head) in a buffer each
+        # stream of steps holds (StepBuffers): decode and prefill steps may overlap on two
+        # streams, so they must not share one.
+        self._arrival_heads = spec.num_kv_heads if (
+            self.ops.decode_fused_combine and self.ops.backend == "triton"
+            and spec.kind == "mha") else 0
         self.decode_buffers = self._buffers(max(config.decode_buckets),
                                             max(config.decode_buckets))
         self.prefill_buffers = self._buffers(*self._prefill_capacity())
-        spec = self.model.kv_cache_spec()
-        self.decode_arrivals = self._decode_arrivals(spec)
         self.num_kv_blocks = self._agree_num_blocks(
             config.num_kv_blocks or self._auto_num_blocks(spec))
         self.kv_cache = KVCache(spec, self.num_kv_blocks, config.block_size, self.dtype,
@@ -132,17 +137,7 @@ class ModelRunner:
 
     def _buffers(self, max_tokens: int, max_seqs: int) -> StepBuffers:
         return StepBuffers(max_tokens, max_seqs, max_seqs, self.block_width,
-                           self.config.block_size, self.device)
-
-    def _decode_arrivals(self, spec: KVCacheSpec) -> torch.Tensor | None:
-        """Decode attention's arrival counts for the fused combine, held for the runner's life:
-        one per (row, kv head) of the largest decode part a step carries. Zeros, and every call
-        leaves them so, so graphs need no memset; None when the combine is not fused."""
-        if not (self.ops.decode_fused_combine and self.ops.backend == "triton"
-                and spec.kind == "mha"):
-            return None
-        rows = max(self.decode_buffers.capacity[1], self.prefill_buffers.capacity[1])
-        return torch.zeros(rows * spec.num_kv_heads, dtype=torch.int32, device=self.device)
+                           self.config.block_size, self.device, self._arrival_heads)
 
     def _prefill_capacity(self) -> tuple[int, int]:
         """(tokens, rows) of the largest prefill step the scheduler can make."""
@@ -245,7 +240,7 @@ class ModelRunner:
             bufs = self._buffers_of(shape)
             host = bufs.fill(shape, [])
             bound = bufs.bind(shape, scratch, self.ops, self.config.max_model_len, host,
-                              cache=False, decode_arrivals=self.decode_arrivals)
+                              cache=False)
             batch = bound.batch
             if shape.is_prefill:
                 batch = dataclasses.replace(batch, context_lens_host=profile_context_lens(
@@ -291,8 +286,7 @@ class ModelRunner:
         max_seq_len = self.config.max_model_len
         if not shape.is_fixed and self.ops.mode is Mode.DEFAULT:
             max_seq_len = host.max_seq_len
-        return bufs.bind(shape, self.kv_cache, self.ops, max_seq_len, host,
-                         decode_arrivals=self.decode_arrivals)
+        return bufs.bind(shape, self.kv_cache, self.ops, max_seq_len, host)
 
     def _forward(self, bound: BoundStep, batch: ForwardBatch | None = None,
                  all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -488,7 +482,6 @@ class ModelRunner:
         self._prompt_hidden.clear()
         for bufs in (self.decode_buffers, self.prefill_buffers):
             bufs.release()
-        self.decode_arrivals = None
         if self._owns_model:
             self.model = None
         if self.device.type == "cuda":

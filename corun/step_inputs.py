@@ -88,8 +88,12 @@ class StepBuffers:
     """Capacity-sized static inputs of one stream of steps (decode, or prefill)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_samples: int, block_width: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, arrival_heads: int = 0) -> None:
         self.block_width, self.block_size, self.device = block_width, block_size, device
+        # Decode attention's fused-combine arrival counts (ForwardBatch.decode_arrivals), one per
+        # (row, kv head); zeros, and every launch leaves them so. None: not fused.
+        self.decode_arrivals = torch.zeros(max_seqs * arrival_heads, dtype=torch.int32,
+                                           device=device) if arrival_heads else None
         sizes = {"tokens": max_tokens, "samples": max_samples, "seqs": max_seqs,
                  "seqs+1": max_seqs + 1, "table": max_seqs * block_width}
         self.capacity = (max_tokens, max_seqs, max_samples)
@@ -117,6 +121,7 @@ class StepBuffers:
         """Drop the buffers (a destroyed runner's); the views bound so far keep theirs alive."""
         self._bound.clear()
         self._dev_view.clear()
+        self.decode_arrivals = None
         self._host_np.clear()
 
     # -- views --------------------------------------------------------------------------------
@@ -127,11 +132,9 @@ class StepBuffers:
                 and shape.num_sample_rows <= samples)
 
     def bind(self, shape: StepShape, kv_cache: KVCache, ops: OpsConfig, max_seq_len: int,
-             host: StepHost | None = None, cache: bool = True,
-             decode_arrivals: torch.Tensor | None = None) -> BoundStep:
+             host: StepHost | None = None, cache: bool = True) -> BoundStep:
         """The views of ``shape``. A fixed shape's are built once (a graph captures them) unless
-        ``cache`` is False; a dynamic step's host ints come from ``host``. ``decode_arrivals``:
-        the runner's held buffer for decode attention's fused combine (``ForwardBatch``)."""
+        ``cache`` is False; a dynamic step's host ints come from ``host``."""
         cache = cache and shape.is_fixed
         if cache and shape in self._bound:
             return self._bound[shape]
@@ -146,8 +149,8 @@ class StepBuffers:
                       token_mask=v["token_mask"][:t])
         if not shape.is_prefill:
             batch = ForwardBatch(is_prefill=False, seq_lens=v["seq_lens"][:n],
-                                 max_seq_len=max_seq_len, decode_arrivals=decode_arrivals,
-                                 **common)
+                                 max_seq_len=max_seq_len,
+                                 decode_arrivals=self.decode_arrivals, **common)
         else:
             num_chunks = n - nd
             batch = ForwardBatch(
@@ -157,7 +160,7 @@ class StepBuffers:
                 seq_lens=v["seq_lens"][:nd] if nd else None,
                 max_seq_len=max_seq_len, num_decode_tokens=nd,
                 context_lens_host=None if shape.is_fixed else host.context_lens,
-                decode_arrivals=decode_arrivals if nd else None, **common)
+                decode_arrivals=self.decode_arrivals if nd else None, **common)
         bound = BoundStep(
             shape=shape, input_ids=v["input_ids"][:t], batch=batch,
             sample_rows=v["sample_rows"][:r] if shape.is_prefill else None,

@@ -101,7 +101,7 @@ def bench_model(name: str, prefill_len: int, decode_batch: int, device: torch.de
         seq_lens=torch.full((decode_batch,), context + 1, dtype=torch.int32, device=device),
         max_seq_len=MAX_MODEL_LEN,
         token_mask=torch.ones(decode_batch, dtype=torch.bool, device=device),
-        # Held across replays, as the engine's runner holds it (ForwardBatch.decode_arrivals).
+        # Held across replays, as the engine's step buffers hold it (ForwardBatch.decode_arrivals).
         decode_arrivals=torch.zeros(decode_batch * max(1, cache.spec.num_kv_heads),
                                     dtype=torch.int32, device=device))
     step_ids = torch.randint(0, config.vocab_size, (decode_batch,), device=device, generator=gen)

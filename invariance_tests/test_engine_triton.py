@@ -110,7 +110,8 @@ def test_unpadded_packing_changes_bits_negative_control(model, monkeypatch):
 def test_fused_decode_combine_keeps_the_engines_bits():
     """``decode_fused_combine`` is a speed knob only: with 16-token splits (several per decode
     sequence) every request's fingerprint is the same with the combine fused into the split
-    launch as with the two launches, and the runner's held arrival counts are zeros after."""
+    launch as with the two launches, and the arrival counts each stream of steps holds (decode,
+    prefill) are zeros after."""
     config = EngineConfig(model="tiny-qwen3", decode_split_size=16, **CORUN)
     fused = dataclasses.replace(config, decode_fused_combine=True)
     prints = {}
@@ -123,7 +124,8 @@ def test_fused_decode_combine_keeps_the_engines_bits():
         while engine.has_unfinished_requests():
             finals.update({o.request_id: o.fingerprint for o in engine.step() if o.finished})
         prints[name] = finals
-        arrivals = engine.runner.decode_arrivals
-        assert (arrivals is None) == (name == "two launches")
-        assert arrivals is None or not arrivals.any()
+        for bufs in (engine.runner.decode_buffers, engine.runner.prefill_buffers):
+            arrivals = bufs.decode_arrivals
+            assert (arrivals is None) == (name == "two launches")
+            assert arrivals is None or not arrivals.any()
     assert prints["fused"] == prints["two launches"] and len(prints["fused"]) == 3

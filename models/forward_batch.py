@@ -73,9 +73,10 @@ class ForwardBatch:
 
     ``token_mask`` [T] bool marks real tokens (False for dummies) so MoE routing can skip them.
 
-    ``decode_arrivals`` (int32, zeros, held by the runner) is decode attention's per-(sequence,
-    kv head) arrival count when ``ops.decode_fused_combine``; every call leaves it at zero, so
-    one buffer serves every layer and step (None: the kernel allocates zeros per call).
+    ``decode_arrivals`` (int32 zeros, held by the step buffers that bound the batch: one per
+    stream of steps) is decode attention's per-(sequence, kv head) arrival count when
+    ``ops.decode_fused_combine``; every call leaves it at zero, so one buffer serves every layer
+    and step (None: the kernel allocates zeros per call).
 
     Packed prefill (corun): ``T`` tokens in ``R`` chunk rows, fixed; real chunks first, then
     zero-length rows (their ``cu_seqlens_q`` entries repeat, ``context_lens`` 0) and trailing
