@@ -4,12 +4,15 @@ Two responses (or two offline runs) are comparable bit for bit exactly when thei
 fingerprints are equal: the id hashes the weights (a named config's name and seed, or a digest of
 a checkpoint's files), the dtype, the mode and backend, the step shapes (B and the decode
 buckets, the prefill policy with C, T and R, the block size, max_model_len, which bounds the
-decode grid), the decode split size, the tuned kernel tables, tensor parallelism, the EOS ids,
-the device (GPU name and compute capability, or the CPU's vector ISA) and the torch / triton /
-corun / outlines-core versions (outlines-core compiles structured output's grammars, so it
-decides which tokens a structured request may sample). Pure sizing and pacing knobs (KV block
-count, queue length, token budgets, overlap, CUDA graphs, which replay the eager bits) are left
-out: they do not change a request's bits.
+decode grid), the decode split size, the tuned kernel tables, the source of the kernels, models
+and engine (so a change of the code that decides the bits, e.g. a kernel's order of addition,
+changes the id even at one version number; a comment edit changes it too, which errs on the safe
+side), tensor parallelism, the EOS ids, the device (GPU name and compute capability, or the CPU's
+vector ISA) and the torch / triton / corun / outlines-core versions (outlines-core compiles
+structured output's grammars, so it decides which tokens a structured request may sample). Pure
+sizing and pacing knobs (KV block count, queue length, token budgets, overlap, CUDA graphs, which
+replay the eager bits, decode attention's fused combine) are left out: they do not change a
+request's bits.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import torch
 
 from corun.config import EngineConfig
 
-_TUNED_DIR = Path(__file__).resolve().parents[1] / "kernels" / "tuned"
+_ROOT = Path(__file__).resolve().parents[1]
+_TUNED_DIR = _ROOT / "kernels" / "tuned"
+# The packages whose code decides a response's bits: the kernels, the models, the engine.
+_SOURCE_DIRS = (_ROOT / "kernels", _ROOT / "models", _ROOT / "corun")
 # A checkpoint's weights are identified by each file's name, size and its first and last bytes
 # (hashing many GB at every start-up would be too slow); config.json is hashed whole.
 _EDGE_BYTES = 1 << 20
@@ -57,6 +63,16 @@ def _tuned_tables() -> str:
     for path in sorted(_TUNED_DIR.glob("*.json")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def source_digest(dirs: tuple[Path, ...] = _SOURCE_DIRS) -> str:
+    """sha256 of every .py file under ``dirs`` (relative path and bytes, in sorted order)."""
+    h = hashlib.sha256()
+    for root in dirs:
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root.parent)).encode())
+            h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -104,6 +120,7 @@ def describe(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = ()
         "decode_split_size": config.decode_split_size,
         "tensor_parallel_size": config.tensor_parallel_size,
         "tuned_tables": _tuned_tables(),
+        "sources": source_digest(),
         "device": _device(config),
         **_versions(),
     }

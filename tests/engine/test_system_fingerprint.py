@@ -39,7 +39,8 @@ def test_llm_and_server_share_the_cpu_dtype_default():
     offline = EngineConfig(model="tiny-qwen3", device="cpu")  # what LLM("tiny-qwen3") builds
     assert served.torch_dtype == offline.torch_dtype
     assert describe(served)["dtype"] == "float32"
-    for field in ("device", "torch", "triton", "outlines-core", "tuned_tables", "weights"):
+    for field in ("device", "torch", "triton", "outlines-core", "tuned_tables", "weights",
+                  "sources"):
         assert field in describe(served)
 
 
@@ -59,3 +60,17 @@ def test_llm_and_server_engines_of_one_config_share_the_fingerprint():
     with LLM(**kwargs) as llm:
         assert llm.system_fingerprint == served.system_fingerprint
     served.close()
+
+
+def test_a_change_of_the_bit_deciding_sources_changes_their_digest(tmp_path):
+    """A kernel whose order of addition changes at one version number must change the id."""
+    from corun.system_fingerprint import source_digest
+
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "op.py").write_text("acc = a + b + c\n")
+    before = source_digest((kernels,))
+    assert source_digest((kernels,)) == before  # the same sources, the same digest
+    (kernels / "op.py").write_text("acc = a + (b + c)\n")
+    assert source_digest((kernels,)) != before
+    assert len(source_digest()) == 16
