@@ -53,10 +53,6 @@ DRY_RUN_ARGS = dict(model="tiny-qwen3", device="cpu", dtype="float32", num_reque
                     audit_requests=3, alone_sample=1, warmup_burst=4,
                     corun_set=["prefill_step_tokens=128", "prefill_chunk_size=32",
                                "prefill_token_budget=128"])
-CONFIG_FIELDS = ("max_num_seqs", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
-                 "prefill_step_tokens", "max_prefill_seqs_per_step", "prefill_token_budget",
-                 "overlap_prefill_decode", "max_num_batched_tokens", "decode_split_size",
-                 "cuda_graphs")
 
 
 class KernelPolicyRunner(ModelRunner):
@@ -96,7 +92,7 @@ def run_point(point, config, runner, model, work, args) -> dict:
     record = {"axis": args.axis, "value": point.value, "series": point.series,
               "variant": point.variant, "engine_mode": config.kernel_mode.value,
               "kernel_policy": point.kernel_policy or config.kernel_mode.value, **measured,
-              "config": {f: getattr(config, f) for f in CONFIG_FIELDS}}
+              "config": {f: getattr(config, f) for f in bench_offline.CONFIG_FIELDS}}
     if args.repeats > 1:
         throughputs = [run[0]["output_tok_s"] for run in runs]
         record["output_tok_s_runs"] = throughputs

@@ -90,6 +90,11 @@ AXES: dict[str, Axis] = {
         "corun's two-stream overlap of a decode step with a prefill step",
         (False, True), ("corun", "corun_isolated"),
         lambda v, _: {"overlap_prefill_decode": v}, scale_values=False),
+    "decode-fused-combine": Axis(
+        "decode attention's splits combined by the last lane in the split launch (one launch) or "
+        "by a second launch: the same bits, so only speed can differ",
+        (False, True), ("corun", "batch_invariant_tuned", "default"),
+        lambda v, _: {"decode_fused_combine": v}, scale_values=False),
     "kernel-policy": Axis(
         "the kernels' policy under corun's schedule (fixed shapes), beside the peers under "
         "their own dynamic schedule", ALL_MODES, ("corun", *PEERS), lambda v, _: {},

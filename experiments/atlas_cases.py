@@ -184,13 +184,13 @@ def attention_cases(bank: Bank, s: dict) -> list[Case]:
     def lens(ids, kind, top):
         return [own_len[kind] if i == 0 else _length(i, top) for i in ids]
 
-    def decode(ids, mode):
+    def decode(ids, mode, fused_combine=False):
         ls = lens(ids, "decode", s["max_len"])
         kc, vc, tables = _paged(bank, ids, ls, s)
         bound = max(ls) if mode == "default" else s["max_len"]  # as the engine passes it
         out = decode_attention(bank.rows("q", ids, (qh, d)), kc, vc, tables,
                                torch.tensor(ls, dtype=torch.int32, device=dev), scale,
-                               max_seq_len=bound, mode=mode)
+                               max_seq_len=bound, mode=mode, fused_combine=fused_combine)
         return list(out)
 
     def prefill(ids, mode):
@@ -213,6 +213,12 @@ def attention_cases(bank: Bank, s: dict) -> list[Case]:
             Case("prefill_attention", "triton (ours)", mode,
                  f"{heads}, own len {s['prefill_len']}, varlen",
                  s["prefill_batch"], s["prefill_sizes"], lambda ids, m=mode: prefill(ids, m))]
+    # The one-launch combine (the last lane of each sequence combines; atomics count arrivals):
+    # the same bits as the two launches is the claim, run to run (d) included.
+    cases.append(Case("decode_attention", "triton (ours, fused combine)", "corun",
+                      f"{heads}, own len {s['decode_len']}, others 1..{s['max_len']}",
+                      s["attn_batch"], s["attn_sizes"],
+                      lambda ids: decode(ids, "corun", fused_combine=True)))
     return _sdpa_cases(bank, s) + cases
 
 

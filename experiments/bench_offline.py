@@ -86,6 +86,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "default": ("default", {}),
 }
 HEADLINE = ("corun", "batch_invariant_tuned", "batch_invariant", "default")
+# The EngineConfig fields each record lists (its ``config``), here and in the ablations.
+CONFIG_FIELDS = ("max_num_seqs", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
+                 "prefill_step_tokens", "max_prefill_seqs_per_step", "prefill_token_budget",
+                 "overlap_prefill_decode", "max_num_batched_tokens", "decode_split_size",
+                 "decode_fused_combine", "cuda_graphs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,11 +317,7 @@ def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload,
         "num_kv_blocks": runner.num_kv_blocks, "build_s": round(build_s, 1),
         "warmup_s": round(warmup_s, 1),
         **main.compile_fields(),
-        "config": {k: getattr(config, k) for k in (
-            "max_num_seqs", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
-            "prefill_step_tokens", "max_prefill_seqs_per_step", "prefill_token_budget",
-            "overlap_prefill_decode", "max_num_batched_tokens", "decode_split_size",
-            "decode_fused_combine", "cuda_graphs")},
+        "config": {k: getattr(config, k) for k in CONFIG_FIELDS},
         **step_profile(main_engine.step_records, runner),
     }
     if record.get("tpot_ms_p50") and record.get("decode_bound_ms_at_live_mean"):
