@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -58,22 +59,23 @@ def weights_id(config: EngineConfig) -> str:
         "".join(_file_digest(p) for p in files).encode()).hexdigest()[:32]
 
 
-def _tuned_tables() -> str:
+def _files_digest(files: Iterable[tuple[str, Path]]) -> str:
+    """sha256 over (name, bytes) of each file, in the order given."""
     h = hashlib.sha256()
-    for path in sorted(_TUNED_DIR.glob("*.json")):
-        h.update(path.name.encode())
+    for name, path in files:
+        h.update(name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
+def _tuned_tables() -> str:
+    return _files_digest((p.name, p) for p in sorted(_TUNED_DIR.glob("*.json")))
+
+
 def source_digest(dirs: tuple[Path, ...] = _SOURCE_DIRS) -> str:
-    """sha256 of every .py file under ``dirs`` (relative path and bytes, in sorted order)."""
-    h = hashlib.sha256()
-    for root in dirs:
-        for path in sorted(root.rglob("*.py")):
-            h.update(str(path.relative_to(root.parent)).encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()[:16]
+    """The digest of every .py file under ``dirs`` (relative path and bytes, sorted)."""
+    return _files_digest((str(p.relative_to(root.parent)), p)
+                         for root in dirs for p in sorted(root.rglob("*.py")))
 
 
 def _device(config: EngineConfig) -> str:

@@ -87,6 +87,10 @@ def case_record(case) -> dict:
     return record
 
 
+def _show(record: dict) -> None:
+    tqdm.write(json.dumps({k: v for k, v in record.items() if k != "batch_size_by_m"}))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true",
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
 
         records += all_reduce_records(native, tiny)
         for record in records:
-            tqdm.write(json.dumps({k: v for k, v in record.items() if k != "batch_size_by_m"}))
+            _show(record)
     skipped: list[str] = []
     for case in tqdm(cases, desc="atlas", unit="case"):
         label = f"{case.op} {case.impl} {case.policy}"
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         record = case_record(case)
         records.append(record)
-        tqdm.write(json.dumps({k: v for k, v in record.items() if k != "batch_size_by_m"}))
+        _show(record)
         path = write_results(name, records, **extra, skipped=skipped)
     path = write_results(name, records, **extra, skipped=skipped)
     print(f"wrote {path} in {time.perf_counter() - t0:.0f} s"
