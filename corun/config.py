@@ -18,6 +18,14 @@ _DTYPES = ("float32", "float16", "bfloat16")
 PREFILL_POLICIES = ("packed", "isolated")
 # The smallest isolated-prefill bucket: shorter chunks are padded up to it.
 MIN_PREFILL_BUCKET = 16
+# Token counts the dynamic modes' prefill and mixed steps are captured at on CUDA (when
+# ``dynamic_graph_tokens`` is left to None), as vLLM captures mixed batches: an eager step of a
+# 36-layer model costs the host tens of ms of launches, more than the GPU needs for a few hundred
+# tokens, while past ~2048 tokens the GPU's own time hides it.
+DYNAMIC_GRAPH_TOKENS = (256, 512, 1024, 2048)
+# Prefill chunk rows of a captured dynamic step (beside its decode tokens). The steps that
+# eager launches slow down are small ones: a prompt or two arriving while others decode.
+DYNAMIC_GRAPH_PREFILL_ROWS = 4
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
                   "bf16": "bfloat16"}
 
@@ -74,6 +82,16 @@ class EngineConfig:
       way (kernels/attention.py), so a speed knob only, off until timed on the H200.
     - ``cuda_graphs``: capture every fixed-shape step as a CUDA graph (decode at its buckets;
       corun's prefill shapes too, where the model allows it) and replay it (ignored off CUDA).
+    - ``dynamic_graph_tokens`` (the dynamic modes): token counts at which a prefill or mixed
+      step is padded to a fixed shape and replayed from its graph, as vLLM captures mixed
+      batches: a step of at most that many tokens, at most ``DYNAMIC_GRAPH_PREFILL_ROWS``
+      prefill chunks and its decode tokens, runs at the smallest such shape (its decode tokens
+      padded to a decode bucket, dummies after the real tokens); larger steps run eagerly at
+      their exact shape. None: ``DYNAMIC_GRAPH_TOKENS`` up to ``max_num_batched_tokens`` when
+      graphs are on (and the model captures prefill steps), none otherwise; ``()``: none.
+      Given explicitly, the steps are padded even without graphs (an eager run at the graphs'
+      shapes: ``ModelRunner.eager_twin``). The batch-invariant modes keep their
+      bits either way; ``default`` runs its kernels at the padded shapes.
     - ``seed``: the seed of the random model weights (named configs); request seeds are separate.
     - ``max_queue_len``: waiting requests beyond this are refused (None = unbounded).
     - ``tensor_parallel_size``: N ranks, each holding a shard of the model and of the KV cache
@@ -111,6 +129,7 @@ class EngineConfig:
     decode_split_size: int = 512
     decode_fused_combine: bool = False
     cuda_graphs: bool = True
+    dynamic_graph_tokens: tuple[int, ...] | None = None
     seed: int = 0
     max_queue_len: int | None = None
     tensor_parallel_size: int = 1
@@ -178,6 +197,16 @@ class EngineConfig:
         if not isinstance(self.decode_fused_combine, bool):
             raise ValueError(f"decode_fused_combine: expected a bool, "
                              f"got {self.decode_fused_combine!r}")
+        if self.dynamic_graph_tokens is not None:
+            tokens = self.dynamic_graph_tokens
+            if not isinstance(tokens, (tuple, list)) or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tokens):
+                raise ValueError(f"dynamic_graph_tokens: expected None or a tuple of positive "
+                                 f"ints, got {tokens!r}")
+            if any(t > self.max_num_batched_tokens for t in tokens):
+                raise ValueError(f"dynamic_graph_tokens: {sorted(tokens)} has counts above "
+                                 f"max_num_batched_tokens {self.max_num_batched_tokens}, which "
+                                 f"no dynamic step reaches")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ValueError(f"seed: expected an int in [0, 2**64), got {self.seed!r}")
         if self.max_queue_len is not None:
@@ -296,6 +325,18 @@ class EngineConfig:
             buckets.append(size)
             size *= 2
         return [*buckets, self.max_num_seqs]
+
+    @property
+    def dynamic_step_tokens(self) -> list[int]:
+        """Token counts of the dynamic modes' padded prefill / mixed step shapes, ascending
+        (``dynamic_graph_tokens`` resolved; empty under corun, whose steps are fixed anyway)."""
+        if self.is_corun:
+            return []
+        if self.dynamic_graph_tokens is None:
+            if not self.use_cuda_graphs:
+                return []
+            return [t for t in DYNAMIC_GRAPH_TOKENS if t <= self.max_num_batched_tokens]
+        return sorted(set(self.dynamic_graph_tokens))
 
     def _dtype_name(self) -> str:
         value = self.dtype

@@ -255,7 +255,7 @@ class LLMEngine:
     def _record_step(self, out: SchedulerOutput, seconds: float) -> None:
         decodes = out.decode_chunks
         kind = "combined" if out.is_combined else "decode" if out.is_decode else "prefill"
-        padded = sum(part.shape.num_tokens for part in out.parts)
+        padded = sum(self.runner.step_shape(part.shape).num_tokens for part in out.parts)
         self.step_records.append(StepRecord(
             kind=kind, num_tokens=padded, num_real_tokens=out.num_tokens,
             num_decode_live=len(decodes), decode_context_tokens=sum(c.end for c in decodes),

@@ -35,12 +35,12 @@ from dataclasses import dataclass
 import torch
 
 from corun import memory_plan
-from corun.config import EngineConfig
+from corun.config import DYNAMIC_GRAPH_PREFILL_ROWS, EngineConfig
 from corun.fingerprint import LogitsDigest
 from corun.graph_runner import GraphRunner
 from corun.logits_processing import resample_processed
 from corun.sampler import Sampler, SamplingTensors, top_token_ids
-from corun.step import StepPart, StepShape
+from corun.step import StepPart, StepShape, dynamic_buckets, smallest_bucket
 from corun.step_inputs import BoundStep, StepBuffers, StepHost
 from kernels.mode import Mode
 from models.forward_batch import ForwardBatch, KVCache, OpsConfig
@@ -118,9 +118,18 @@ class ModelRunner:
         self._arrival_heads = spec.num_kv_heads if (
             self.ops.decode_fused_combine and self.ops.backend == "triton"
             and spec.kind == "mha") else 0
+        # The dynamic modes' small prefill / mixed steps run padded to these fixed shapes; by
+        # default only where a graph can replay them (padding alone would only add work).
+        tokens = config.dynamic_step_tokens
+        if config.dynamic_graph_tokens is None and not self.model.supports_prefill_graphs:
+            tokens = []
+        self.dynamic_buckets = dynamic_buckets(
+            tokens, config.decode_buckets, min(DYNAMIC_GRAPH_PREFILL_ROWS, config.max_num_seqs))
         self.decode_buffers = self._buffers(max(config.decode_buckets),
                                             max(config.decode_buckets))
-        self.prefill_buffers = self._buffers(*self._prefill_capacity())
+        tokens, rows = self._prefill_capacity()
+        self.prefill_buffers = self._buffers(
+            tokens, max([rows] + [b.num_seqs for b in self.dynamic_buckets]))
         self.num_kv_blocks = self._agree_num_blocks(
             config.num_kv_blocks or self._auto_num_blocks(spec))
         self.kv_cache = KVCache(spec, self.num_kv_blocks, config.block_size, self.dtype,
@@ -161,7 +170,21 @@ class ModelRunner:
         elif config.is_corun:
             shapes += [StepShape.isolated_prefill(b)
                        for b in sorted(config.prefill_buckets, reverse=True)]
-        return shapes
+        return shapes + self.dynamic_buckets
+
+    def eager_twin(self) -> EngineConfig:
+        """This runner's config without CUDA graphs and with its step shapes: the eager run of
+        the same steps, which must give the bits of this runner's graph replays."""
+        tokens = tuple(sorted({b.num_tokens for b in self.dynamic_buckets}))
+        return dataclasses.replace(self.config, cuda_graphs=False, dynamic_graph_tokens=tokens)
+
+    def step_shape(self, shape: StepShape) -> StepShape:
+        """The shape a scheduled step runs at: a dynamic step that fits one of the dynamic
+        buckets runs padded to the smallest (``corun.step.smallest_bucket``); every other step
+        at its own shape."""
+        if shape.is_fixed or not self.dynamic_buckets:
+            return shape
+        return smallest_bucket(shape, self.dynamic_buckets) or shape
 
     def graphable(self, shape: StepShape) -> bool:
         return shape.is_fixed and (not shape.is_prefill or self.model.supports_prefill_graphs)
@@ -229,14 +252,20 @@ class ModelRunner:
         """(bound buffers, batch) of the largest prefill step and of the largest decode step,
         on padding over ``scratch``. The prefill batch carries the largest contexts a step can
         expand (MLA expands every row's cached context): the step's tokens as whole sequences of
-        at most ``max_model_len``, one per chunk row, as far as the rows go."""
+        at most ``max_model_len``, one per chunk row, as far as the rows go.
+
+        Keyed "decode" / "prefill", and "graph": the largest captured dynamic bucket, whose
+        graph keeps its memory while eager dynamic steps run beside it."""
         largest = {}
-        for shape in self.fixed_shapes() + [self._largest_dynamic_shape()]:
+        for shape in [self._largest_dynamic_shape()] + self.fixed_shapes():
             if shape is not None:
-                key = shape.is_prefill
+                key = "prefill" if shape.is_prefill else "decode"
                 if key not in largest or shape.num_tokens > largest[key].num_tokens:
                     largest[key] = shape
-        for shape in largest.values():
+        if self.config.use_cuda_graphs and self.dynamic_buckets \
+                and self.graphable(self.dynamic_buckets[0]):
+            largest["graph"] = self.dynamic_buckets[0]
+        for key, shape in largest.items():
             bufs = self._buffers_of(shape)
             host = bufs.fill(shape, [])
             bound = bufs.bind(shape, scratch, self.ops, self.config.max_model_len, host,
@@ -245,25 +274,27 @@ class ModelRunner:
             if shape.is_prefill:
                 batch = dataclasses.replace(batch, context_lens_host=profile_context_lens(
                     shape.num_tokens, self.config.max_model_len, batch.block_tables.shape[0]))
-            yield bound, batch
+            yield key, bound, batch
 
     @torch.inference_mode()
     def _profile_peak_bytes(self, spec) -> int:
         """Activation peak of the largest prefill step and of the largest decode step (their sum
-        under ``overlap_prefill_decode``, where both are in flight), each run once on padding
-        over a one-block scratch cache."""
+        under ``overlap_prefill_decode``, where both are in flight), plus the largest captured
+        dynamic bucket's, each run once on padding over a one-block scratch cache."""
         scratch = KVCache(spec, 1, self.config.block_size, self.dtype, self.device)
-        peaks = []
-        for bound, batch in self._profile_steps(scratch):
+        peaks = {}
+        for key, bound, batch in self._profile_steps(scratch):
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
             self._forward(bound, batch)
             torch.cuda.synchronize(self.device)
-            peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
+            peaks[key] = torch.cuda.max_memory_allocated(self.device) - base
         del scratch
         torch.cuda.empty_cache()
-        return sum(peaks) if self.config.overlap_prefill_decode else max(peaks)
+        steps = [peaks[k] for k in ("decode", "prefill") if k in peaks]
+        total = sum(steps) if self.config.overlap_prefill_decode else max(steps)
+        return total + peaks.get("graph", 0)
 
     def _largest_dynamic_shape(self) -> StepShape | None:
         """The dynamic modes' largest prefill step: the whole token budget, the most rows."""
@@ -392,11 +423,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, part: StepPart) -> StepResult:
-        """Fill ``part``'s shape from its chunks, run it, and sample its sample rows."""
-        bufs = self._buffers_of(part.shape)
-        host = bufs.fill(part.shape, part.chunks)
-        self._publish(part.shape, bufs, host)
-        return self._result(part, host, *self._launch(part.shape, bufs, host))
+        """Fill ``part``'s shape (``step_shape``) from its chunks, run it, and sample its sample
+        rows."""
+        shape = self.step_shape(part.shape)
+        bufs = self._buffers_of(shape)
+        host = bufs.fill(shape, part.chunks)
+        self._publish(shape, bufs, host)
+        return self._result(part, host, *self._launch(shape, bufs, host))
 
     @torch.inference_mode()
     def execute_overlapped(self, decode: StepPart,

@@ -170,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budget of one dynamic-mode step",
     )
     p.add_argument(
+        "--dynamic-graph-tokens",
+        type=_graph_tokens,
+        default=None,
+        help="dynamic modes: token counts (comma-separated) at which a small prefill or mixed "
+        "step runs padded from a CUDA graph, or 'none' (default: 256,512,1024,2048 up to "
+        "--max-num-batched-tokens, with CUDA graphs)",
+    )
+    p.add_argument(
         "--num-kv-blocks",
         type=int,
         default=None,
@@ -234,6 +242,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _graph_tokens(text: str) -> tuple[int, ...]:
+    """``--dynamic-graph-tokens``: 'none', or comma-separated positive ints."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        tokens = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        tokens = ()
+    if not tokens or min(tokens) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected 'none' or comma-separated positive token counts, got {text!r}")
+    return tokens
+
+
 def engine_config_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig fields from the flags (EngineConfig validates them)."""
     from corun.default_model import DEFAULT_MODEL_NAME
@@ -254,6 +276,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         decode_split_size=args.decode_split_size,
         decode_fused_combine=args.decode_fused_combine,
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
+        dynamic_graph_tokens=args.dynamic_graph_tokens,
         num_kv_blocks=args.num_kv_blocks,
         dtype=args.dtype,  # None: EngineConfig's one default (bf16 on CUDA, fp32 on the CPU)
         device=device,

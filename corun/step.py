@@ -16,7 +16,10 @@ Shapes by mode (DESIGN.md, "Three modes, one engine"):
   Both are fixed shapes (``is_fixed``): a request's rows go through exactly the same kernels and
   configs whoever else is in the step, since every op is position-invariant at a fixed shape.
 - dynamic prefill (default, batch_invariant): the exact sizes of the step's chunks and mixed-in
-  decode tokens (``is_fixed`` False): eager, never captured.
+  decode tokens (``is_fixed`` False): eager, never captured. A small one runs padded to a
+  ``dynamic_bucket`` instead (``smallest_bucket``), a fixed shape with a CUDA graph: T tokens,
+  its decode tokens padded to a decode bucket ``nd``, then up to ``prefill_rows`` chunk rows
+  (``EngineConfig.dynamic_graph_tokens``).
 """
 
 from __future__ import annotations
@@ -66,6 +69,20 @@ class StepShape:
         return cls(True, bucket, 1, 1, max_q_len=bucket)
 
     @classmethod
+    def dynamic_bucket(cls, num_tokens: int, num_decode_tokens: int,
+                       prefill_rows: int) -> StepShape:
+        """A dynamic step's padded shape: ``num_decode_tokens`` decode rows (real ones first,
+        then dummy slots), then ``prefill_rows`` chunk rows holding the rest of the tokens;
+        every row may sample."""
+        if not 0 <= num_decode_tokens < num_tokens or prefill_rows < 1:
+            raise ValueError(f"StepShape.dynamic_bucket: needs 0 <= decode tokens < tokens and a "
+                             f"prefill row, got {num_tokens} tokens, {num_decode_tokens} decode "
+                             f"tokens, {prefill_rows} rows")
+        rows = num_decode_tokens + prefill_rows
+        return cls(True, num_tokens, rows, rows, max_q_len=num_tokens - num_decode_tokens,
+                   num_decode_tokens=num_decode_tokens)
+
+    @classmethod
     def dynamic(cls, chunks: list[ScheduledChunk]) -> StepShape:
         """The exact shape of a dynamic-mode step (decode tokens first, then prefill chunks)."""
         decodes = [c for c in chunks if not c.seq.is_prefilling]
@@ -93,3 +110,24 @@ class StepPart:
     def sampling_chunks(self) -> list[ScheduledChunk]:
         """The chunks whose last row is sampled, in the order of the sample rows."""
         return [c for c in self.chunks if c.samples]
+
+
+def dynamic_buckets(token_counts: list[int], decode_buckets: list[int],
+                    prefill_rows: int) -> list[StepShape]:
+    """Every padded shape of the dynamic modes' prefill / mixed steps: each token count with no
+    decode tokens or a decode bucket of them (leaving room for a prefill token), largest first."""
+    shapes = [StepShape.dynamic_bucket(tokens, nd, prefill_rows)
+              for tokens in token_counts for nd in [0, *decode_buckets] if nd < tokens]
+    return sorted(shapes, key=lambda s: (s.num_tokens, s.num_seqs), reverse=True)
+
+
+def smallest_bucket(shape: StepShape, buckets: list[StepShape]) -> StepShape | None:
+    """The smallest bucket a dynamic step fits (fewest tokens, then fewest rows), or None: its
+    decode tokens within the bucket's, its prefill tokens within the rest, its chunks within
+    the rows."""
+    fits = [b for b in buckets
+            if b.num_decode_tokens >= shape.num_decode_tokens
+            and b.num_tokens - b.num_decode_tokens >= shape.num_tokens - shape.num_decode_tokens
+            and b.num_prefill_seqs >= shape.num_prefill_seqs
+            and b.num_sample_rows >= shape.num_sample_rows]
+    return min(fits, key=lambda b: (b.num_tokens, b.num_seqs), default=None)

@@ -8,10 +8,10 @@ one ``StepShape`` are prefixes of those regions and are built once per shape (``
 ``ForwardBatch`` a CUDA graph was captured with is the one every later step of that shape fills.
 
 ``fill`` writes a step's values, padding included (dummy tokens: id 0, position 0, slot -1, mask
-False; dummy chunk rows: zero length, an all-zero block row; dummy decode slots: seq_len 0;
-dummy sample rows: row 0, greedy), into the host mirror through numpy, then one
-``copy_(non_blocking=True)`` moves the whole buffer. On the CPU the host buffer *is* the device
-buffer: nothing is copied.
+False; dummy chunk rows: zero length, an all-zero block row; dummy decode slots, also those of a
+dynamic bucket's decode rows: seq_len 0; dummy sample rows: row 0, greedy), into the host
+mirror through numpy, then one ``copy_(non_blocking=True)`` moves the whole buffer. On the CPU
+the host buffer *is* the device buffer: nothing is copied.
 
 Host values that the forward needs as Python ints (a dynamic step's ``max_q_len``, the decode grid
 bound, MLA's per-sequence context lengths) travel in the ``StepHost`` returned by ``fill``; for a
@@ -190,6 +190,13 @@ class StepBuffers:
         tables.fill(0)
         decodes = [c for c in chunks if not c.seq.is_prefilling] if shape.is_prefill else chunks
         prefills = [c for c in chunks if c.seq.is_prefilling] if shape.is_prefill else []
+        # A prefill shape's chunks start after its decode rows: the real decode tokens, then (in
+        # a dynamic bucket) dummy decode slots up to the shape's count.
+        first = shape.num_decode_tokens if shape.is_prefill else len(decodes)
+        if len(decodes) > first:
+            raise ValueError(f"shape: {shape} has {first} decode rows, the step "
+                             f"{len(decodes)} decode tokens")
+        mask.fill(False)
         row_of: dict[int, int] = {}
         for i, chunk in enumerate(decodes):
             seq, pos = chunk.seq, chunk.start
@@ -199,7 +206,10 @@ class StepBuffers:
             slots[i] = table[pos // size] * size + pos % size
             tables[i, : len(table)] = table
             row_of[id(chunk)] = i
-        num_real = len(decodes)
+        mask[: len(decodes)] = True
+        dummies = slice(len(decodes), first)
+        ids[dummies], positions[dummies], slots[dummies] = 0, 0, -1
+        row = first
         cu = h["cu_seqlens_q"]
         ctx = h["context_lens"]
         cu[0] = 0
@@ -208,34 +218,33 @@ class StepBuffers:
         for j, chunk in enumerate(prefills):
             seq, start, end = chunk.seq, chunk.start, chunk.end
             if seq.params.prompt_logprobs is not None and seq.sample_index == 0:
-                prompt_rows[seq.seq_id, start] = (num_real, num_real + chunk.num_tokens)
+                prompt_rows[seq.seq_id, start] = (row, row + chunk.num_tokens)
             table = np.asarray(seq.block_table, dtype=np.int64)
-            span = slice(num_real, num_real + chunk.num_tokens)
+            span = slice(row, row + chunk.num_tokens)
             ids[span] = seq.token_ids[start:end]
             pos = np.arange(start, end)
             positions[span] = pos
             slots[span] = table[pos // size] * size + pos % size
-            tables[len(decodes) + j, : len(table)] = table
-            num_real += chunk.num_tokens
-            cu[j + 1] = num_real - len(decodes)
+            mask[span] = True
+            tables[first + j, : len(table)] = table
+            row += chunk.num_tokens
+            cu[j + 1] = row - first
             ctx[j] = end
             context_lens.append(end)
-            row_of[id(chunk)] = num_real - 1
+            row_of[id(chunk)] = row - 1
         # Padding: dummy tokens, chunk rows and decode slots (see the module docstring).
-        ids[num_real:] = 0
-        positions[num_real:] = 0
-        slots[num_real:] = -1
-        mask[:num_real] = True
-        mask[num_real:] = False
+        ids[row:] = 0
+        positions[row:] = 0
+        slots[row:] = -1
         if shape.is_prefill:
             num_chunks = n - shape.num_decode_tokens
             cu[len(prefills) + 1 : num_chunks + 1] = cu[len(prefills)]
             ctx[len(prefills) : num_chunks] = 0
-            h["seq_lens"][: len(decodes)] = [c.end for c in decodes]
+            seq_lens = h["seq_lens"][:first]
         else:
             seq_lens = h["seq_lens"][:n]
-            seq_lens[: len(decodes)] = [c.end for c in decodes]
-            seq_lens[len(decodes):] = 0
+        seq_lens[: len(decodes)] = [c.end for c in decodes]
+        seq_lens[len(decodes):] = 0
         sampling = [c for c in chunks if c.samples]
         params = [c.seq.params for c in sampling]
         if shape.is_prefill:

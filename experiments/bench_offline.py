@@ -90,7 +90,7 @@ HEADLINE = ("corun", "batch_invariant_tuned", "batch_invariant", "default")
 CONFIG_FIELDS = ("max_num_seqs", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
                  "prefill_step_tokens", "max_prefill_seqs_per_step", "prefill_token_budget",
                  "overlap_prefill_decode", "max_num_batched_tokens", "decode_split_size",
-                 "decode_fused_combine", "cuda_graphs")
+                 "decode_fused_combine", "cuda_graphs", "dynamic_step_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,8 +338,8 @@ def graph_check(runner: ModelRunner, config: EngineConfig, model, work: Workload
                                           for p in work.params[:num]])
     order = list(range(len(short.prompts)))
     replayed, _ = run_workload(LLMEngine(config, model_runner=runner), short, order)
+    eager_config = runner.eager_twin()  # the same step shapes, run eagerly
     runner.destroy()
-    eager_config = dataclasses.replace(config, cuda_graphs=False)
     eager_runner = ModelRunner(eager_config, model=model)
     eager, _ = run_workload(LLMEngine(eager_config, model_runner=eager_runner), short, order)
     eager_runner.destroy()

@@ -41,6 +41,9 @@ DETERMINISTIC_MODES = ["corun", "batch_invariant"]
 # corun with overlap_prefill_decode: decode steps carry one isolated prefill chunk (two streams on
 # a GPU, one forward after the other here); the target's bits must equal plain corun's.
 OVERLAP = "corun+overlap"
+# batch_invariant with its small prefill / mixed steps padded to the dynamic buckets (the shapes
+# its CUDA graphs replay on a GPU); the target's bits must equal plain batch_invariant's.
+BUCKETED = "batch_invariant+buckets"
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,10 @@ _ENGINES: dict[tuple, LLMEngine] = {}
 
 def _engine(mode: str, tight_kv: bool = False, fresh: bool = False) -> LLMEngine:
     key = (mode, tight_kv)
-    overlap = mode == OVERLAP
-    config = EngineConfig(mode="corun" if overlap else mode, overlap_prefill_decode=overlap,
+    overlap, bucketed = mode == OVERLAP, mode == BUCKETED
+    config = EngineConfig(mode="corun" if overlap else mode.split("+")[0],
+                          overlap_prefill_decode=overlap,
+                          dynamic_graph_tokens=(8, 16) if bucketed else None,
                           num_kv_blocks=TIGHT_KV_BLOCKS if tight_kv else None, **TINY)
     if fresh:
         return LLMEngine(config)
@@ -158,6 +163,18 @@ def test_overlap_target_fingerprint_equals_corun_alone(sc):
     plain corun fingerprint alone."""
     alone = _alone_cached("corun")
     got = run_scenario(OVERLAP, sc)
+    assert got.token_ids == alone.token_ids and got.fingerprint == alone.fingerprint
+
+
+@given(sc=scenarios())
+@example(sc=PINNED[0])
+@example(sc=PINNED[2])
+@example(sc=PINNED[3])
+def test_bucketed_target_fingerprint_equals_batch_invariant_alone(sc):
+    """With the dynamic steps padded to their buckets, the target's fingerprint beside random
+    co-runners equals its plain batch_invariant fingerprint alone."""
+    alone = _alone_cached("batch_invariant")
+    got = run_scenario(BUCKETED, sc)
     assert got.token_ids == alone.token_ids and got.fingerprint == alone.fingerprint
 
 

@@ -129,3 +129,32 @@ def test_fused_decode_combine_keeps_the_engines_bits():
             assert (arrivals is None) == (name == "two launches")
             assert arrivals is None or not arrivals.any()
     assert prints["fused"] == prints["two launches"] and len(prints["fused"]) == 3
+
+
+def _staggered_prints(config: EngineConfig) -> tuple[dict[str, str], int]:
+    """Every request's fingerprint when the target arrives after one step, so its prompt
+    prefills beside the co-runners' decode tokens; and how many steps ran padded."""
+    engine = LLMEngine(config)
+    engine.profile_steps = True
+    for i, prompt in enumerate(CORUNNER_SETS[2]):
+        engine.add_request(prompt, SamplingParams(max_tokens=2 + i, seed=i), f"co{i}")
+    finals = {o.request_id: o.fingerprint for o in engine.step() if o.finished}
+    engine.add_request(TARGET, TARGET_PARAMS, "target")
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o.fingerprint for o in engine.step() if o.finished})
+    padded = sum(r.num_tokens > r.num_real_tokens for r in engine.step_records
+                 if r.kind == "prefill")
+    return finals, padded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_dynamic_buckets_keep_the_bits_on_the_triton_backend(model):
+    """batch_invariant's prefill and mixed steps padded to the dynamic buckets (the shapes a GPU
+    replays from graphs) give every request the fingerprint of the exact shapes."""
+    config = EngineConfig(model=model, **BATCH_INVARIANT)
+    exact, unpadded = _staggered_prints(config)
+    bucketed, padded = _staggered_prints(dataclasses.replace(config,
+                                                             dynamic_graph_tokens=(32, 64)))
+    assert unpadded == 0 and padded >= 2, "the steps did not run at the buckets"
+    assert bucketed == exact and len(exact) == 4

@@ -1,8 +1,10 @@
 """The engine's GPU-only properties (skipped on the CPU, with the reason), run on the H200.
 
 - Graph replay gives the eager bits: every request's fingerprint is the same with CUDA graphs on
-  and off, for every fixed shape of corun (packed and isolated prefill, decode at B) and every
-  decode bucket of the dynamic modes (the workload's live count walks down through them all).
+  and off (at the same step shapes), for every fixed shape of corun (packed and isolated
+  prefill, decode at B) and every decode bucket of the dynamic modes (the workload's live count
+  walks down through them all); the dynamic modes' small mixed steps replay their padded
+  buckets, and the batch-invariant modes keep the bits of the unpadded eager steps.
 - Packed prefill keeps a request's bits at real shapes: a target prompt's first-token fingerprint
   is the same beside five different sets of co-runners in packed steps, for the Qwen3-8B and the
   Qwen3-30B-A3B layer shapes (depth-truncated: the per-layer shapes are the real ones); the
@@ -82,25 +84,76 @@ def test_graph_replay_matches_eager_at_every_shape(variant):
                 prefill_token_budget=256, **variant)
     requests = _walking_workload(16)
     results, replayed = {}, set()
-    for graphs in (False, True):
-        config = EngineConfig(cuda_graphs=graphs, **base)
-        runner = ModelRunner(config, model=model)
-        if graphs:
-            replay = runner.graph_runner.replay
+    config = EngineConfig(cuda_graphs=True, **base)
+    runner = ModelRunner(config, model=model)
+    replay = runner.graph_runner.replay
 
-            def counting(key, replay=replay):
-                replayed.add(key)
-                return replay(key)
+    def counting(key):
+        replayed.add(key)
+        return replay(key)
 
-            runner.graph_runner.replay = counting
-        results[graphs] = _fingerprints(runner, config, requests)
-        graphed = {s for s in runner.fixed_shapes() if runner.graphable(s)}
-        runner.destroy()
+    runner.graph_runner.replay = counting
+    results[True] = _fingerprints(runner, config, requests)
+    graphed = {s for s in runner.fixed_shapes() if runner.graphable(s)}
+    # Eager at the same step shapes (the dynamic modes' padded buckets included).
+    eager = runner.eager_twin()
+    runner.destroy()
+    runner = ModelRunner(eager, model=model)
+    results[False] = _fingerprints(runner, eager, requests)
+    runner.destroy()
     assert results[True] == results[False]
     missing = {s for s in graphed if s not in replayed and not s.is_prefill}
     assert not missing, f"decode shapes never replayed: {missing}"
     if base["mode"] == "corun":
         assert any(s.is_prefill for s in replayed), "no prefill step replayed from a graph"
+
+
+def _staggered_fingerprints(runner: ModelRunner, config: EngineConfig,
+                            requests) -> dict[str, str]:
+    """One request added per step, so each prompt prefills while the earlier ones decode."""
+    engine = LLMEngine(config, model_runner=runner)
+    finals = {}
+    for request_id, prompt, params in requests:
+        engine.add_request(prompt, params, request_id)
+        finals.update({o.request_id: o.fingerprint for o in engine.step() if o.finished})
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o.fingerprint for o in engine.step() if o.finished})
+    return finals
+
+
+@pytest.mark.parametrize("mode", ["batch_invariant", "batch_invariant_tuned", "default"])
+def test_dynamic_modes_replay_mixed_steps_from_their_buckets(mode):
+    """Prompts arriving while others decode make small mixed steps: under graphs they replay a
+    dynamic bucket, with the bits of the same padded shapes run eagerly; the batch-invariant
+    modes also keep the bits of the exact (unpadded) eager shapes."""
+    model = _model("qwen3-0.6b", 4)
+    base = dict(GPU, model="qwen3-0.6b", max_num_seqs=16, max_num_batched_tokens=512,
+                prefill_chunk_size=128, mode=mode)
+    requests = _walking_workload(10)
+    config = EngineConfig(cuda_graphs=True, **base)
+    runner = ModelRunner(config, model=model)
+    buckets = set(runner.dynamic_buckets)
+    assert buckets, "no dynamic bucket on a GPU with graphs"
+    replayed = set()
+    replay = runner.graph_runner.replay
+
+    def counting(key):
+        replayed.add(key)
+        return replay(key)
+
+    runner.graph_runner.replay = counting
+    graphs = _staggered_fingerprints(runner, config, requests)
+    eager = runner.eager_twin()
+    runner.destroy()
+    assert replayed & buckets, "no mixed step replayed from a dynamic bucket"
+    runner = ModelRunner(eager, model=model)
+    assert _staggered_fingerprints(runner, eager, requests) == graphs
+    runner.destroy()
+    if mode != "default":
+        exact = dataclasses.replace(config, cuda_graphs=False, dynamic_graph_tokens=())
+        runner = ModelRunner(exact, model=model)
+        assert _staggered_fingerprints(runner, exact, requests) == graphs
+        runner.destroy()
 
 
 def _target_first_token(runner: ModelRunner, config: EngineConfig, corunners) -> str:

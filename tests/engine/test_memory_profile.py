@@ -35,7 +35,7 @@ def test_profile_steps_run_when_a_step_holds_more_tokens_than_a_sequence(mode):
                       runner.device)
     prefill = 0
     with torch.inference_mode():
-        for bound, batch in runner._profile_steps(scratch):
+        for _, bound, batch in runner._profile_steps(scratch):
             if bound.shape.is_prefill:
                 prefill += 1
                 assert max(batch.context_lens_host) <= config.max_model_len
