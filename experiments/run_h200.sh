@@ -13,6 +13,8 @@
 #   serving  experiments/bench_serving.py --launch -> serving-h200.json (+ png per mode)
 #   serving-step  corun at several packed steps T beside default and the tuned peer under the
 #            serving load -> serving-step-h200.json
+#   serving-peer-graphs  default and the tuned peer with their small prefill / mixed steps from
+#            graphs and eager, beside corun -> serving-peer-graphs-h200.json
 #   paper    experiments/bench_paper.py -> paper-h200.json; one family a call (~3-4 min each):
 #            PAPER_MODELS=hy3 (default all three: ~11 min, past one call's 10); it merges the
 #            committed experiments/results/paper-h200.json's other families; PAPER_ARGS adds flags
@@ -67,7 +69,7 @@ for stage in "$@"; do
                  $(ls "$OUT"/results/sweep-offline-h200-run2.json 2>/dev/null))
                echo "== best corun settings: $best"
                run offline ${OFFLINE_LIMIT:-380} python3 -m experiments.bench_offline ${OFFLINE_ARGS:-} --corun-set $best ;;
-    gpuengine) run gpuengine ${GPUENGINE_LIMIT:-150} python3 -m pytest -v --tb=short -p no:cacheprovider \
+    gpuengine) run gpuengine ${GPUENGINE_LIMIT:-240} python3 -m pytest -v --tb=short -p no:cacheprovider \
                tests/engine/test_gpu_engine.py \
                invariance_tests/test_engine_determinism.py::test_corun_graph_replay_matches_eager_on_gpu --timeout=140 ;;
     serving) python3 -c 'import uvicorn, fastapi' 2>/dev/null \
@@ -94,6 +96,16 @@ for stage in "$@"; do
                --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
                --request-rate 4,16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
                --time-budget-s ${SERVING_BUDGET:-240} --result-name serving-step-h200 \
+               --result-dir "$OUT/results" ;;
+    serving-peer-graphs)  # the peers' small prefill / mixed steps from graphs or eager, beside
+               # corun, under the serving load: what the graphs (--dynamic-graph-tokens) give them
+             run serving-peer-graphs ${SERVING_LIMIT:-540} python3 -m experiments.bench_serving --launch \
+               --modes corun,default,batch_invariant_tuned \
+               --variant "default-eager-mixed=default --dynamic-graph-tokens none" \
+               --variant "batch_invariant_tuned-eager-mixed=batch_invariant_tuned --dynamic-graph-tokens none" \
+               --model qwen3-8b --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
+               --request-rate 4,16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
+               --time-budget-s ${SERVING_BUDGET:-200} --result-name serving-peer-graphs-h200 \
                --result-dir "$OUT/results" ;;
     gputest) run gputest ${GPUTEST_LIMIT:-60} python3 -m pytest -v --tb=short -p no:cacheprovider \
                invariance_tests/test_engine_determinism.py -k "graph" --timeout=55 ;;
