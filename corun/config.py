@@ -19,10 +19,12 @@ PREFILL_POLICIES = ("packed", "isolated")
 # The smallest isolated-prefill bucket: shorter chunks are padded up to it.
 MIN_PREFILL_BUCKET = 16
 # Token counts the dynamic modes' prefill and mixed steps are captured at on CUDA (when
-# ``dynamic_graph_tokens`` is left to None), as vLLM captures mixed batches: an eager step of a
-# 36-layer model costs the host tens of ms of launches, more than the GPU needs for a few hundred
-# tokens, while past ~2048 tokens the GPU's own time hides it.
-DYNAMIC_GRAPH_TOKENS = (256, 512, 1024, 2048)
+# ``dynamic_graph_tokens`` is left to None), as vLLM captures mixed batches. An eager Qwen3-8B
+# step keeps the H200's host busy ~34 ms with launches (the cuda-graphs ablation's eager decode
+# step), about the GPU time of a 1024-token step: below that a graph saves more than the padding
+# costs, above it the step is GPU-bound and stays eager. Steps of 128 and 256 tokens between
+# 256 and 1024 bound the padding to 1.5x.
+DYNAMIC_GRAPH_TOKENS = (128, 256, 384, 512, 768, 1024)
 # Prefill chunk rows of a captured dynamic step (beside its decode tokens). The steps that
 # eager launches slow down are small ones: a prompt or two arriving while others decode.
 DYNAMIC_GRAPH_PREFILL_ROWS = 4
@@ -86,9 +88,10 @@ class EngineConfig:
       step is padded to a fixed shape and replayed from its graph, as vLLM captures mixed
       batches: a step of at most that many tokens, at most ``DYNAMIC_GRAPH_PREFILL_ROWS``
       prefill chunks and its decode tokens, runs at the smallest such shape (its decode tokens
-      padded to a decode bucket, dummies after the real tokens); larger steps run eagerly at
-      their exact shape. None: ``DYNAMIC_GRAPH_TOKENS`` up to ``max_num_batched_tokens`` when
-      graphs are on (and the model captures prefill steps), none otherwise; ``()``: none.
+      padded to 0, 4, 16, 64, ... or max_num_seqs - 1 with dummy slots, dummy tokens after the
+      real ones); larger steps run eagerly at their exact shape. None: ``DYNAMIC_GRAPH_TOKENS``
+      up to ``max_num_batched_tokens`` when graphs are on (and the model captures prefill
+      steps), none otherwise; ``()``: none.
       Given explicitly, the steps are padded even without graphs (an eager run at the graphs'
       shapes: ``ModelRunner.eager_twin``). The batch-invariant modes keep their
       bits either way; ``default`` runs its kernels at the padded shapes.

@@ -40,7 +40,13 @@ from corun.fingerprint import LogitsDigest
 from corun.graph_runner import GraphRunner
 from corun.logits_processing import resample_processed
 from corun.sampler import Sampler, SamplingTensors, top_token_ids
-from corun.step import StepPart, StepShape, dynamic_buckets, smallest_bucket
+from corun.step import (
+    StepPart,
+    StepShape,
+    dynamic_buckets,
+    dynamic_decode_counts,
+    smallest_bucket,
+)
 from corun.step_inputs import BoundStep, StepBuffers, StepHost
 from kernels.mode import Mode
 from models.forward_batch import ForwardBatch, KVCache, OpsConfig
@@ -124,7 +130,8 @@ class ModelRunner:
         if config.dynamic_graph_tokens is None and not self.model.supports_prefill_graphs:
             tokens = []
         self.dynamic_buckets = dynamic_buckets(
-            tokens, config.decode_buckets, min(DYNAMIC_GRAPH_PREFILL_ROWS, config.max_num_seqs))
+            tokens, dynamic_decode_counts(config.max_num_seqs),
+            min(DYNAMIC_GRAPH_PREFILL_ROWS, config.max_num_seqs))
         self.decode_buffers = self._buffers(max(config.decode_buckets),
                                             max(config.decode_buckets))
         tokens, rows = self._prefill_capacity()

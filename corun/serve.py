@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_graph_tokens,
         default=None,
         help="dynamic modes: token counts (comma-separated) at which a small prefill or mixed "
-        "step runs padded from a CUDA graph, or 'none' (default: 256,512,1024,2048 up to "
+        "step runs padded from a CUDA graph, or 'none' (default: 128,256,384,512,768,1024 up to "
         "--max-num-batched-tokens, with CUDA graphs)",
     )
     p.add_argument(

@@ -18,8 +18,8 @@ Shapes by mode (DESIGN.md, "Three modes, one engine"):
 - dynamic prefill (default, batch_invariant): the exact sizes of the step's chunks and mixed-in
   decode tokens (``is_fixed`` False): eager, never captured. A small one runs padded to a
   ``dynamic_bucket`` instead (``smallest_bucket``), a fixed shape with a CUDA graph: T tokens,
-  its decode tokens padded to a decode bucket ``nd``, then up to ``prefill_rows`` chunk rows
-  (``EngineConfig.dynamic_graph_tokens``).
+  its decode tokens padded to ``nd`` (``dynamic_decode_counts``), then up to ``prefill_rows``
+  chunk rows (``EngineConfig.dynamic_graph_tokens``).
 """
 
 from __future__ import annotations
@@ -112,12 +112,24 @@ class StepPart:
         return [c for c in self.chunks if c.samples]
 
 
-def dynamic_buckets(token_counts: list[int], decode_buckets: list[int],
+def dynamic_decode_counts(max_num_seqs: int) -> list[int]:
+    """Decode-token counts of the dynamic buckets: none, powers of 4, and the most a mixed step
+    holds (one sequence is prefilling). A dummy decode slot costs a row of the GEMMs and an
+    attention program that exits at once, so coarse steps keep the graph count small."""
+    most = max_num_seqs - 1
+    counts, count = [0], 4
+    while count < most:
+        counts.append(count)
+        count *= 4
+    return counts + [most] if most > 0 else counts
+
+
+def dynamic_buckets(token_counts: list[int], decode_counts: list[int],
                     prefill_rows: int) -> list[StepShape]:
-    """Every padded shape of the dynamic modes' prefill / mixed steps: each token count with no
-    decode tokens or a decode bucket of them (leaving room for a prefill token), largest first."""
+    """Every padded shape of the dynamic modes' prefill / mixed steps: each token count with
+    each decode-token count that leaves room for a prefill token, largest first."""
     shapes = [StepShape.dynamic_bucket(tokens, nd, prefill_rows)
-              for tokens in token_counts for nd in [0, *decode_buckets] if nd < tokens]
+              for tokens in token_counts for nd in sorted(set(decode_counts)) if nd < tokens]
     return sorted(shapes, key=lambda s: (s.num_tokens, s.num_seqs), reverse=True)
 
 

@@ -24,7 +24,7 @@ from corun.model_runner import ModelRunner
 from corun.outputs import RequestOutput
 from corun.sampling_params import SamplingParams
 from corun.serve import build_parser, engine_config_kwargs
-from corun.step import StepShape, dynamic_buckets, smallest_bucket
+from corun.step import StepShape, dynamic_buckets, dynamic_decode_counts, smallest_bucket
 from tests.engine.conftest import TINY
 
 BUCKETS = (8, 16)
@@ -71,14 +71,21 @@ def test_server_flag():
 # -- choosing a bucket -----------------------------------------------------------------------------
 
 
-def test_buckets_cover_each_token_count_and_decode_bucket():
-    shapes = dynamic_buckets([8, 16], [1, 2, 4], prefill_rows=2)
+def test_decode_counts_are_coarse_and_reach_the_fullest_mixed_step():
+    assert dynamic_decode_counts(1) == [0]  # one sequence: it is the prefilling one
+    assert dynamic_decode_counts(4) == [0, 3]
+    assert dynamic_decode_counts(64) == [0, 4, 16, 63]
+    assert dynamic_decode_counts(256) == [0, 4, 16, 64, 255]
+
+
+def test_buckets_cover_each_token_count_and_decode_count():
+    shapes = dynamic_buckets([8, 16], [0, 1, 4], prefill_rows=2)
     assert {(s.num_tokens, s.num_decode_tokens) for s in shapes} == {
-        (t, nd) for t in (8, 16) for nd in (0, 1, 2, 4)}
+        (t, nd) for t in (8, 16) for nd in (0, 1, 4)}
     assert all(s.is_fixed and s.is_prefill and s.num_prefill_seqs == 2 for s in shapes)
     assert all(s.max_q_len == s.num_tokens - s.num_decode_tokens for s in shapes)
     assert shapes[0].num_tokens == 16  # largest first: captured first, sizing the graph pool
-    assert not dynamic_buckets([4], [4, 8], prefill_rows=1)[1:]  # only nd 0 leaves a token
+    assert [s.num_decode_tokens for s in dynamic_buckets([4], [0, 4, 8], 1)] == [0]
 
 
 def _fits(step: StepShape, bucket: StepShape) -> bool:
@@ -88,9 +95,9 @@ def _fits(step: StepShape, bucket: StepShape) -> bool:
             and bucket.num_prefill_seqs >= step.num_prefill_seqs)
 
 
-@given(decode=st.integers(0, 40), prefill=st.lists(st.integers(1, 600), min_size=1, max_size=6))
+@given(decode=st.integers(0, 63), prefill=st.lists(st.integers(1, 600), min_size=1, max_size=6))
 def test_smallest_bucket_holds_the_step_and_nothing_smaller_does(decode, prefill):
-    buckets = dynamic_buckets(list(DYNAMIC_GRAPH_TOKENS), [1, 2, 4, 8, 16, 32, 64], 4)
+    buckets = dynamic_buckets(list(DYNAMIC_GRAPH_TOKENS), dynamic_decode_counts(64), 4)
     step = StepShape(True, decode + sum(prefill), decode + len(prefill), decode + len(prefill),
                      max_q_len=max(prefill), num_decode_tokens=decode, is_fixed=False)
     chosen = smallest_bucket(step, buckets)
@@ -234,5 +241,5 @@ def test_warmup_and_eager_twin_cover_the_buckets():
                                                                     runner.model_config))
     assert off.dynamic_buckets == [] and off.eager_twin().dynamic_step_tokens == []
     step = StepShape(True, 5, 2, 2, max_q_len=4, num_decode_tokens=1, is_fixed=False)
-    assert runner.step_shape(step) == StepShape.dynamic_bucket(8, 1, 4)
+    assert runner.step_shape(step) == StepShape.dynamic_bucket(8, 3, 4)  # counts 0, 3
     assert off.step_shape(step) is step
