@@ -234,6 +234,32 @@ def test_default_tp2_negative_control(default_tp2):
     assert changed, "default mode matched in every scenario: the invariance check is vacuous"
 
 
+def _staggered(llm: LLM) -> dict[str, str]:
+    """Three requests added one step apart (mixed steps): every request's fingerprint."""
+    finals = {}
+    for i, prompt in enumerate([TARGET_PROMPT, [5, 6, 7], list(range(30, 41))]):
+        llm.engine.add_request(prompt, SamplingParams(max_tokens=5, temperature=0.8, seed=i),
+                               f"r{i}")
+        finals.update({o.request_id: o.fingerprint for o in llm.engine.step() if o.finished})
+    finals.update({r: o.fingerprint for r, o in _finals(llm).items()})
+    return finals
+
+
+def test_tp2_dynamic_buckets_keep_batch_invariant_bits():
+    """At TP=2 the workers run the padded bucket rank 0 picked for a mixed step (its header
+    carries the shape): batch_invariant fingerprints with the buckets equal those without."""
+    prints, padded = {}, 0
+    for buckets in ((), (8, 16)):
+        with LLM("tiny-qwen3", mode="batch_invariant", tensor_parallel_size=2,
+                 dynamic_graph_tokens=buckets, **TINY) as llm:
+            llm.engine.profile_steps = True
+            prints[buckets] = _staggered(llm)
+            padded += sum(r.num_tokens > r.num_real_tokens for r in llm.engine.step_records)
+    assert _no_workers_left()
+    assert padded, "no step ran at a bucket"
+    assert prints[(8, 16)] == prints[()] and len(prints[()]) == 3
+
+
 # -- failures --------------------------------------------------------------------------------
 
 
