@@ -131,7 +131,8 @@ class ModelRunner:
             tokens = []
         self.dynamic_buckets = dynamic_buckets(
             tokens, dynamic_decode_counts(config.max_num_seqs),
-            min(DYNAMIC_GRAPH_PREFILL_ROWS, config.max_num_seqs))
+            min(DYNAMIC_GRAPH_PREFILL_ROWS, config.max_num_seqs),
+            max_chunk=min(config.prefill_chunk_size, config.max_model_len))
         self.decode_buffers = self._buffers(max(config.decode_buckets),
                                             max(config.decode_buckets))
         tokens, rows = self._prefill_capacity()
@@ -301,7 +302,18 @@ class ModelRunner:
         torch.cuda.empty_cache()
         steps = [peaks[k] for k in ("decode", "prefill") if k in peaks]
         total = sum(steps) if self.config.overlap_prefill_decode else max(steps)
-        return total + peaks.get("graph", 0)
+        return total + peaks.get("graph", 0) + self._graph_output_bytes()
+
+    def _graph_output_bytes(self) -> int:
+        """What the captured graphs' outputs hold for as long as the graphs live: each graph
+        keeps its own logits, samples and hidden rows (a pool shares only what is freed during
+        a capture), which no profiled peak counts."""
+        if not self.config.use_cuda_graphs:
+            return 0
+        hidden = self.model_config.hidden_size * self.dtype.itemsize
+        return sum(shape.num_sample_rows * (self.vocab_size * 4 + 3 * 8)
+                   + shape.num_tokens * hidden
+                   for shape in self.fixed_shapes() if self.graphable(shape))
 
     def _largest_dynamic_shape(self) -> StepShape | None:
         """The dynamic modes' largest prefill step: the whole token budget, the most rows."""

@@ -69,17 +69,20 @@ class StepShape:
         return cls(True, bucket, 1, 1, max_q_len=bucket)
 
     @classmethod
-    def dynamic_bucket(cls, num_tokens: int, num_decode_tokens: int,
-                       prefill_rows: int) -> StepShape:
+    def dynamic_bucket(cls, num_tokens: int, num_decode_tokens: int, prefill_rows: int,
+                       max_chunk: int) -> StepShape:
         """A dynamic step's padded shape: ``num_decode_tokens`` decode rows (real ones first,
-        then dummy slots), then ``prefill_rows`` chunk rows holding the rest of the tokens;
-        every row may sample."""
-        if not 0 <= num_decode_tokens < num_tokens or prefill_rows < 1:
-            raise ValueError(f"StepShape.dynamic_bucket: needs 0 <= decode tokens < tokens and a "
-                             f"prefill row, got {num_tokens} tokens, {num_decode_tokens} decode "
-                             f"tokens, {prefill_rows} rows")
+        then dummy slots), then ``prefill_rows`` chunk rows holding the rest of the tokens, each
+        chunk at most ``max_chunk`` tokens (the scheduler's cap: prefill_chunk_size, and no
+        longer than a sequence); every row may sample."""
+        if not 0 <= num_decode_tokens < num_tokens or prefill_rows < 1 or max_chunk < 1:
+            raise ValueError(f"StepShape.dynamic_bucket: needs 0 <= decode tokens < tokens, a "
+                             f"prefill row and a chunk, got {num_tokens} tokens, "
+                             f"{num_decode_tokens} decode tokens, {prefill_rows} rows, "
+                             f"chunks of {max_chunk}")
         rows = num_decode_tokens + prefill_rows
-        return cls(True, num_tokens, rows, rows, max_q_len=num_tokens - num_decode_tokens,
+        return cls(True, num_tokens, rows, rows,
+                   max_q_len=min(num_tokens - num_decode_tokens, max_chunk),
                    num_decode_tokens=num_decode_tokens)
 
     @classmethod
@@ -124,11 +127,11 @@ def dynamic_decode_counts(max_num_seqs: int) -> list[int]:
     return counts + [most] if most > 0 else counts
 
 
-def dynamic_buckets(token_counts: list[int], decode_counts: list[int],
-                    prefill_rows: int) -> list[StepShape]:
+def dynamic_buckets(token_counts: list[int], decode_counts: list[int], prefill_rows: int,
+                    max_chunk: int) -> list[StepShape]:
     """Every padded shape of the dynamic modes' prefill / mixed steps: each token count with
     each decode-token count that leaves room for a prefill token, largest first."""
-    shapes = [StepShape.dynamic_bucket(tokens, nd, prefill_rows)
+    shapes = [StepShape.dynamic_bucket(tokens, nd, prefill_rows, max_chunk)
               for tokens in token_counts for nd in sorted(set(decode_counts)) if nd < tokens]
     return sorted(shapes, key=lambda s: (s.num_tokens, s.num_seqs), reverse=True)
 
@@ -136,9 +139,10 @@ def dynamic_buckets(token_counts: list[int], decode_counts: list[int],
 def smallest_bucket(shape: StepShape, buckets: list[StepShape]) -> StepShape | None:
     """The smallest bucket a dynamic step fits (fewest tokens, then fewest rows), or None: its
     decode tokens within the bucket's, its prefill tokens within the rest, its chunks within
-    the rows."""
+    the rows and the longest within the bucket's chunk length."""
     fits = [b for b in buckets
             if b.num_decode_tokens >= shape.num_decode_tokens
+            and b.max_q_len >= shape.max_q_len
             and b.num_tokens - b.num_decode_tokens >= shape.num_tokens - shape.num_decode_tokens
             and b.num_prefill_seqs >= shape.num_prefill_seqs
             and b.num_sample_rows >= shape.num_sample_rows]
