@@ -14,6 +14,8 @@ padding reaches the kernels).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -298,3 +300,18 @@ def test_buckets_larger_than_a_sequence_run_on_the_triton_backend():
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
     assert sorted(finished) == ["a", "b"]
+
+
+def test_memory_profile_counts_every_graphs_outputs():
+    """Each captured graph keeps its own logits [rows, V] fp32, samples [rows, 3] int64 and
+    hidden rows [T, H]: the profile adds them for every graphable shape (a CUDA config; only
+    the arithmetic runs here)."""
+    runner = ModelRunner(EngineConfig(mode="default", dynamic_graph_tokens=BUCKETS, **TINY))
+    assert runner._graph_output_bytes() == 0  # no graphs on the CPU
+    runner.config = dataclasses.replace(runner.config, device="cuda")
+    hidden, vocab = runner.model_config.hidden_size, runner.vocab_size
+    shapes = runner.fixed_shapes()
+    assert len(shapes) == len(runner.config.decode_buckets) + len(runner.dynamic_buckets)
+    expected = sum(s.num_sample_rows * (vocab * 4 + 24) + s.num_tokens * hidden * 4
+                   for s in shapes)
+    assert runner._graph_output_bytes() == expected
