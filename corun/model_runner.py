@@ -194,6 +194,11 @@ class ModelRunner:
             return shape
         return smallest_bucket(shape, self.dynamic_buckets) or shape
 
+    @property
+    def num_graphs(self) -> int:
+        """CUDA graphs captured (0 without graphs)."""
+        return 0 if self.graph_runner is None else len(self.graph_runner.graphs)
+
     def graphable(self, shape: StepShape) -> bool:
         return shape.is_fixed and (not shape.is_prefill or self.model.supports_prefill_graphs)
 

@@ -256,6 +256,11 @@ def _graph_tokens(text: str) -> tuple[int, ...]:
     return tokens
 
 
+def _token_buckets(buckets) -> str:
+    tokens = sorted({b.num_tokens for b in buckets})
+    return f"of {tokens} tokens" if tokens else "none"
+
+
 def engine_config_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig fields from the flags (EngineConfig validates them)."""
     from corun.default_model import DEFAULT_MODEL_NAME
@@ -352,8 +357,8 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
     stats = engine.stats()
     logger.info(
         "engine ready: model %s, mode %s, device %s, backend %s, dtype %s, max_num_seqs %d, "
-        "decode buckets %s, max_model_len %d, %d KV blocks of %d tokens, tensor parallel %d, "
-        "prefix caching %s",
+        "decode buckets %s, prefill / mixed step buckets %s, CUDA graphs %d, "
+        "max_model_len %d, %d KV blocks of %d tokens, tensor parallel %d, prefix caching %s",
         config.model,
         config.kernel_mode,
         config.resolved_device,
@@ -361,6 +366,8 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
         config.torch_dtype,
         config.max_num_seqs,
         config.decode_buckets,
+        _token_buckets(engine.runner.dynamic_buckets),
+        engine.runner.num_graphs,
         config.max_model_len,
         stats["num_kv_blocks"],
         config.block_size,
