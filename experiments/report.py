@@ -382,6 +382,47 @@ def serving_step_summary_block(name: str) -> Callable[[dict, list[dict]], str]:
     return view
 
 
+# The label bench_serving gives a peer's server with --dynamic-graph-tokens none
+# (run_h200.sh serving-peer-graphs).
+EAGER_MIXED = "-eager-mixed"
+
+
+def serving_peer_graphs_block(head: dict, records: list[dict]) -> str:
+    """Each peer with its small prefill / mixed steps replayed from graphs against the same peer
+    with them eager, at every load, and corun beside the peer with graphs: every figure read
+    from the one run."""
+    name = "serving-peer-graphs-h200"
+    loads: dict[str, dict[str, dict]] = {}
+    for r in records:
+        load = (f"concurrency {r['max_concurrency']}" if r["request_rate"] == "inf"
+                else f"{_fmt(r['request_rate'], 0)} req/s")
+        loads.setdefault(load, {})[r.get("label", r["mode"])] = r
+    lines = [_source(head, name), ""]
+    for load, by in loads.items():
+        parts = []
+        for label, graphs in by.items():
+            eager = by.get(label + EAGER_MIXED)
+            if eager is None:
+                continue
+            parts.append(
+                f"`{label}` {_fmt(graphs['output_throughput'], 0)} tok/s against "
+                f"{_fmt(eager['output_throughput'], 0)} eager "
+                f"({_fmt(graphs['output_throughput'] / eager['output_throughput'])}x), TTFT p50 "
+                f"{_fmt(graphs['median_ttft_ms'], 0)} against {_fmt(eager['median_ttft_ms'], 0)} "
+                f"ms, ITL p99 {_fmt(graphs['p99_itl_ms'], 0)} against "
+                f"{_fmt(eager['p99_itl_ms'], 0)} ms")
+            corun = by.get("corun")
+            if corun is not None:
+                ratio = corun["output_throughput"] / graphs["output_throughput"]
+                parts[-1] += (f"; corun {_fmt(ratio)}x its tok/s, TTFT p50 "
+                              f"{_fmt(corun['median_ttft_ms'], 0)} ms")
+        if parts:
+            lines.append(f"- **{load}.** " + "; ".join(parts) + ".")
+    if len(lines) == 2:
+        lines.append("No peer ran both with and without its mixed-step graphs.")
+    return "\n".join(lines)
+
+
 SERVING_COLUMNS = [
     ("mode", "mode"), ("request_rate", "rate req/s"), ("max_concurrency", "concurrency"),
     ("completed", "completed"), ("failed", "failed"), ("request_throughput", "req/s"),
@@ -421,6 +462,9 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     **{f"{name}-summary": serving_step_summary_block(name)
        for name in ("serving-step-h200", "serving-step-h200-run2")},
     "serving-h200-summary": serving_summary_block,
+    "serving-peer-graphs-h200-summary": serving_peer_graphs_block,
+    "serving-peer-graphs-h200": columns_block("serving-peer-graphs-h200", [
+        ("label", "server"), ("extra_server_args", "flags"), *SERVING_COLUMNS[1:]]),
     **{name: columns_block(name, [
         ("point", "point"), ("output_tok_s", "out tok/s"), ("ttft_ms_p50", "TTFT p50 ms"),
         ("tpot_ms_p50", "TPOT p50 ms"), ("prefill_steps", "prefill steps"),
@@ -446,6 +490,7 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
 }
 ALIASES = {"kernels-h200-summary": "kernels-h200", "offline-h200-summary": "offline-h200",
            "serving-h200-summary": "serving-h200",
+           "serving-peer-graphs-h200-summary": "serving-peer-graphs-h200",
            "serving-step-h200-summary": "serving-step-h200",
            "serving-step-h200-run2-summary": "serving-step-h200-run2"}
 

@@ -1,0 +1,32 @@
+"""The serving views render only what a results file holds: the peers' mixed-step graphs are
+compared only where the same peer also ran with them eager, in the same run."""
+
+from __future__ import annotations
+
+from tests.experiments.rendering import render_block
+
+HEAD = {"header": True, "machine": "NVIDIA H200", "torch": "2.11", "triton": "3.6",
+        "date": "d", "command": "c"}
+
+
+def _server(label: str, mode: str, tput: float, ttft: float, itl: float, rate=4.0) -> dict:
+    return {"label": label, "mode": mode, "request_rate": rate, "max_concurrency": None,
+            "output_throughput": tput, "median_ttft_ms": ttft, "p99_itl_ms": itl,
+            "median_tpot_ms": 8.0, "extra_server_args": ""}
+
+
+def test_peer_graphs_summary_pairs_each_peer_with_its_eager_twin(tmp_path, monkeypatch):
+    records = [_server("corun", "corun", 400.0, 34.0, 33.0),
+               _server("default", "default", 400.0, 30.0, 35.0),
+               _server("default-eager-mixed", "default", 380.0, 73.0, 58.0),
+               _server("batch_invariant_tuned", "batch_invariant_tuned", 390.0, 40.0, 40.0),
+               _server("default", "default", 1500.0, 100.0, 60.0, rate="inf")]
+    text = render_block(tmp_path, monkeypatch, "serving-peer-graphs-h200", HEAD, records,
+                        "serving-peer-graphs-h200-summary")
+    assert ("- **4 req/s.** `default` 400 tok/s against 380 eager (1.05x), TTFT p50 30 against "
+            "73 ms, ITL p99 35 against 58 ms; corun 1.00x its tok/s, TTFT p50 34 ms.") in text
+    assert "batch_invariant_tuned" not in text  # no eager twin in this run
+    assert "concurrency" not in text  # no pair at that load
+    alone = render_block(tmp_path, monkeypatch, "serving-peer-graphs-h200", HEAD, records[:2],
+                         "serving-peer-graphs-h200-summary")
+    assert "No peer ran both" in alone
