@@ -256,7 +256,8 @@ def _graph_tokens(text: str) -> tuple[int, ...]:
     return tokens
 
 
-def _token_buckets(buckets) -> str:
+def _token_buckets(buckets: list) -> str:
+    """The start-up log's account of the dynamic modes' padded step shapes (StepShapes)."""
     tokens = sorted({b.num_tokens for b in buckets})
     return f"of {tokens} tokens" if tokens else "none"
 
