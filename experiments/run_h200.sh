@@ -105,7 +105,7 @@ for stage in "$@"; do
                --variant "batch_invariant_tuned-eager-mixed=batch_invariant_tuned --dynamic-graph-tokens none" \
                --model qwen3-8b --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
                --request-rate 4,16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
-               --time-budget-s ${SERVING_BUDGET:-200} --result-name serving-peer-graphs-h200 \
+               --time-budget-s ${SERVING_BUDGET:-150} --result-name serving-peer-graphs-h200 \
                --result-dir "$OUT/results" ;;
     gputest) run gputest ${GPUTEST_LIMIT:-60} python3 -m pytest -v --tb=short -p no:cacheprovider \
                invariance_tests/test_engine_determinism.py -k "graph" --timeout=55 ;;
