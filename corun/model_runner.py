@@ -135,9 +135,7 @@ class ModelRunner:
             max_chunk=min(config.prefill_chunk_size, config.max_model_len))
         self.decode_buffers = self._buffers(max(config.decode_buckets),
                                             max(config.decode_buckets))
-        tokens, rows = self._prefill_capacity()
-        self.prefill_buffers = self._buffers(
-            tokens, max([rows] + [b.num_seqs for b in self.dynamic_buckets]))
+        self.prefill_buffers = self._buffers(*self._prefill_buffer_capacity())
         self.num_kv_blocks = self._agree_num_blocks(
             config.num_kv_blocks or self._auto_num_blocks(spec))
         self.kv_cache = KVCache(spec, self.num_kv_blocks, config.block_size, self.dtype,
@@ -155,6 +153,12 @@ class ModelRunner:
     def _buffers(self, max_tokens: int, max_seqs: int) -> StepBuffers:
         return StepBuffers(max_tokens, max_seqs, max_seqs, self.block_width,
                            self.config.block_size, self.device, self._arrival_heads)
+
+    def _prefill_buffer_capacity(self) -> tuple[int, int]:
+        """(tokens, rows) of the prefill step buffers: the largest prefill step's, with the rows
+        of a dynamic bucket where it has more (its padded decode rows)."""
+        tokens, rows = self._prefill_capacity()
+        return tokens, max([rows] + [b.num_seqs for b in self.dynamic_buckets])
 
     def _prefill_capacity(self) -> tuple[int, int]:
         """(tokens, rows) of the largest prefill step the scheduler can make."""

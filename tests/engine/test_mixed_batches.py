@@ -203,7 +203,7 @@ def test_tp_broadcast_buffer_carries_mixed_batch():
         if part.shape.num_decode_tokens and not parts:
             parts.append(part)
             host = runner.prefill_buffers.fill(part.shape, part.chunks)
-            peer = runner._buffers(*runner._prefill_capacity())
+            peer = runner._buffers(*runner._prefill_buffer_capacity())
             peer.dev.copy_(runner.prefill_buffers.dev)  # what dist.broadcast delivers
             mine = runner._bind(part.shape, runner.prefill_buffers, host).batch
             theirs = runner._bind(part.shape, peer, host).batch
