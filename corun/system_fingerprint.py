@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from corun.config import EngineConfig
+from kernels.mode import Mode
 
 _ROOT = Path(__file__).resolve().parents[1]
 _TUNED_DIR = _ROOT / "kernels" / "tuned"
@@ -117,6 +118,10 @@ def describe(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = ()
             config.max_prefill_seqs_per_step if config.is_packed_prefill else None,
         "prefill_buckets": list(config.prefill_buckets) if config.is_corun else None,
         "max_num_batched_tokens": None if config.is_corun else config.max_num_batched_tokens,
+        # default runs its kernels at the padded shapes of its small steps; the batch-invariant
+        # modes keep their bits under the padding (tests/engine/test_dynamic_buckets.py).
+        "dynamic_step_tokens":
+            config.dynamic_step_tokens if config.kernel_mode is Mode.DEFAULT else None,
         "block_size": config.block_size,
         "max_model_len": config.max_model_len,
         "decode_split_size": config.decode_split_size,

@@ -33,6 +33,18 @@ def test_every_bit_deciding_field_changes_the_fingerprint(change):
     assert system_fingerprint(dataclasses.replace(BASE, **change)) != system_fingerprint(BASE)
 
 
+def test_dynamic_step_buckets_change_only_defaults_fingerprint():
+    """default runs its kernels at the padded shapes, the batch-invariant peers keep their bits
+    under the padding, and corun has no dynamic steps."""
+    def changes(mode: str) -> bool:
+        base = dataclasses.replace(BASE, mode=mode, max_num_batched_tokens=64)
+        padded = dataclasses.replace(base, dynamic_graph_tokens=(32, 64))
+        return system_fingerprint(padded) != system_fingerprint(base)
+
+    assert changes("default")
+    assert not any(changes(m) for m in ("batch_invariant", "batch_invariant_tuned", "corun"))
+
+
 def test_llm_and_server_share_the_cpu_dtype_default():
     args = build_parser().parse_args(["--device", "cpu", "--model", "tiny-qwen3"])
     served = EngineConfig(**engine_config_kwargs(args))
