@@ -333,7 +333,8 @@ def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload,
 
 def graph_check(runner: ModelRunner, config: EngineConfig, model, work: Workload,
                 num: int) -> dict:
-    """The same short workload replayed from the graphs and run eagerly: fingerprints equal?"""
+    """The same short workload replayed from the graphs and run eagerly at the same step shapes
+    (``ModelRunner.eager_twin``): fingerprints equal?"""
     short = Workload(work.prompts[:num], [dataclasses.replace(p, max_tokens=8)
                                           for p in work.params[:num]])
     order = list(range(len(short.prompts)))
