@@ -519,8 +519,11 @@ def main(argv: list[str] | None = None) -> None:
     budget = args.time_budget_s / len(specs) if args.time_budget_s else None
     records: list[dict] = []
 
+    started: dict[str, float] = {}  # seconds from launch to healthy (graph capture included)
+
     def labelled(spec: ServerSpec, runs: list[dict]) -> list[dict]:
-        return [{"label": spec.label, **r, "extra_server_args": spec.extra_args} for r in runs]
+        return [{"label": spec.label, **r, "extra_server_args": spec.extra_args,
+                 "server_start_s": started.get(spec.label)} for r in runs]
 
     def save(spec: ServerSpec, runs: list[dict]) -> Path:
         # Written after every rate, so a run cut by its time limit keeps what it measured.
@@ -534,7 +537,9 @@ def main(argv: list[str] | None = None) -> None:
 
     for spec in specs:
         port = free_port()
+        launched = time.perf_counter()
         proc = launch_server(spec, port, args)
+        started[spec.label] = round(time.perf_counter() - launched, 1)
         try:
             runs = sweep(args, f"http://127.0.0.1:{port}", spec.mode, budget,
                          on_record=lambda runs, spec=spec: save(spec, runs))

@@ -411,6 +411,9 @@ def serving_peer_graphs_block(head: dict, records: list[dict]) -> str:
                 f"{_fmt(graphs['median_ttft_ms'], 0)} against {_fmt(eager['median_ttft_ms'], 0)} "
                 f"ms, ITL p99 {_fmt(graphs['p99_itl_ms'], 0)} against "
                 f"{_fmt(eager['p99_itl_ms'], 0)} ms")
+            if graphs.get("server_start_s") and eager.get("server_start_s"):
+                parts[-1] += (f", server start {_fmt(graphs['server_start_s'], 0)} against "
+                              f"{_fmt(eager['server_start_s'], 0)} s")
             corun = by.get("corun")
             if corun is not None:
                 ratio = corun["output_throughput"] / graphs["output_throughput"]

@@ -104,3 +104,27 @@ def test_a_launch_run_cut_during_a_rate_keeps_the_rates_before_it(tmp_path, monk
     head, *records = json.loads((tmp_path / "cut.json").read_text())
     assert head["header"] and [r["request_rate"] for r in records] == [1.0]
     assert records[0]["mode"] == records[0]["label"] == "default"
+
+
+def test_launch_records_carry_each_servers_start_up_seconds(tmp_path, monkeypatch):
+    """A launched server's seconds from start to healthy (its graph captures included) go into
+    every record of that server, so a peer's extra graphs show their start-up cost."""
+    from experiments import bench_serving
+
+    async def fake_benchmark(*args, **kwargs):
+        return [RequestResult(prompt_len=4, success=True, output_tokens=2, ttft=0.1,
+                              itl=[0.01], latency=0.11)], 1.0
+
+    clock = iter([10.0, 12.5, 20.0, 27.0, *range(100, 200)])
+    monkeypatch.setattr(bench_serving.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(bench_serving, "launch_server", lambda spec, port, args: spec.label)
+    monkeypatch.setattr(bench_serving, "stop_server", lambda proc: None)
+    monkeypatch.setattr(bench_serving, "served_model", lambda url: "tiny")
+    monkeypatch.setattr(bench_serving, "run_benchmark", fake_benchmark)
+    monkeypatch.setattr(bench_serving, "plot", lambda *args: None)
+    argv = ["--launch", "--modes", "default", "--variant", "eager=default --dynamic-graph-tokens "
+            "none", "--request-rate", "1", "--warmup-requests", "0", "--num-prompts", "2",
+            "--result-name", "start", "--result-dir", str(tmp_path)]
+    bench_serving.main(argv)
+    _, *records = json.loads((tmp_path / "start.json").read_text())
+    assert {r["label"]: r["server_start_s"] for r in records} == {"default": 2.5, "eager": 7.0}

@@ -17,14 +17,16 @@ def _server(label: str, mode: str, tput: float, ttft: float, itl: float, rate=4.
 
 def test_peer_graphs_summary_pairs_each_peer_with_its_eager_twin(tmp_path, monkeypatch):
     records = [_server("corun", "corun", 400.0, 34.0, 33.0),
-               _server("default", "default", 400.0, 30.0, 35.0),
-               _server("default-eager-mixed", "default", 380.0, 73.0, 58.0),
+               {**_server("default", "default", 400.0, 30.0, 35.0), "server_start_s": 41.0},
+               {**_server("default-eager-mixed", "default", 380.0, 73.0, 58.0),
+                "server_start_s": 30.5},
                _server("batch_invariant_tuned", "batch_invariant_tuned", 390.0, 40.0, 40.0),
                _server("default", "default", 1500.0, 100.0, 60.0, rate="inf")]
     text = render_block(tmp_path, monkeypatch, "serving-peer-graphs-h200", HEAD, records,
                         "serving-peer-graphs-h200-summary")
     assert ("- **4 req/s.** `default` 400 tok/s against 380 eager (1.05x), TTFT p50 30 against "
-            "73 ms, ITL p99 35 against 58 ms; corun 1.00x its tok/s, TTFT p50 34 ms.") in text
+            "73 ms, ITL p99 35 against 58 ms, server start 41 against 30 s; corun 1.00x its tok/s, "
+            "TTFT p50 34 ms.") in text
     assert "batch_invariant_tuned" not in text  # no eager twin in this run
     assert "concurrency" not in text  # no pair at that load
     alone = render_block(tmp_path, monkeypatch, "serving-peer-graphs-h200", HEAD, records[:2],
