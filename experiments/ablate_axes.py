@@ -95,6 +95,11 @@ AXES: dict[str, Axis] = {
         "by a second launch: the same bits, so only speed can differ",
         (False, True), ("corun", "batch_invariant_tuned", "default"),
         lambda v, _: {"decode_fused_combine": v}, scale_values=False),
+    "peer-graphs": Axis(
+        "the peers' small prefill and mixed steps padded to token buckets and replayed from CUDA "
+        "graphs (dynamic_graph_tokens at its default), or run eagerly at their exact shapes",
+        (True, False), PEERS, lambda v, _: {} if v else {"dynamic_graph_tokens": ()},
+        scale_values=False),
     "kernel-policy": Axis(
         "the kernels' policy under corun's schedule (fixed shapes), beside the peers under "
         "their own dynamic schedule", ALL_MODES, ("corun", *PEERS), lambda v, _: {},

@@ -21,7 +21,8 @@
 #   atlas    experiments/invariance_atlas.py -> invariance-atlas-h200.json (< 3 min)
 #   ablate-AXIS  experiments/ablate.py AXIS -> ablate-AXIS-h200.json + png, e.g. ablate-overlap;
 #            AXIS: decode-batch decode-split-size cuda-graphs prefill-policy prefill-chunk
-#            prefill-step-tokens stall-budget overlap kernel-policy serving-load; ABLATE_ARGS adds flags
+#            prefill-step-tokens stall-budget overlap decode-fused-combine peer-graphs kernel-policy
+#            serving-load; ABLATE_ARGS adds flags
 # Results land in $OUT/results (bundled as results.tgz), logs in $OUT/*.log. The image's python3
 # holds torch/triton; packages it lacks travel as wheels in .whl (carry it): experiments/device_wheels.sh
 # downloads them (the server's stack for serving, Liger-Kernel, outlines-core).
