@@ -329,16 +329,21 @@ def _span(values: list[float], digits: int = 1, unit: str = "") -> str:
             else f"{low:.{digits}f}-{high:.{digits}f}{unit}")
 
 
+def _by_load(records: list[dict]) -> dict[str, dict[str, dict]]:
+    """Serving records by load ("4 req/s", "concurrency 64"), then by server label."""
+    loads: dict[str, dict[str, dict]] = {}
+    for r in records:
+        load = (f"concurrency {r['max_concurrency']}" if r["request_rate"] == "inf"
+                else f"{_fmt(r['request_rate'], 0)} req/s")
+        loads.setdefault(load, {})[r.get("label", r["mode"])] = r
+    return loads
+
+
 def serving_summary_block(head: dict, records: list[dict]) -> str:
     """corun against the other servers at each load, as sentences, every figure read from the
     file (and the packed prefill step's time from the offline headline's)."""
-    rates: dict[str, dict[str, dict]] = {}
-    for r in records:
-        rate = (f"concurrency {r['max_concurrency']}" if r["request_rate"] == "inf"
-                else f"{_fmt(r['request_rate'], 0)} req/s")
-        rates.setdefault(rate, {})[r.get("label", r["mode"])] = r
     lines = [_source(head, "serving-h200"), ""]
-    for rate, by in rates.items():
+    for rate, by in _by_load(records).items():
         corun = by.get("corun")
         peers = {m: r for m, r in by.items() if m != "corun"}
         if corun is None or not peers:
@@ -361,12 +366,7 @@ def serving_step_summary_block(name: str) -> Callable[[dict, list[dict]], str]:
     and ITL p99 against ``default``'s in the same run, at every load."""
     def view(head: dict, records: list[dict]) -> str:
         lines = [_source(head, name), ""]
-        loads: dict[str, dict[str, dict]] = {}
-        for r in records:
-            load = (f"concurrency {r['max_concurrency']}" if r["request_rate"] == "inf"
-                    else f"{_fmt(r['request_rate'], 0)} req/s")
-            loads.setdefault(load, {})[r.get("label", r["mode"])] = r
-        for load, by in loads.items():
+        for load, by in _by_load(records).items():
             peer = by.get("default")
             servers = [(label, r) for label, r in by.items() if r["mode"] == "corun"]
             if peer is None or not servers:
@@ -391,14 +391,8 @@ def serving_peer_graphs_block(head: dict, records: list[dict]) -> str:
     """Each peer with its small prefill / mixed steps replayed from graphs against the same peer
     with them eager, at every load, and corun beside the peer with graphs: every figure read
     from the one run."""
-    name = "serving-peer-graphs-h200"
-    loads: dict[str, dict[str, dict]] = {}
-    for r in records:
-        load = (f"concurrency {r['max_concurrency']}" if r["request_rate"] == "inf"
-                else f"{_fmt(r['request_rate'], 0)} req/s")
-        loads.setdefault(load, {})[r.get("label", r["mode"])] = r
-    lines = [_source(head, name), ""]
-    for load, by in loads.items():
+    lines = [_source(head, "serving-peer-graphs-h200"), ""]
+    for load, by in _by_load(records).items():
         parts = []
         for label, graphs in by.items():
             eager = by.get(label + EAGER_MIXED)
