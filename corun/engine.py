@@ -96,7 +96,8 @@ class LLMEngine:
         self.grammar = GrammarCompiler(tokenizer, self.eos_token_ids, self.vocab_size)
         # Everything that decides this engine's bits (corun.system_fingerprint): responses of two
         # engines are comparable bit for bit exactly when theirs are equal.
-        self.system_fingerprint = system_fingerprint(config, self.eos_token_ids)
+        self.system_fingerprint = system_fingerprint(config, self.eos_token_ids,
+                                                     self.runner.dynamic_step_tokens)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()

@@ -184,11 +184,17 @@ class ModelRunner:
                        for b in sorted(config.prefill_buckets, reverse=True)]
         return shapes + self.dynamic_buckets
 
+    @property
+    def dynamic_step_tokens(self) -> list[int]:
+        """Token counts of the dynamic buckets this runner pads to (the config's, less where
+        the model captures no prefill graphs), ascending."""
+        return sorted({b.num_tokens for b in self.dynamic_buckets})
+
     def eager_twin(self) -> EngineConfig:
         """This runner's config without CUDA graphs and with its step shapes: the eager run of
         the same steps, which must give the bits of this runner's graph replays."""
-        tokens = tuple(sorted({b.num_tokens for b in self.dynamic_buckets}))
-        return dataclasses.replace(self.config, cuda_graphs=False, dynamic_graph_tokens=tokens)
+        return dataclasses.replace(self.config, cuda_graphs=False,
+                                   dynamic_graph_tokens=tuple(self.dynamic_step_tokens))
 
     def step_shape(self, shape: StepShape) -> StepShape:
         """The shape a scheduled step runs at: a dynamic step that fits one of the dynamic

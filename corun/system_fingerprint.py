@@ -100,10 +100,14 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def describe(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = ()
-             ) -> dict[str, object]:
+def describe(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = (),
+             dynamic_step_tokens: list[int] | None = None) -> dict[str, object]:
     """What decides the bits of this engine's responses, as plain values (``eos_token_ids``: the
-    engine's, from the model config and the tokenizer: where generation stops)."""
+    engine's, from the model config and the tokenizer: where generation stops;
+    ``dynamic_step_tokens``: the runner's, ``ModelRunner.dynamic_step_tokens``, which knows the
+    model; the config's resolved value when not given)."""
+    if dynamic_step_tokens is None:
+        dynamic_step_tokens = config.dynamic_step_tokens
     return {
         "weights": weights_id(config),
         "eos_token_ids": sorted(eos_token_ids),
@@ -121,7 +125,7 @@ def describe(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = ()
         # default runs its kernels at the padded shapes of its small steps; the batch-invariant
         # modes keep their bits under the padding (tests/engine/test_dynamic_buckets.py).
         "dynamic_step_tokens":
-            config.dynamic_step_tokens if config.kernel_mode is Mode.DEFAULT else None,
+            list(dynamic_step_tokens) if config.kernel_mode is Mode.DEFAULT else None,
         "block_size": config.block_size,
         "max_model_len": config.max_model_len,
         "decode_split_size": config.decode_split_size,
@@ -133,7 +137,8 @@ def describe(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = ()
     }
 
 
-def system_fingerprint(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = ()) -> str:
+def system_fingerprint(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = (),
+                       dynamic_step_tokens: list[int] | None = None) -> str:
     """``fp_`` and 16 hex digits of the sha256 of ``describe``."""
-    text = json.dumps(describe(config, eos_token_ids), sort_keys=True)
+    text = json.dumps(describe(config, eos_token_ids, dynamic_step_tokens), sort_keys=True)
     return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:16]

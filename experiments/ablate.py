@@ -92,7 +92,7 @@ def run_point(point, config, runner, model, work, args) -> dict:
     record = {"axis": args.axis, "value": point.value, "series": point.series,
               "variant": point.variant, "engine_mode": config.kernel_mode.value,
               "kernel_policy": point.kernel_policy or config.kernel_mode.value, **measured,
-              "config": {f: getattr(config, f) for f in bench_offline.CONFIG_FIELDS}}
+              "config": bench_offline.config_record(config, runner)}
     if args.repeats > 1:
         throughputs = [run[0]["output_tok_s"] for run in runs]
         record["output_tok_s_runs"] = throughputs

@@ -93,6 +93,7 @@ def plot(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    records = [r for r in records if "error" not in r]  # a server that did not start
     rates = sorted({r["request_rate"] for r in records},
                    key=lambda r: float("inf") if r == "inf" else float(r))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))

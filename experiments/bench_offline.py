@@ -90,7 +90,14 @@ HEADLINE = ("corun", "batch_invariant_tuned", "batch_invariant", "default")
 CONFIG_FIELDS = ("max_num_seqs", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
                  "prefill_step_tokens", "max_prefill_seqs_per_step", "prefill_token_budget",
                  "overlap_prefill_decode", "max_num_batched_tokens", "decode_split_size",
-                 "decode_fused_combine", "cuda_graphs", "dynamic_step_tokens")
+                 "decode_fused_combine", "cuda_graphs", "dynamic_graph_tokens")
+
+
+def config_record(config: EngineConfig, runner: ModelRunner) -> dict:
+    """A record's ``config``: ``CONFIG_FIELDS`` as set, and the dynamic buckets the runner
+    actually padded to (none for a model without prefill graphs unless asked)."""
+    return {**{k: getattr(config, k) for k in CONFIG_FIELDS},
+            "dynamic_step_tokens": runner.dynamic_step_tokens}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,7 +324,7 @@ def bench_variant(variant: str, model, args: argparse.Namespace, work: Workload,
         "num_kv_blocks": runner.num_kv_blocks, "build_s": round(build_s, 1),
         "num_graphs": runner.num_graphs, "warmup_s": round(warmup_s, 1),
         **main.compile_fields(),
-        "config": {k: getattr(config, k) for k in CONFIG_FIELDS},
+        "config": config_record(config, runner),
         **step_profile(main_engine.step_records, runner),
     }
     if record.get("tpot_ms_p50") and record.get("decode_bound_ms_at_live_mean"):

@@ -329,14 +329,38 @@ def _span(values: list[float], digits: int = 1, unit: str = "") -> str:
             else f"{low:.{digits}f}-{high:.{digits}f}{unit}")
 
 
+def _load_name(record: dict) -> str:
+    """A serving record's load: "4 req/s", or "concurrency 64" for the all-at-once run."""
+    if record["request_rate"] == "inf":
+        return f"concurrency {record['max_concurrency']}"
+    return f"{_fmt(record['request_rate'], 0)} req/s"
+
+
 def _by_load(records: list[dict]) -> dict[str, dict[str, dict]]:
-    """Serving records by load ("4 req/s", "concurrency 64"), then by server label."""
+    """Serving records by load, then by server label; servers that served nothing at a load
+    (every request failed) and servers that did not start are left out (``_failures`` says
+    which)."""
     loads: dict[str, dict[str, dict]] = {}
     for r in records:
-        load = (f"concurrency {r['max_concurrency']}" if r["request_rate"] == "inf"
-                else f"{_fmt(r['request_rate'], 0)} req/s")
-        loads.setdefault(load, {})[r.get("label", r["mode"])] = r
+        if "error" not in r and r.get("completed"):
+            loads.setdefault(_load_name(r), {})[r.get("label", r["mode"])] = r
     return loads
+
+
+def _failures(records: list[dict]) -> str:
+    """A sentence naming the servers that did not start, the loads a server served nothing at,
+    and the requests that failed where others were served."""
+    failed = []
+    for r in records:
+        label = r.get("label", r["mode"])
+        if "error" in r:
+            failed.append(f"`{label}` did not start ({r['error'][:80]})")
+        elif not r.get("completed"):
+            failed.append(f"`{label}` served nothing at {_load_name(r)}")
+        elif r.get("failed"):
+            failed.append(f"`{label}` lost {r['failed']} of {r['completed'] + r['failed']} "
+                          f"requests at {_load_name(r)}")
+    return f"Failed: {'; '.join(failed)}." if failed else ""
 
 
 def serving_summary_block(head: dict, records: list[dict]) -> str:
@@ -358,6 +382,8 @@ def serving_summary_block(head: dict, records: list[dict]) -> str:
             f"{_span(tpot, unit='x')} the other modes', its ITL p99 "
             f"{_fmt(corun['p99_itl_ms'], 0)} ms against {_span(peer_itl, 0)} ms "
             f"({_span(itl, unit='x')}).")
+    if failures := _failures(records):
+        lines.append(failures)
     return "\n".join(lines)
 
 
@@ -378,6 +404,8 @@ def serving_step_summary_block(name: str) -> Callable[[dict, list[dict]], str]:
             lines.append(f"- **{load}** (`default`: {_fmt(peer['output_throughput'], 0)} tok/s, "
                          f"TPOT p50 {_fmt(peer['median_tpot_ms'], 1)} ms, ITL p99 "
                          f"{_fmt(peer['p99_itl_ms'], 0)} ms): " + "; ".join(parts) + ".")
+        if failures := _failures(records):
+            lines.append(failures)
         return "\n".join(lines)
     return view
 
@@ -417,6 +445,8 @@ def serving_peer_graphs_block(head: dict, records: list[dict]) -> str:
             lines.append(f"- **{load}.** " + "; ".join(parts) + ".")
     if len(lines) == 2:
         lines.append("No peer ran both with and without its mixed-step graphs.")
+    if failures := _failures(records):
+        lines.append(failures)
     return "\n".join(lines)
 
 

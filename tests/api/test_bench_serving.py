@@ -115,8 +115,8 @@ def test_launch_records_carry_each_servers_start_up_seconds(tmp_path, monkeypatc
         return [RequestResult(prompt_len=4, success=True, output_tokens=2, ttft=0.1,
                               itl=[0.01], latency=0.11)], 1.0
 
-    clock = iter([10.0, 12.5, 20.0, 27.0, *range(100, 200)])
-    monkeypatch.setattr(bench_serving.time, "perf_counter", lambda: float(next(clock)))
+    clock = iter([10.0, 12.5, 20.0, 27.0])
+    monkeypatch.setattr(bench_serving, "_clock", lambda: next(clock))
     monkeypatch.setattr(bench_serving, "launch_server", lambda spec, port, args: spec.label)
     monkeypatch.setattr(bench_serving, "stop_server", lambda proc: None)
     monkeypatch.setattr(bench_serving, "served_model", lambda url: "tiny")
@@ -128,3 +128,30 @@ def test_launch_records_carry_each_servers_start_up_seconds(tmp_path, monkeypatc
     bench_serving.main(argv)
     _, *records = json.loads((tmp_path / "start.json").read_text())
     assert {r["label"]: r["server_start_s"] for r in records} == {"default": 2.5, "eager": 7.0}
+
+
+def test_a_server_that_does_not_start_is_recorded_and_the_next_ones_run(tmp_path, monkeypatch):
+    """A launched server whose start-up fails (it exits, or never answers /health) leaves an
+    error record, and the servers after it are still measured."""
+    from experiments import bench_serving
+
+    async def fake_benchmark(*args, **kwargs):
+        return [RequestResult(prompt_len=4, success=True, output_tokens=2, ttft=0.1,
+                              itl=[0.01], latency=0.11)], 1.0
+
+    def launch(spec, port, args):
+        if spec.label == "default":
+            raise RuntimeError("server default exited with 1")
+        return spec.label
+
+    monkeypatch.setattr(bench_serving, "launch_server", launch)
+    monkeypatch.setattr(bench_serving, "stop_server", lambda proc: None)
+    monkeypatch.setattr(bench_serving, "served_model", lambda url: "tiny")
+    monkeypatch.setattr(bench_serving, "run_benchmark", fake_benchmark)
+    argv = ["--launch", "--modes", "default,corun", "--request-rate", "1", "--warmup-requests",
+            "0", "--num-prompts", "2", "--result-name", "failed", "--result-dir", str(tmp_path)]
+    bench_serving.main(argv)
+    _, failed, served = json.loads((tmp_path / "failed.json").read_text())
+    assert failed["label"] == "default" and "exited with 1" in failed["error"]
+    assert served["label"] == "corun" and served["completed"] == 1
+    assert (tmp_path / "failed-corun.png").exists()

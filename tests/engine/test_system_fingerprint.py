@@ -45,6 +45,34 @@ def test_dynamic_step_buckets_change_only_defaults_fingerprint():
     assert not any(changes(m) for m in ("batch_invariant", "batch_invariant_tuned", "corun"))
 
 
+def test_defaults_fingerprint_follows_the_buckets_the_runner_pads_to(monkeypatch):
+    """The runner knows the model: an MLA model captures no prefill graphs, so with the buckets
+    left to None it pads nothing even where the config alone would list them; the engine's
+    fingerprint is built from the runner's buckets. On a CUDA config, turning graphs off drops
+    default's buckets (and changes its fingerprint) and leaves the batch-invariant modes'."""
+    import corun.system_fingerprint as fingerprint_module
+    from corun.engine import LLMEngine
+
+    monkeypatch.setattr(fingerprint_module, "_device", lambda config: "a GPU")
+    mla = dataclasses.replace(BASE, mode="default", model="tiny-deepseek-v3",
+                              max_num_batched_tokens=256)
+    gpu = dataclasses.replace(mla, device="cuda")
+    assert gpu.dynamic_step_tokens == [128, 256]  # the config's view: graphs on, CUDA
+    padded = dataclasses.replace(gpu, dynamic_graph_tokens=(128, 256))
+    assert system_fingerprint(gpu, (), []) != system_fingerprint(padded, (), [128, 256])
+    for mode, changes in (("default", True), ("batch_invariant", False),
+                          ("batch_invariant_tuned", False)):
+        on = dataclasses.replace(BASE, mode=mode, device="cuda", max_num_batched_tokens=256)
+        off = dataclasses.replace(on, cuda_graphs=False)
+        assert (system_fingerprint(on) != system_fingerprint(off)) is changes, mode
+    explicit = dataclasses.replace(mla, dynamic_graph_tokens=(128, 256))  # on the CPU: padded
+    for config, tokens in ((mla, []), (explicit, [128, 256])):
+        engine = LLMEngine(config)
+        assert engine.runner.dynamic_step_tokens == tokens
+        assert engine.system_fingerprint == system_fingerprint(config, engine.eos_token_ids,
+                                                               tokens)
+
+
 def test_llm_and_server_share_the_cpu_dtype_default():
     args = build_parser().parse_args(["--device", "cpu", "--model", "tiny-qwen3"])
     served = EngineConfig(**engine_config_kwargs(args))

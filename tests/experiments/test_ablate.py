@@ -190,3 +190,13 @@ def test_count_jit_compiles_chains_and_restores_the_hook():
         assert compiled == ["_gemm_kernel"] and seen[-1] == "after"
     finally:
         runtime.jit_post_compile_hook = None
+
+
+def test_serving_load_plot_skips_a_server_that_did_not_start(tmp_path):
+    from experiments import ablate_serving
+
+    served = {"mode": "corun", "request_rate": 1.0, "max_concurrency": None,
+              "output_throughput": 10.0, "median_ttft_ms": 5.0, "median_tpot_ms": 2.0}
+    failed = {"label": "default", "mode": "default", "error": "RuntimeError('exited')"}
+    ablate_serving.plot([served, failed], tmp_path / "load.png")
+    assert (tmp_path / "load.png").exists()

@@ -11,8 +11,9 @@ HEAD = {"header": True, "machine": "NVIDIA H200", "torch": "2.11", "triton": "3.
 
 def _server(label: str, mode: str, tput: float, ttft: float, itl: float, rate=4.0) -> dict:
     return {"label": label, "mode": mode, "request_rate": rate, "max_concurrency": None,
-            "output_throughput": tput, "median_ttft_ms": ttft, "p99_itl_ms": itl,
-            "median_tpot_ms": 8.0, "extra_server_args": ""}
+            "completed": 10, "failed": 0, "output_throughput": tput, "median_ttft_ms": ttft,
+            "p99_itl_ms": itl, "median_tpot_ms": 8.0, "p99_tpot_ms": 9.0,
+            "extra_server_args": ""}
 
 
 def test_peer_graphs_summary_pairs_each_peer_with_its_eager_twin(tmp_path, monkeypatch):
@@ -32,3 +33,26 @@ def test_peer_graphs_summary_pairs_each_peer_with_its_eager_twin(tmp_path, monke
     alone = render_block(tmp_path, monkeypatch, "serving-peer-graphs-h200", HEAD, records[:2],
                          "serving-peer-graphs-h200-summary")
     assert "No peer ran both" in alone
+
+
+def test_serving_views_name_failed_servers_and_skip_them(tmp_path, monkeypatch):
+    """A server that did not start (an error record) or served nothing at a load is left out
+    of the comparisons (no division by its zero throughput) and named in a Failed sentence;
+    requests lost beside served ones are counted there too."""
+    records = [_server("corun", "corun", 400.0, 34.0, 33.0),
+               {"label": "default", "mode": "default", "extra_server_args": "",
+                "error": "RuntimeError('server default exited with 1')"},
+               {**_server("default-eager-mixed", "default", 380.0, 73.0, 58.0),
+                "completed": 10, "failed": 2},
+               {**_server("batch_invariant_tuned", "batch_invariant_tuned", 0.0, 0.0, 0.0),
+                "completed": 0, "failed": 5},
+               _server("batch_invariant_tuned-eager-mixed", "batch_invariant_tuned", 350.0,
+                       80.0, 60.0)]
+    for name in ("serving-peer-graphs-h200", "serving-h200", "serving-step-h200"):
+        text = render_block(tmp_path, monkeypatch, name, HEAD, records, f"{name}-summary")
+        assert "`default` did not start (RuntimeError('server default exited with 1'))" in text
+        assert "`batch_invariant_tuned` served nothing at 4 req/s" in text
+        assert "`default-eager-mixed` lost 2 of 12 requests at 4 req/s" in text
+    peer = render_block(tmp_path, monkeypatch, "serving-peer-graphs-h200", HEAD, records,
+                        "serving-peer-graphs-h200-summary")
+    assert "No peer ran both" in peer
