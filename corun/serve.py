@@ -256,12 +256,6 @@ def _graph_tokens(text: str) -> tuple[int, ...]:
     return tokens
 
 
-def _token_buckets(buckets: list) -> str:
-    """The start-up log's account of the dynamic modes' padded step shapes (StepShapes)."""
-    tokens = sorted({b.num_tokens for b in buckets})
-    return f"of {tokens} tokens" if tokens else "none"
-
-
 def engine_config_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig fields from the flags (EngineConfig validates them)."""
     from corun.default_model import DEFAULT_MODEL_NAME
@@ -367,7 +361,8 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
         config.torch_dtype,
         config.max_num_seqs,
         config.decode_buckets,
-        _token_buckets(engine.runner.dynamic_buckets),
+        f"of {engine.runner.dynamic_step_tokens} tokens"
+        if engine.runner.dynamic_step_tokens else "none",
         engine.runner.num_graphs,
         config.max_model_len,
         stats["num_kv_blocks"],
