@@ -61,14 +61,17 @@ _DECODE_TILES = ((32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (64, 64, 4, 
 # weight tile once, and split-K 2 / 3 / 4 (corun and default only) is what fills the 132 SMs. 3
 # because the H200 picked split 2 for Qwen3-8B's qkv at M 128 (96 tiles of 128 x 64 -> 192
 # programs on 132 SMs, 0.66 of cuBLAS): an uneven split shifts where the last wave ends.
+# 128 x 256: every program re-reads x's whole [M, K] rows from L2, so at M = 128 the 64-wide tiles
+# the H200 picked for the wide unsplit GEMMs (N 5120-36864, 0.73-0.80 of cuBLAS) read x twice
+# over for each byte of weights they stream; 256-wide tiles read it half over.
 _MID_TILES = ((64, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 64, 128, 4, 4),
-              (128, 32, 128, 4, 4), (128, 64, 128, 8, 3))
+              (128, 32, 128, 4, 4), (128, 64, 128, 8, 3), (128, 256, 64, 8, 3))
 _MID_SPLITS = (2, 3, 4)
 # M range whose candidates also run with TMA-fed tiles (GemmConfig.tma): the serving (64) and
 # offline (128) decode batches and mid M, where the weights stream from HBM.
 TMA_M_RANGE = (64, 256)
 # Names the candidate generator an entry was tuned with; --retune-m re-tunes entries of another.
-CANDIDATE_SET = "tma-split3-bk64-decode"
+CANDIDATE_SET = "tma-split3-bk64-decode-bn256"
 _LARGE_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
                 (64, 256, 64, 4, 4))
 
