@@ -105,6 +105,8 @@ _MASK32 = 0xFFFFFFFF
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 PHILOX_ROUNDS = 10
+# The largest fp32 below 1: the sampling noise u stays in (0, 1).
+SAMPLING_U_MAX = 1.0 - 2.0**-24
 
 
 def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +140,8 @@ def sampling_uniform_reference(
     """The request-bound uniform noise u in (0, 1), [B, V] float32.
 
     Key = the 64-bit request seed (low word, high word); counter = (vocab index, position,
-    sample index, 0). Word 0 of the Philox output, top 24 bits, centred: u = (x >> 8 + 0.5) / 2^24.
+    sample index, 0). Word 0 of the Philox output, top 24 bits, centred: u = (x >> 8 + 0.5) / 2^24,
+    at most ``SAMPLING_U_MAX`` (1 - 2^-24, the largest fp32 below 1).
     A row's noise is a function of its own (seed, sample index, position) only.
     """
     seeds = seeds.to(torch.int64).view(-1, 1)
@@ -151,7 +154,10 @@ def sampling_uniform_reference(
         torch.zeros_like(vocab),
     )
     word = philox_4x32(counter, key)[0]
-    return ((word >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    u = ((word >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # (2**24 - 1) + 0.5 rounds to 2**24 in fp32: u = 1.0 would give +inf Gumbel noise, so that
+    # token would win whatever its probability (one vocab entry in 2**24 per draw).
+    return u.clamp_(max=SAMPLING_U_MAX)
 
 
 def top_k_top_p_mask_reference(

@@ -12,13 +12,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# The largest fp32 below 1 (1 - 2**-24): the top 24-bit word, centred, rounds to 1.0 in fp32, whose
+# Gumbel noise -log(-log(u)) is +inf and would pick its token whatever the logits.
+U_MAX = tl.constexpr(0.99999994039535522)
 MASS_ONE = tl.constexpr(1099511627776.0)  # 2**40: the fixed-point unit of a token's mass
 KEY_FLOOR = tl.constexpr(-(1 << 40))  # below every int32 order key: "no bound" / "keep all"
 
 
 @triton.jit
 def _philox_uniform(offs, position, sample_index, seed):
-    """u in (0, 1) for vocab indices ``offs``: Philox4x32-10 word 0, top 24 bits, centred."""
+    """u in (0, 1) for vocab indices ``offs``: Philox4x32-10 word 0, top 24 bits, centred, at most
+    ``U_MAX``."""
     seed = seed.to(tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -35,7 +39,7 @@ def _philox_uniform(offs, position, sample_index, seed):
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
-    return ((c0 >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return tl.minimum(((c0 >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0), U_MAX)
 
 
 @triton.jit

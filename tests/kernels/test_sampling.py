@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from kernels.reference import (
+    SAMPLING_U_MAX,
+    philox_4x32,
     sample_reference,
     sampling_uniform_reference,
     top_k_top_p_mask_reference,
@@ -53,6 +55,28 @@ def test_uniform_equals_reference_bitwise():
     for vocab in (37, 4113):
         u = sampling_uniform(seeds, sample_indices, positions, vocab)
         assert torch.equal(u, sampling_uniform_reference(seeds, sample_indices, positions, vocab))
+
+
+# A draw whose Philox word has all top 24 bits set: (2**24 - 1 + 0.5) / 2**24 rounds to 1.0 in fp32.
+TOP_WORD_SEED, TOP_WORD_POSITION, TOP_WORD_TOKEN, QWEN3_VOCAB = 1234, 32, 128157, 151936
+
+
+def test_noise_stays_below_one_where_the_word_is_all_ones():
+    seed = torch.tensor([TOP_WORD_SEED])
+    counter = tuple(torch.tensor([[v]]) for v in (TOP_WORD_TOKEN, TOP_WORD_POSITION, 0, 0))
+    word = philox_4x32(counter, (seed.view(-1, 1), torch.zeros(1, 1, dtype=torch.int64)))[0]
+    assert int(word) >> 8 == (1 << 24) - 1  # the edge case this test is about
+    args = (seed, torch.tensor([0]), torch.tensor([TOP_WORD_POSITION]), QWEN3_VOCAB)
+    u = sampling_uniform_reference(*args)
+    assert float(u[0, TOP_WORD_TOKEN]) == SAMPLING_U_MAX < 1.0
+    assert torch.equal(sampling_uniform(*args), u)
+    # A row sure of token 7 (every other token ~e^-60 below it) must not draw the edge token.
+    logits = torch.full((1, QWEN3_VOCAB), -30.0)
+    logits[0, 7] = 30.0
+    draw = (logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]), seed,
+            torch.tensor([0]), torch.tensor([TOP_WORD_POSITION]))
+    assert int(sample_reference(*draw)) == 7
+    assert int(sample(*draw)) == 7
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
