@@ -14,7 +14,8 @@ kv_a_layernorm-ed latent and the roped, head-shared k_pe (576 values for V3).
   of a pure decode step whatever prefill chunks share its step.
 
 Softmax scale ``qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2`` in both forms (0.13523 for
-V3). RoPE is interleaved (GPT-J pairs), as DeepSeek's ``rope_interleave``.
+V3). RoPE rotates interleaved (GPT-J) pairs when the config's ``rope_interleave`` is true, as
+DeepSeek-V3's is, and NeoX halves when it is false, as transformers does.
 
 Tensor parallel by heads: q_b_proj (or q_proj) and kv_b_proj are column-parallel with whole
 heads per rank, o_proj row-parallel with the all-reduce; q_a_proj, kv_a_proj_with_mqa and the
@@ -65,7 +66,8 @@ class MLAAttention(nn.Module):
             self.kv_lora_rank, [full_heads * (self.nope_dim + self.v_dim)], parallel)
         self.o_proj = RowParallelLinear(full_heads * self.v_dim, hidden, parallel)
         self.rotary_emb = RotaryEmbedding(self.rope_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling, is_neox=False)
+                                          config.rope_theta, config.rope_scaling,
+                                          is_neox=not config.rope_interleave)
         self.scale = qk_dim**-0.5 * yarn_softmax_scale_factor(config.rope_scaling)
         self.w_uk_t: torch.Tensor | None = None  # [H, Lkv, nope], set by split_kv_b_proj
 

@@ -1,7 +1,8 @@
 """DeepSeek-V3 vs transformers on the CPU in fp32 with the torch backend. The tiny config covers
-group-limited routing, shared experts, a dense first layer, YaRN with interleaved RoPE, q LoRA
-and plain q_proj, a positive e_score_correction_bias (HF masks dropped groups with 0, we with
--inf: they agree while biased scores are positive), and the MTP-layer skip in the loader."""
+group-limited routing, shared experts, a dense first layer, YaRN with interleaved RoPE (and NeoX
+RoPE, rope_interleave false), q LoRA and plain q_proj, a positive e_score_correction_bias (HF
+masks dropped groups with 0, we with -inf: they agree while biased scores are positive), and the
+MTP-layer skip in the loader."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.models.helpers import relative_error, run_hf_sequence, run_sequence
 TOLERANCE = 1e-4
 
 
-def make_hf_deepseek_v3(q_lora_rank: int | None):
+def make_hf_deepseek_v3(q_lora_rank: int | None, rope_interleave: bool = True):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
@@ -25,7 +26,7 @@ def make_hf_deepseek_v3(q_lora_rank: int | None):
         n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=q_lora_rank,
         qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2,
         num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
-        max_position_embeddings=512, rope_interleave=True, initializer_range=0.2,
+        max_position_embeddings=512, rope_interleave=rope_interleave, initializer_range=0.2,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 128, "beta_fast": 32,
                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
@@ -51,15 +52,18 @@ def add_mtp_layer(path, num_layers: int) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("q_lora_rank", [32, None], ids=["q-lora", "q-proj"])
-def test_deepseek_v3_matches_transformers(tmp_path, q_lora_rank):
-    hf_model = make_hf_deepseek_v3(q_lora_rank)
+@pytest.mark.parametrize(("q_lora_rank", "rope_interleave"),
+                         [(32, True), (None, True), (32, False)],
+                         ids=["q-lora", "q-proj", "q-lora-neox-rope"])
+def test_deepseek_v3_matches_transformers(tmp_path, q_lora_rank, rope_interleave):
+    hf_model = make_hf_deepseek_v3(q_lora_rank, rope_interleave)
     path = tmp_path / "ckpt"
     hf_model.save_pretrained(path)
     add_mtp_layer(path, 3)
     model, config = load_model(path, dtype=torch.float32, device="cpu")
     assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True]
     assert config.rope_scaling["rope_type"] == "yarn"
+    assert config.rope_interleave is rope_interleave
     gen = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, 256, (10,), generator=gen)
     decode_ids = torch.randint(0, 256, (3,), generator=gen)
