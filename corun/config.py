@@ -159,11 +159,17 @@ class EngineConfig:
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"prefill_policy: expected one of {', '.join(PREFILL_POLICIES)}, "
                              f"got {self.prefill_policy!r}")
-        if (self.kernel_mode.is_batch_invariant and self.backend == "triton"
-                and self.prefill_chunk_size % self.prefill_alignment):
-            raise ValueError(f"prefill_chunk_size: {self.prefill_chunk_size} is not a multiple "
-                             f"of {self.prefill_alignment}, the prefill kernel's query tile: "
-                             f"batch_invariant chunks must end on it")
+        # The backend as resolved (None is Triton on CUDA): a cut-short batch-invariant chunk
+        # ends on the query tile, so a budget below the tile would never schedule one.
+        if self.kernel_mode.is_batch_invariant and self.prefill_alignment > 1:
+            if self.prefill_chunk_size % self.prefill_alignment:
+                raise ValueError(f"prefill_chunk_size: {self.prefill_chunk_size} is not a "
+                                 f"multiple of {self.prefill_alignment}, the prefill kernel's "
+                                 f"query tile: batch_invariant chunks must end on it")
+            if self.max_num_batched_tokens < self.prefill_alignment:
+                raise ValueError(f"max_num_batched_tokens: {self.max_num_batched_tokens} is "
+                                 f"below {self.prefill_alignment}, the prefill kernel's query "
+                                 f"tile: no batch_invariant chunk that a step cuts short fits")
         if self.is_packed_prefill and self.prefill_step_tokens < self.prefill_chunk_size:
             raise ValueError(f"prefill_step_tokens: {self.prefill_step_tokens} cannot hold one "
                              f"chunk of prefill_chunk_size {self.prefill_chunk_size}")

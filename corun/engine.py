@@ -22,7 +22,13 @@ import torch
 from corun.config import EngineConfig
 from corun.grammar import GrammarCompiler
 from corun.model_runner import ModelRunner, StepResult
-from corun.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from corun.outputs import (
+    REPLACEMENT_CHAR,
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    settled_text,
+)
 from corun.sampling_params import SamplingParams
 from corun.scheduler import Scheduler, SchedulerOutput
 from corun.sequence import Sequence, SequenceStatus
@@ -304,7 +310,7 @@ class LLMEngine:
             seq.fingerprint.update(token, (d1, d2))
             if params.needs_logprobs:
                 seq.logprobs.append(logprob_list[i][0])
-                if params.logprobs:
+                if params.logprobs is not None:  # logprobs=0: an empty dict a step, as vLLM
                     top = params.logprobs
                     seq.top_logprobs.append(dict(zip(id_list[i][1:1 + top],
                                                      logprob_list[i][1:1 + top], strict=True)))
@@ -318,33 +324,45 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence) -> bool:
         """Set the finish reason if ``seq`` just ended; the order follows vLLM's."""
         token, params = seq.token_ids[-1], seq.params
+        # Every step, so the window of new text moves on during min_tokens too.
+        stop_match = (self._match_stop_string(seq)
+                      if params.stop_strings and self.tokenizer is not None else None)
         if seq.num_output_tokens < params.min_tokens:  # vLLM: no stop before min_tokens
             if seq.num_tokens >= self.config.max_model_len:
                 seq.finish_reason = "length"
             return seq.finish_reason is not None
         if token in params.stop_token_set:
             seq.finish_reason, seq.stop_reason = "stop", token
+            self._cut_stop_token_text(seq)
         elif not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
-        elif params.stop_strings and self.tokenizer is not None and self._match_stop_string(seq):
-            seq.finish_reason = "stop"
+            self._cut_stop_token_text(seq)
+        elif stop_match is not None:
+            pos, stop = stop_match
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            seq.stop_text_len = pos + len(stop) if params.include_stop_str_in_output else pos
         elif (seq.num_output_tokens >= params.max_tokens
               or seq.num_tokens >= self.config.max_model_len):
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
-    def _match_stop_string(self, seq: Sequence) -> bool:
+    def _match_stop_string(self, seq: Sequence) -> tuple[int, str] | None:
+        """The earliest stop string that ends in the text the newest token added (its position
+        and the string), as vLLM's check: a match must end past the text of the previous step,
+        and past the text of the first ``min_tokens`` tokens."""
         text = self._decode(seq.output_token_ids, seq.params)
-        # Only the tail can hold a new match: the last token's text plus the longest stop string.
-        tail_from = max(0, len(text) - max(map(len, seq.params.stop_strings)) - 16)
-        hits = [(text.find(s, tail_from), s) for s in seq.params.stop_strings]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
-        if not hits:
-            return False
-        pos, stop = min(hits)
-        seq.stop_reason = stop
-        seq.stop_text_len = pos + len(stop) if seq.params.include_stop_str_in_output else pos
-        return True
+        # Characters a later token may still change (an incomplete UTF-8 sequence) are new again.
+        checked, seq.stop_checked_chars = seq.stop_checked_chars, len(text.rstrip(REPLACEMENT_CHAR))
+        if seq.num_output_tokens <= seq.params.min_tokens:
+            return None
+        hits = [(text.find(s, max(0, checked - len(s) + 1)), s) for s in seq.params.stop_strings]
+        return min(((pos, s) for pos, s in hits if pos >= 0), default=None)
+
+    def _cut_stop_token_text(self, seq: Sequence) -> None:
+        """A stop id or EOS ends the output without its own text unless
+        ``include_stop_str_in_output`` (vLLM; the token id stays in the output)."""
+        if self.tokenizer is not None and not seq.params.include_stop_str_in_output:
+            seq.stop_text_len = len(self._decode(seq.output_token_ids[:-1], seq.params))
 
     def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
@@ -366,15 +384,18 @@ class LLMEngine:
         for index, seq in enumerate(self._reported_seqs(request)):
             tokens = seq.output_token_ids
             text = delta_text = None
+            finished = seq.status is SequenceStatus.FINISHED
             if self.tokenizer is not None:
                 text = self._decode(tokens, seq.params)
                 if seq.stop_text_len is not None:
                     text = text[: seq.stop_text_len]
+                if not finished:
+                    text = settled_text(text, seq.params.stop_strings,
+                                        seq.params.include_stop_str_in_output)
                 delta_text = text[seq.num_reported_chars:]
-                seq.num_reported_chars = len(text)
+                seq.num_reported_chars = max(seq.num_reported_chars, len(text))
             delta = tokens[seq.num_reported_tokens:]
             seq.num_reported_tokens = len(tokens)
-            finished = seq.status is SequenceStatus.FINISHED
             # The live lists, not copies: an unfinished output's token_ids / logprobs keep growing
             # with later steps (a consumer that keeps them copies; a finished one is final).
             completions.append(CompletionOutput(

@@ -10,13 +10,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+REPLACEMENT_CHAR = "\ufffd"  # a decoder's stand-in for an incomplete UTF-8 sequence
+
+
+def settled_text(text: str, stop_strings: tuple[str, ...], include_stop_str: bool) -> str:
+    """The part of an unfinished output's text no later token can take back (vLLM's hold-back):
+    without its last ``max(len(stop)) - 1`` characters while stop strings are set and cut away
+    (they may begin a stop string), and without trailing U+FFFD (the first bytes of a character
+    the next token completes)."""
+    end = len(text)
+    if stop_strings and not include_stop_str:
+        end -= max(map(len, stop_strings)) - 1
+    return text[:max(end, 0)].rstrip(REPLACEMENT_CHAR)
+
 
 @dataclass
 class CompletionOutput:
     index: int  # sample index, 0..n-1
     token_ids: list[int]
     delta_token_ids: list[int]
-    text: str | None = None  # when the engine has a tokenizer
+    # When the engine has a tokenizer: the text so far (cut at a stop once finished; while
+    # unfinished, only its ``settled_text``), and what it added since the previous output.
+    text: str | None = None
     delta_text: str | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string, if any

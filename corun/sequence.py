@@ -62,6 +62,8 @@ class Sequence:
     num_reported_chars: int = 0  # output text already handed out as deltas
     num_preemptions: int = 0
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    # Output text the stop strings were matched against (a new match must end past it).
+    stop_checked_chars: int = 0
     # The generated tokens, appended in step with token_ids: outputs hand this list out without
     # copying it every step (a finished sequence's list no longer changes).
     output_ids: list[int] = field(default_factory=list)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -96,19 +98,36 @@ class Tokenizer:
                 isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages: expected a list of {'role': ..., 'content': ...} dicts")
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(message: str) -> None:
-                raise ValueError(f"messages: {message}")
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            env.filters.setdefault("tojson", lambda v, **kw: json.dumps(v, ensure_ascii=False))
-            self._template = env.from_string(self.chat_template)
+            self._template = _compile_chat_template(self.chat_template)
         text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                      **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _compile_chat_template(source: str) -> Any:
+    """A chat template compiled in the environment transformers renders it in (sandboxed; loop
+    controls; its ``tojson``, which neither escapes HTML nor sorts keys, unlike Jinja's own;
+    ``strftime_now``; ``raise_exception``), so a prompt renders to the same text as with HF."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"messages: {message}")
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env.from_string(source)
 
 
 def tokenizer_for_model(model: str) -> tuple[Tokenizer, bool]:

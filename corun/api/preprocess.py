@@ -93,7 +93,8 @@ def render_chat(
     the template's own markup whenever the content also occurs there (``"im"``, ``">"``, ``"\\n"``
     in ``<|im_end|>\\n``).
     """
-    conversation = [{"role": m.role, "content": m.text} for m in messages]
+    conversation = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
+                    for m in messages]
     marker = None
     if continue_final:
         marker = _continue_marker(conversation)
@@ -203,7 +204,10 @@ def completion_submissions(
         params = sampling_params(state, body, ids, body.max_tokens, body.logprobs, "prompt",
                                  completion_prompt_logprobs(body))
         subs.append(Submission(random_id("req"), index, ids, params))
-    echo = [state.tokenizer.decode(s.prompt_ids) if body.echo else "" for s in subs]
+    # vLLM: a text prompt is echoed as sent, a token prompt decoded with its special tokens.
+    echo = [("" if not body.echo else prompt if isinstance(prompt, str)
+             else state.tokenizer.decode(sub.prompt_ids, skip_special_tokens=False))
+            for prompt, sub in zip(body.prompts, subs, strict=True)]
     return subs, echo
 
 

@@ -288,6 +288,14 @@ class _SamplingFields(_Request):
         """The request's structured output, if any (``SamplingParams.structured``)."""
         return self._structured
 
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, options: StreamOptions | None,
+                              info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream=true (vLLM's rule)")
+        return options
+
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -409,8 +417,8 @@ class ChatMessage(unsupported.refusing(unsupported.MESSAGE, _Request, "_MessageF
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # vLLM joins text parts with newlines
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 

@@ -66,6 +66,8 @@ class CompletionChoice(BaseModel):
     seed: int | None = None
     fingerprint: str | None = None
     token_ids: list[int] | None = None
+    # vLLM's return_token_ids: the prompt's ids (a stream's first chunk of the choice only).
+    prompt_token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
 
@@ -107,6 +109,7 @@ class ChatChoice(BaseModel):
     seed: int | None = None
     fingerprint: str | None = None
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
 
@@ -134,6 +137,9 @@ class ChatStreamChoice(BaseModel):
     seed: int | None = None
     fingerprint: str | None = None
     token_ids: list[int] | None = None
+    # On the choice's first chunk (its role), as the completions stream sends them.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -124,6 +124,12 @@ class _Builder:
             })
         return out
 
+    def _prompt_token_ids(self, choice: ChoiceState, first: bool) -> list[int] | None:
+        """vLLM's ``prompt_token_ids`` of a choice with ``return_token_ids``, once."""
+        if not first or not self.body.return_token_ids:
+            return None
+        return list(self.subs_by_prompt[choice.index // self.n].prompt_ids)
+
     def _is_first(self, choice: ChoiceState) -> bool:
         first = choice.index not in self._first_chunk_sent
         self._first_chunk_sent.add(choice.index)
@@ -222,6 +228,7 @@ class CompletionBuilder(_Builder):
             seed=choice.seed if (first or choice.finished) else None,
             fingerprint=choice.fingerprint,
             token_ids=ids if self.body.return_token_ids else None,
+            prompt_token_ids=self._prompt_token_ids(choice, first),
             prompt_logprobs=self._prompt_logprobs(choice, first),
         )
 
@@ -268,6 +275,8 @@ class ChatBuilder(_Builder):
                     index=choice.index,
                     seed=choice.seed,
                     delta=DeltaMessage(role="assistant", content=""),
+                    prompt_token_ids=self._prompt_token_ids(choice, True),
+                    prompt_logprobs=self._prompt_logprobs(choice, True),
                 )
                 out.append(self._chunk([role]))
             text, ids, lps = choice.take_delta()
@@ -303,6 +312,7 @@ class ChatBuilder(_Builder):
                     seed=choice.seed,
                     fingerprint=choice.fingerprint,
                     token_ids=ids if self.body.return_token_ids else None,
+                    prompt_token_ids=self._prompt_token_ids(choice, True),
                     prompt_logprobs=self._prompt_logprobs(choice, True),
                 )
             )

@@ -327,7 +327,8 @@ def _detokenize(state: ServerState, raw: bytes) -> DetokenizeResponse:
     bad = [t for t in body.tokens if not 0 <= t < state.vocab_size]
     if bad:
         raise APIError(400, f"tokens: {bad[0]} is outside [0, {state.vocab_size})", "tokens")
-    return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens,
+                                                            skip_special_tokens=False))
 
 
 def _prepare_completion(

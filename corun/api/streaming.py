@@ -1,14 +1,17 @@
 """Per-choice bookkeeping of a generation: incremental text, logprobs, timings; SSE framing.
 
 Text is always derived from the token ids with the model's tokenizer, so a streamed response's
-deltas concatenate to exactly the text a non-streamed response returns:
+deltas concatenate to exactly the text a non-streamed response returns. The engine's outputs
+carry that text, cut at a stop once finished and held back while unfinished
+(``corun.outputs.settled_text``):
 
-- a delta is held back while the decoded text ends in U+FFFD (the last token may be the first
-  bytes of a multi-byte character, which the next token completes);
-- while stop strings are set, the last ``max(len(stop)) - 1`` characters are held back too (they
-  may be the start of a stop string, which must not reach the client);
-- when the engine reports a stop string as the ``stop_reason``, the text is cut before its first
-  occurrence in the generated text.
+- while the decoded text ends in U+FFFD (the last token may be the first bytes of a multi-byte
+  character, which the next token completes);
+- while stop strings are set and cut away, its last ``max(len(stop)) - 1`` characters (they
+  may be the start of a stop string, which must not reach the client).
+
+Outputs without text are decoded here the same way, and cut before the stop string that
+ended them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-REPLACEMENT_CHAR = "\ufffd"
+from corun.outputs import settled_text
 
 
 def sse(payload: BaseModel | dict | str) -> str:
@@ -49,7 +52,7 @@ class ChoiceState:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     # The request's prompt logprobs (echo with logprobs): None first, then {token id: logprob}.
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    text: str = ""  # the full text so far (cut at a stop string once finished)
+    text: str = ""  # the text so far: cut at a stop once finished, settled while unfinished
     sent_text_len: int = 0  # characters already handed out as deltas
     sent_token_len: int = 0  # token ids already handed out
     sent_logprob_len: int = 0
@@ -92,12 +95,16 @@ class ChoiceState:
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason
             self.fingerprint = output.fingerprint
-        if output.text is not None:  # the engine's own detokenization, already cut at a stop
+        if output.text is not None:  # the engine's own detokenization, cut and settled
             self.text = output.text
             return gaps
         self.text = self.decode(self.token_ids)
-        if self.finished and isinstance(self.stop_reason, str) and not self.include_stop_str:
-            cut = self.text.find(self.stop_reason)
+        if not self.finished:
+            self.text = settled_text(self.text, self.stop_strings, self.include_stop_str)
+        elif isinstance(self.stop_reason, str) and not self.include_stop_str:
+            # The stop string ends in text not sent yet, and the held-back text was long enough
+            # to hold its start: it begins at or after what was sent.
+            cut = self.text.find(self.stop_reason, self.sent_text_len)
             if cut >= 0:
                 self.text = self.text[:cut]
         return gaps
@@ -105,13 +112,7 @@ class ChoiceState:
     def take_delta(self) -> tuple[str, list[int], list[tuple[float, dict[int, float]]]]:
         """Text, token ids and logprobs not handed out yet (text held back as described above):
         per token its logprob and the {id: logprob} of the most likely tokens."""
-        end = len(self.text)
-        if not self.finished:
-            if self.stop_strings:
-                end -= max(len(s) for s in self.stop_strings) - 1
-            while end > self.sent_text_len and self.text[end - 1] == REPLACEMENT_CHAR:
-                end -= 1
-        end = max(end, self.sent_text_len)
+        end = max(len(self.text), self.sent_text_len)
         text = self.text[self.sent_text_len : end]
         self.sent_text_len = end
         ids = self.token_ids[self.sent_token_len :]

@@ -30,8 +30,13 @@ SAMPLING: dict[str, tuple] = {
     "guided_decoding_backend": ("outlines",),
     "guided_whitespace_pattern": (),
     "structured_outputs": (),
+    "cache_salt": (),
+    "request_id": (),
+    "vllm_xargs": (),
+    "kv_transfer_params": (),
+    "stream_interval": (1,),
 }
-COMPLETIONS: dict[str, tuple] = {**SAMPLING, "suffix": ("",)}
+COMPLETIONS: dict[str, tuple] = {**SAMPLING, "suffix": ("",), "prompt_embeds": ()}
 CHAT: dict[str, tuple] = {
     **SAMPLING,
     "tools": ([],),
@@ -60,6 +65,8 @@ REASONS: dict[str, str] = {
     "functions": "tool calling is not implemented",
     "function_call": "tool calling is not implemented",
     "use_beam_search": "beam search is not implemented (sample with n or best_of)",
+    "cache_salt": "the prefix cache is shared by every request (a hit gives a miss's bits)",
+    "request_id": "the server names each request itself (the response's id)",
 }
 # Fields of one chat message.
 MESSAGE: dict[str, tuple] = {"tool_calls": ([],), "function_call": (), "audio": ()}

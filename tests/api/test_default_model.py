@@ -91,3 +91,29 @@ def test_long_texts_encode_to_the_same_ids(tokenizer: Tokenizer):
 
     text = ("Héllo <|im_start|> wörld 😀 " * RELEASE_GIL_CHARS)[:RELEASE_GIL_CHARS]
     assert tokenizer.encode(text) == tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+# Uses what transformers' template environment adds to Jinja's: its tojson (no HTML escaping, no
+# key sorting, indent), loop controls and strftime_now.
+HF_ONLY_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'stop' %}{% break %}{% endif %}"
+    "{% if m['role'] == 'skip' %}{% continue %}{% endif %}"
+    "{{ m['role'] }}:{{ m['content'] | tojson }}|{{ m | tojson(indent=1) }}\n{% endfor %}"
+    "{{ strftime_now('%Y') | length }}"
+)
+
+
+def test_chat_template_renders_as_transformers_renders_it(tokenizer: Tokenizer):
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    messages = [{"role": "user", "content": "a<b> & 'c' \u00e9", "z": 1, "a": 2},
+                {"role": "skip", "content": "x"}, {"role": "stop", "content": "y"},
+                {"role": "user", "content": "never"}]
+    ours = Tokenizer(tokenizer.tokenizer, chat_template=HF_ONLY_TEMPLATE)
+    text = ours.apply_chat_template(messages, tokenize=False)
+    hf = _compile_jinja_template(HF_ONLY_TEMPLATE).render(messages=messages,
+                                                          add_generation_prompt=True,
+                                                          bos_token="", eos_token="")
+    assert text == hf
+    assert '"a<b> & \'c\' \u00e9"' in text and '"z": 1,\n "a": 2' in text
+    assert "never" not in text and "skip" not in text

@@ -143,8 +143,12 @@ def test_explicit_null_is_unset(client: httpx.Client):
     assert response.json()["choices"][0]["fingerprint"] == plain_chat["fingerprint"]
     # Nulls inside a message and in stream_options too.
     inner = {"messages": [{"role": "user", "content": "hi", "name": None}],
-             "max_completion_tokens": 2, "stream_options": {"include_usage": None}}
+             "max_completion_tokens": 2, "stream": True,
+             "stream_options": {"include_usage": None}}
     assert client.post(CHAT, json=inner).status_code == 200
+    # stream_options without a stream: vLLM's 400, not options silently dropped.
+    inner.pop("stream")
+    assert "stream=true" in _assert_400(client.post(CHAT, json=inner), "stream_options")
 
 
 def test_openai_client_sending_none(server: Server):
@@ -172,6 +176,9 @@ UNSUPPORTED_VALUES = [
     (CHAT, "tool_choice", "auto"),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (COMPLETIONS, "suffix", "tail"),
+    (COMPLETIONS, "cache_salt", "tenant-a"),
+    (CHAT, "request_id", "my-request-1"),
+    (COMPLETIONS, "stream_interval", 4),
 ]
 
 

@@ -49,3 +49,17 @@ def test_engine_config_derived_values():
     dynamic = EngineConfig(mode="default", device="cpu", max_num_seqs=8)
     assert dynamic.decode_buckets == [1, 2, 4, 8] and dynamic.max_running_seqs == 8
     assert str(EngineConfig(dtype="bf16").torch_dtype) == "torch.bfloat16"
+
+
+@pytest.mark.parametrize("backend", ["triton", None], ids=["triton", "default-on-cuda"])
+@pytest.mark.parametrize("field, value", [("prefill_chunk_size", 64),
+                                          ("max_num_batched_tokens", 64)])
+def test_batch_invariant_chunks_need_the_query_tile(backend, field, value):
+    """A batch-invariant chunk cut short ends on the prefill kernel's query tile (128 rows in
+    bf16): a chunk size off it, or a budget below it, would leave a long prompt unscheduled.
+    The backend the config resolves to decides, so the default on CUDA (Triton) is checked."""
+    config = {"mode": "batch_invariant", "device": "cuda", "dtype": "bfloat16", "backend": backend,
+              "max_model_len": 1024, "max_num_seqs": 8, "prefill_chunk_size": 256, field: value}
+    with pytest.raises(ValueError, match=f"^{field}: .*query tile"):
+        EngineConfig(**config)
+    assert EngineConfig(**{**config, "backend": "torch"}).prefill_alignment == 1

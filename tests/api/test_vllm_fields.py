@@ -1,0 +1,126 @@
+"""Fields and formats as vLLM's server gives them (the conventions its users rely on): echo of a
+prompt with special tokens, /detokenize, chat message parts and names, ``return_token_ids``'s
+prompt ids, prompt logprobs in a chat stream, and a stream's text equal to the non-streamed text
+under stop strings with ``min_tokens``."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from corun.api import preprocess
+from corun.api.protocol import ChatCompletionRequest
+from corun.default_model import ASSETS_DIR
+from corun.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(120)
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+IM_START = "<|im_start|>"  # the default model's special token 257
+
+
+def _post(client: httpx.Client, path: str, body: dict) -> dict:
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _stream(client: httpx.Client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        data = [line[len("data: "):] for line in response.iter_lines() if line]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_echo_returns_the_prompt_as_sent_and_offsets_index_it(client: httpx.Client):
+    prompt = f"{IM_START}Hi"
+    choice = _post(client, COMPLETIONS, {"prompt": prompt, "max_tokens": 0, "echo": True,
+                                         "logprobs": 0})["choices"][0]
+    assert choice["text"] == prompt
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [IM_START, "H", "i"]
+    assert [prompt[o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"],
+                                                 strict=True)] == lp["tokens"]
+    # A token prompt is decoded with its special tokens.
+    ids = _post(client, "/tokenize", {"prompt": prompt})["tokens"]
+    choice = _post(client, COMPLETIONS, {"prompt": ids, "max_tokens": 0, "echo": True})
+    assert choice["choices"][0]["text"] == prompt
+
+
+def test_detokenize_keeps_special_tokens(client: httpx.Client):
+    ids = _post(client, "/tokenize", {"prompt": f"{IM_START}Hi"})["tokens"]
+    assert _post(client, "/detokenize", {"tokens": ids})["prompt"] == f"{IM_START}Hi"
+
+
+def test_return_token_ids_gives_the_prompt_ids_once(client: httpx.Client):
+    prompt_ids = _post(client, "/tokenize", {"prompt": "Hello"})["tokens"]
+    body = {"prompt": "Hello", "max_tokens": 3, "seed": 1, "return_token_ids": True}
+    choice = _post(client, COMPLETIONS, body)["choices"][0]
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 3
+    chunks = _stream(client, COMPLETIONS, body)
+    given = [c["choices"][0]["prompt_token_ids"] for c in chunks if c["choices"]]
+    assert given[0] == prompt_ids and all(g is None for g in given[1:])
+    chat_ids = _post(client, "/tokenize", {"messages": MESSAGES})["tokens"]
+    chat = {"messages": MESSAGES, "max_tokens": 2, "seed": 1, "return_token_ids": True}
+    assert _post(client, CHAT, chat)["choices"][0]["prompt_token_ids"] == chat_ids
+    given = [c["choices"][0]["prompt_token_ids"] for c in _stream(client, CHAT, chat)
+             if c["choices"]]
+    assert given[0] == chat_ids and all(g is None for g in given[1:])
+    # Without the flag, no ids.
+    plain = _post(client, COMPLETIONS, {"prompt": "Hello", "max_tokens": 1})["choices"][0]
+    assert plain.get("prompt_token_ids") is None
+
+
+def test_chat_stream_carries_the_prompt_logprobs(client: httpx.Client):
+    body = {"messages": MESSAGES, "max_tokens": 2, "seed": 3, "prompt_logprobs": 1}
+    whole = _post(client, CHAT, body)["choices"][0]["prompt_logprobs"]
+    assert whole[0] is None and len(whole) > 1
+    streamed = [c["choices"][0].get("prompt_logprobs") for c in _stream(client, CHAT, body)
+                if c["choices"]]
+    assert streamed[0] == whole and all(s is None for s in streamed[1:])
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_stream_text_equals_the_response_text_with_stop_strings(client: httpx.Client, path: str):
+    """Stop strings that occur in the text of the first min_tokens tokens: the stream's deltas
+    and the response's text agree (a match must end in text past those tokens)."""
+    base = {"prompt": "Hello"} if path == COMPLETIONS else {"messages": MESSAGES}
+    free = _post(client, path, {**base, "max_tokens": 12, "temperature": 0})["choices"][0]
+    text = free["text"] if path == COMPLETIONS else free["message"]["content"]
+    assert len(text) >= 6, text
+    stops = [text[1:3], text[4:6]]  # both inside the first tokens' text (byte-level model)
+    body = {**base, "max_tokens": 12, "temperature": 0, "stop": stops, "min_tokens": 5}
+    whole = _post(client, path, body)["choices"][0]
+    whole_text = whole["text"] if path == COMPLETIONS else whole["message"]["content"]
+    chunks = _stream(client, path, body)
+    deltas = [c["choices"][0]["text"] if path == COMPLETIONS
+              else c["choices"][0]["delta"].get("content") or ""
+              for c in chunks if c["choices"]]
+    assert "".join(deltas) == whole_text
+    assert text.startswith(whole_text) and len(whole_text) >= 4  # nothing cut inside the first 5
+
+
+def test_stream_options_need_a_stream(client: httpx.Client):
+    response = client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1,
+                                              "stream_options": {"include_usage": True}})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "stream_options"
+
+
+def test_chat_parts_join_with_newlines_and_names_reach_the_template():
+    template = ("{% for m in messages %}[{{ m['role'] }}|{{ m.get('name', '') }}|"
+                "{{ m['content'] }}]{% endfor %}")
+    base = Tokenizer.from_dir(ASSETS_DIR)
+    state = SimpleNamespace(tokenizer=Tokenizer(base.tokenizer, chat_template=template))
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "name": "alice",
+         "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]},
+        {"role": "assistant", "content": "C"}]})
+    text = preprocess.render_chat(state, body.messages, False, False, None)
+    assert text == "[user|alice|A\nB][assistant||C]"
