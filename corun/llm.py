@@ -19,7 +19,7 @@ from pathlib import Path
 from corun.config import EngineConfig
 from corun.engine import LLMEngine
 from corun.outputs import RequestOutput
-from corun.sampling_params import SamplingParams
+from corun.sampling_params import SamplingParams, generation_config_defaults
 from corun.tokenizer import Tokenizer, tokenizer_for_model
 
 PromptType = str | list[int] | dict
@@ -36,15 +36,24 @@ class LLM:
 
     def __init__(self, model: str = "tiny-qwen3", mode: str = "corun",
                  tokenizer: str | Tokenizer | None = None, skip_tokenizer_init: bool = False,
-                 **config) -> None:
+                 generation_config: str = "auto", **config) -> None:
         """``tokenizer``: a directory or a Tokenizer; None = the server's for ``model``
         (``corun.tokenizer.tokenizer_for_model``: the checkpoint's, or the byte-level one of a
         named config), so the same request gives the same bits offline and served.
         ``skip_tokenizer_init``: no tokenizer at all (token-id prompts, no text, no EOS from a
-        tokenizer), as vLLM's flag."""
+        tokenizer), as vLLM's flag. ``generation_config``: where ``generate`` without params
+        gets its defaults (``get_default_sampling_params``), as vLLM's argument: "auto" = the
+        checkpoint's generation_config.json, "vllm" = none, or a folder holding one."""
         self.engine: LLMEngine | None = None  # set last: __del__ may run on a failed __init__
         self._closed = False
         self.config = EngineConfig(model=model, mode=mode, **config)
+        if generation_config not in ("auto", "vllm") and not Path(generation_config).is_dir():
+            raise ValueError(f"generation_config: expected 'auto', 'vllm' or a folder, got "
+                             f"{generation_config!r}")
+        folder = model if generation_config == "auto" else generation_config
+        self.default_sampling: dict = (generation_config_defaults(folder) if
+                                       generation_config != "vllm" and Path(folder).is_dir()
+                                       else {})
         if isinstance(tokenizer, (str, Path)):
             tokenizer = Tokenizer.from_dir(tokenizer)
         if skip_tokenizer_init:
@@ -53,6 +62,10 @@ class LLM:
             tokenizer = tokenizer_for_model(model)[0]
         self.tokenizer = tokenizer
         self.engine = LLMEngine(self.config, self.tokenizer)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json values (vLLM's)."""
+        return SamplingParams(**self.default_sampling)
 
     @property
     def system_fingerprint(self) -> str:
@@ -107,7 +120,7 @@ class LLM:
         if not prompts:
             raise ValueError("prompts: expected at least one prompt")
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params_list = [params] * len(prompts)
         else:

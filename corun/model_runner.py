@@ -76,6 +76,18 @@ class StepResult:
 
 
 
+def check_model_len(config: EngineConfig, model_config) -> None:
+    """Before building anything: no sequence may outrun the positions the model serves (its
+    RoPE table ends there; vLLM refuses such a max_model_len too). ``model_config`` None: an
+    unreadable checkpoint config, which building the model reports."""
+    longest = None if model_config is None else model_config.max_sequence_length
+    if longest is not None and config.max_model_len > longest:
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} exceeds the {longest} positions the model "
+            f"serves (max_position_embeddings, or YaRN's original_max_position_embeddings x "
+            f"factor)")
+
+
 def profile_context_lens(num_tokens: int, max_model_len: int, num_rows: int) -> tuple[int, ...]:
     """Context lengths of the memory profile's prefill step: ``num_tokens`` cut into sequences
     of at most ``max_model_len`` (no sequence is longer, and its block table has no more
@@ -106,10 +118,12 @@ class ModelRunner:
         # Weights this runner builds are its own to free (``destroy``); given ones are not.
         self._owns_model = model is None
         if model is None:
+            check_model_len(config, memory_plan.model_config_of(config.model))
             self._check_memory()
             model = build_model(config.model, dtype=self.dtype, device=self.device,
                                 seed=config.seed, parallel=parallel)
         self.model, self.model_config = model
+        check_model_len(config, self.model_config)
         self.ops = OpsConfig(mode=config.kernel_mode, backend=config.resolved_backend,
                              decode_split_size=config.decode_split_size,
                              decode_fused_combine=config.decode_fused_combine)

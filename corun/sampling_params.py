@@ -12,7 +12,10 @@ samples the same tokens whatever runs beside it. Without a seed the engine draws
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from corun.structured_output import StructuredOutput
 
@@ -101,14 +104,20 @@ class SamplingParams:
             raise ValueError(f"seed: expected an int in [0, 2**64) or None, got {self.seed!r}")
         stop = self.stop
         if stop is not None:
-            items = [stop] if isinstance(stop, str) else list(stop)
-            if not all(isinstance(s, str) and s for s in items):
-                raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
+            items = [stop] if isinstance(stop, str) else stop
+            if not isinstance(items, (list, tuple)) or not all(
+                    isinstance(s, str) and s for s in items):
+                raise ValueError(f"stop: expected a non-empty string or a list of them, "
+                                 f"got {stop!r}")
         if self.stop_token_ids is not None:
-            if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                    _is_int(t) and t >= 0 for t in self.stop_token_ids):
                 raise ValueError(
                     f"stop_token_ids: expected non-negative ints, got {self.stop_token_ids!r}"
                 )
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs: expected None or an int >= 0, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
@@ -186,3 +195,29 @@ class SamplingParams:
     def effective_top_k(self) -> int:
         """The sampler's convention: <= 0 disables top-k."""
         return 0 if self.top_k in (0, -1) else self.top_k
+
+
+# generation_config.json keys vLLM applies as a request's defaults, and the field each sets.
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                            "max_new_tokens": "max_tokens"}
+
+
+def generation_config_defaults(folder: str | Path) -> dict[str, Any]:
+    """The sampling defaults a model's ``generation_config.json`` sets (vLLM's
+    ``--generation-config auto``): ``GENERATION_CONFIG_FIELDS`` by their SamplingParams name;
+    {} without the file. ValueError naming the key for a value SamplingParams refuses."""
+    path = Path(folder, "generation_config.json")
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"generation_config: {path} is not readable JSON ({exc})") from None
+    defaults = {field: data[key] for key, field in GENERATION_CONFIG_FIELDS.items()
+                if data.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"generation_config: {path}: {exc}") from None
+    return defaults

@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(reduction order pinned), deterministic; 'default' = dynamic batching, fastest "
         "kernels, not deterministic (default: corun)",
     )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="where a request's sampling defaults come from: 'auto' = the checkpoint's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens, for fields a request leaves out, as vLLM applies them), 'vllm' = none "
+        "(OpenAI's defaults), or a folder holding a generation_config.json (default: auto)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument(
@@ -323,6 +331,24 @@ class _ShutDownOnEngineFailure:
             self.server.should_exit = True  # uvicorn polls it; no signal to re-raise
 
 
+def generation_defaults(args: argparse.Namespace) -> dict:
+    """The sampling defaults ``--generation-config`` names (SystemExit for a bad file)."""
+    from corun.sampling_params import generation_config_defaults
+
+    source = args.generation_config
+    if source == "vllm":
+        return {}
+    folder = args.model if source == "auto" else source
+    if source != "auto" and not Path(source).is_dir():
+        raise SystemExit(f"--generation-config: {source} is not 'auto', 'vllm' or a folder")
+    if folder is None or not Path(folder).is_dir():
+        return {}  # a named config or the embedded model: no generation_config.json
+    try:
+        return generation_config_defaults(folder)
+    except ValueError as exc:
+        raise SystemExit(f"--generation-config: {exc}") from None
+
+
 def build_app(args: argparse.Namespace, on_engine_failure=None):
     """The engine (built and warmed up here, before the port opens) and the FastAPI app;
     ``on_engine_failure(exc)`` runs if the engine dies."""
@@ -336,6 +362,7 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
     except ValueError as exc:
         raise SystemExit(f"invalid configuration: {exc}") from None
     tokenizer = load_tokenizer(args.model)
+    default_sampling = generation_defaults(args)  # a bad file fails before the engine is built
     if not Path(config.model).is_dir():
         logger.warning(
             "serving %s with RANDOM WEIGHTS (seed %d): its output is deterministic noise, not "
@@ -372,6 +399,9 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
         if config.enable_prefix_caching else "off",
     )
     name = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
+    if default_sampling:
+        logger.info("sampling defaults from the generation config, for fields a request leaves "
+                    "out (--generation-config vllm turns them off): %s", default_sampling)
     return create_app(
         engine,
         tokenizer,
@@ -382,6 +412,7 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
         max_queue_len=args.max_queue_len,
         max_request_body_bytes=args.max_request_body_bytes,
         on_engine_failure=on_engine_failure,
+        default_sampling=default_sampling,
     )
 
 

@@ -55,8 +55,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from corun import memory_plan
 from corun.config import EngineConfig
-from corun.model_runner import ModelRunner, StepResult
+from corun.model_runner import ModelRunner, StepResult, check_model_len
 from corun.step import StepPart, StepShape
 from corun.step_inputs import StepBuffers, StepHost
 from models.parallel import ParallelContext, WorkerError, find_free_port
@@ -279,6 +280,7 @@ class TPModelRunner(ModelRunner):
         if not config.is_parallel:
             raise ValueError(f"tensor_parallel_size: TPModelRunner needs > 1, got "
                              f"{config.tensor_parallel_size}")
+        check_model_len(config, memory_plan.model_config_of(config.model))  # before any worker
         self._failure: str | None = None
         self.workers = WorkerGroup(config)
         with self._guard():

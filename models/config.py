@@ -125,6 +125,18 @@ class ModelConfig:
     # ------------------------------------------------------------------ derived values
 
     @property
+    def max_sequence_length(self) -> int:
+        """The longest sequence the position encoding serves: ``max_position_embeddings``, or
+        under YaRN ``original_max_position_embeddings x factor`` when that is longer (vLLM's
+        rule: Qwen3's opt-in YaRN keeps 40960 in the config for 4 x 32768 positions)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "yarn" and "factor" in scaling:
+            original = scaling.get("original_max_position_embeddings",
+                                   self.max_position_embeddings)
+            return max(self.max_position_embeddings, int(original * scaling["factor"]))
+        return self.max_position_embeddings
+
+    @property
     def is_mla(self) -> bool:
         return self.architecture == "DeepseekV3ForCausalLM"
 
@@ -169,7 +181,15 @@ class ModelConfig:
         architectures = config.get("architectures") or []
         if not architectures:
             raise ValueError("architectures: config.json names no architecture")
+        _check_runnable(config)
         is_mla = architectures[0] == "DeepseekV3ForCausalLM"
+        # transformers' config-class defaults for keys a config.json leaves out.
+        missing = _HF_DEFAULTS.get(architectures[0], {})
+
+        def get(key: str, fallback: Any) -> Any:
+            value = config.get(key, missing.get(key))
+            return fallback if value is None else value
+
         is_hy3 = architectures[0] == "HYV3ForCausalLM"
         theta, scaling = _read_rope(config, HY3_DEFAULT_ROPE_THETA if is_hy3 else 10000.0)
         eos = config.get("eos_token_id")
@@ -177,7 +197,7 @@ class ModelConfig:
         num_experts = config.get("num_experts") or config.get("n_routed_experts") or config.get(
             "num_local_experts") or 0
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        head_dim = config.get("qk_rope_head_dim") if is_mla else config.get("head_dim")
+        head_dim = config.get("qk_rope_head_dim") if is_mla else get("head_dim", None)
         fields = dict(
             architecture=architectures[0],
             vocab_size=config["vocab_size"],
@@ -198,14 +218,14 @@ class ModelConfig:
             num_experts=num_experts,
             num_experts_per_tok=config.get("num_experts_per_tok", 0) if num_experts else 0,
             moe_intermediate_size=config.get("moe_intermediate_size", 0) if num_experts else 0,
-            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            norm_topk_prob=bool(get("norm_topk_prob", False)),
             decoder_sparse_step=config.get("decoder_sparse_step") or 1,
             mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
-            n_shared_experts=config.get("n_shared_experts") or 0,
-            n_group=config.get("n_group") or 1,
-            topk_group=config.get("topk_group") or 1,
-            routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
-            first_k_dense_replace=config.get("first_k_dense_replace") or 0,
+            n_shared_experts=get("n_shared_experts", 0),
+            n_group=get("n_group", 1),
+            topk_group=get("topk_group", 1),
+            routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+            first_k_dense_replace=get("first_k_dense_replace", 0),
             moe_layer_freq=config.get("moe_layer_freq") or 1,
             q_lora_rank=config.get("q_lora_rank"),
             kv_lora_rank=config.get("kv_lora_rank") or 0,
@@ -217,6 +237,33 @@ class ModelConfig:
         if is_hy3:
             fields.update(_hy3_fields(config))
         return cls(**fields)
+
+
+# What transformers' config classes assume for a key config.json leaves out, where it differs
+# from what an absent key means here (DeepseekV3Config, Qwen3Config; v5.23). Hy3's are applied
+# by _hy3_fields.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen3ForCausalLM": {"head_dim": 128},
+    "DeepseekV3ForCausalLM": {"n_group": 8, "topk_group": 4, "norm_topk_prob": True,
+                              "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+                              "n_shared_experts": 1},
+}
+
+
+def _check_runnable(config: Mapping[str, Any]) -> None:
+    """ValueError, naming the key, for what a config.json may ask and the models do not build
+    (the model would otherwise load and compute something else)."""
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "quantized") if isinstance(
+            quantization, Mapping) else "quantized"
+        raise ValueError(f"quantization_config: {method} checkpoints are not supported (the "
+                         f"models load 16- or 32-bit weights; dequantize the checkpoint first)")
+    if config.get("use_sliding_window"):
+        raise ValueError("use_sliding_window: sliding-window attention is not supported")
+    activation = config.get("hidden_act", "silu")
+    if activation not in ("silu", "swish"):
+        raise ValueError(f"hidden_act: {activation!r} is not supported (the MLPs compute SiLU)")
 
 
 def _hy3_fields(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -341,22 +388,23 @@ _QWEN3_235B = _qwen3_moe(hidden_size=4096, num_hidden_layers=94, num_attention_h
                          num_key_value_heads=4, intermediate_size=12288, moe_intermediate_size=1536)
 
 NAMED_CONFIGS: dict[str, ModelConfig] = {
-    # Tiny shapes for CPU tests (the interpreter is slow; every dim a power of two).
+    # Tiny shapes for CPU tests (the interpreter is slow; every dim a power of two), with room
+    # for EngineConfig's default max_model_len (2048).
     "tiny-qwen3": ModelConfig(
         architecture="Qwen3ForCausalLM", vocab_size=256, hidden_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-        max_position_embeddings=512, rope_theta=10000.0, bos_token_id=0, eos_token_id=(1,)),
+        max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=0, eos_token_id=(1,)),
     "tiny-qwen3-moe": ModelConfig(
         architecture="Qwen3MoeForCausalLM", vocab_size=256, hidden_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-        max_position_embeddings=512, rope_theta=10000.0, bos_token_id=0, eos_token_id=(1,),
+        max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=0, eos_token_id=(1,),
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
         mlp_only_layers=(0,)),
     "tiny-deepseek-v3": ModelConfig(
         architecture="DeepseekV3ForCausalLM", vocab_size=256, hidden_size=64,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-        intermediate_size=128, max_position_embeddings=512, rope_theta=10000.0,
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+        intermediate_size=128, max_position_embeddings=4096, rope_theta=10000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
         bos_token_id=0, eos_token_id=(1,), num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, n_shared_experts=1, n_group=4,
@@ -365,7 +413,7 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
     "tiny-hy3": ModelConfig(
         architecture="HYV3ForCausalLM", vocab_size=256, hidden_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-        max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=0,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=0,
         eos_token_id=(1,), num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=True, n_shared_experts=1, routed_scaling_factor=2.826,
         mlp_layer_types=("dense", "sparse"), enable_moe_fp32_combine=True),

@@ -14,7 +14,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.forward_batch import KVCacheSpec
 from models.layers.decoder import CausalLM, DecoderLayer
-from models.layers.mla import MLAAttention
+from models.layers.mla import MLAAttention, mla_rotary
 from models.layers.mlp import GatedMLP
 from models.layers.moe import GroupedTopKMoE
 from models.parallel import SINGLE, ParallelContext
@@ -26,12 +26,14 @@ class DeepseekV3ForCausalLM(CausalLM):
     supports_prefill_graphs = False  # MLA's prefill expands each context by its host length
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
+        rotary = mla_rotary(config)  # one table, shared by every layer
         layers = []
         for i in range(config.num_hidden_layers):
             is_moe = config.is_moe_layer(i)
             mlp: nn.Module = (GroupedTopKMoE(config, parallel) if is_moe
                               else GatedMLP(config.hidden_size, config.intermediate_size, parallel))
-            layers.append(DecoderLayer(config, MLAAttention(config, i, parallel), mlp, is_moe))
+            attention = MLAAttention(config, i, parallel, rotary)
+            layers.append(DecoderLayer(config, attention, mlp, is_moe))
         super().__init__(config, layers, parallel)
 
     def kv_cache_spec(self) -> KVCacheSpec:

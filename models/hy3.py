@@ -27,7 +27,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.forward_batch import KVCacheSpec
-from models.layers.attention import GQAAttention
+from models.layers.attention import GQAAttention, gqa_rotary
 from models.layers.decoder import CausalLM, DecoderLayer
 from models.layers.mlp import GatedMLP
 from models.layers.moe import GroupedTopKMoE
@@ -49,12 +49,14 @@ class HYV3ForCausalLM(CausalLM):
     checkpoint_renames = HY3_CHECKPOINT_RENAMES
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
+        rotary = gqa_rotary(config)  # one table, shared by every layer
         layers = []
         for i in range(config.num_hidden_layers):
             is_moe = config.is_moe_layer(i)
             mlp: nn.Module = (GroupedTopKMoE(config, parallel) if is_moe
                               else GatedMLP(config.hidden_size, config.intermediate_size, parallel))
-            layers.append(DecoderLayer(config, GQAAttention(config, i, parallel), mlp, is_moe))
+            attention = GQAAttention(config, i, parallel, rotary)
+            layers.append(DecoderLayer(config, attention, mlp, is_moe))
         super().__init__(config, layers, parallel)
 
     def kv_cache_spec(self) -> KVCacheSpec:

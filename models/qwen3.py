@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from models.config import ModelConfig
 from models.forward_batch import KVCacheSpec
-from models.layers.attention import GQAAttention, kv_head_range
+from models.layers.attention import GQAAttention, gqa_rotary, kv_head_range
 from models.layers.decoder import CausalLM, DecoderLayer
 from models.layers.mlp import GatedMLP
 from models.parallel import SINGLE, ParallelContext
@@ -28,8 +28,9 @@ class Qwen3ForCausalLM(CausalLM):
     packed_modules_mapping = QWEN3_PACKED_MODULES
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE) -> None:
+        rotary = gqa_rotary(config)  # one table, shared by every layer
         layers = [
-            DecoderLayer(config, GQAAttention(config, i, parallel),
+            DecoderLayer(config, GQAAttention(config, i, parallel, rotary),
                          GatedMLP(config.hidden_size, config.intermediate_size, parallel),
                          is_moe=False)
             for i in range(config.num_hidden_layers)

@@ -212,7 +212,7 @@ class ServerMetrics:
         self.labels(self.tpot).observe(seconds)
 
     def observe_aborted(self, num_requests: int) -> None:
-        """Engine requests aborted because their client went away (or the stream failed)."""
+        """Sequences aborted because their client went away (or the stream failed)."""
         self.labels(self.requests, finished_reason="abort").inc(num_requests)
 
     def observe_error(self, status: int) -> None:

@@ -135,8 +135,18 @@ def sampling_params(
     field: str,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """SamplingParams for one prompt; ValueErrors become 400s naming the field."""
+    """SamplingParams for one prompt; ValueErrors become 400s naming the field. A field the
+    request leaves out takes the server's default (``ServerState.default_sampling``) if it has
+    one, and a default max_tokens caps every request, as vLLM applies a model's
+    generation_config.json."""
     room = state.max_model_len - len(prompt_ids)
+    defaults = state.default_sampling
+
+    def given_or_default(name: str) -> Any:
+        if name in defaults and name not in body.model_fields_set:
+            return defaults[name]
+        return getattr(body, name)
+
     if room < 1:
         raise APIError(
             400,
@@ -152,14 +162,18 @@ def sampling_params(
             f"This model's maximum context length is {state.max_model_len} tokens. "
             f"However, you requested {len(prompt_ids) + max_tokens} tokens "
             f"({len(prompt_ids)} in the {field}, {max_tokens} in the completion).",
-            "max_tokens",
+            # The field the client set: chat's max_completion_tokens wins over max_tokens.
+            "max_completion_tokens"
+            if getattr(body, "max_completion_tokens", None) is not None else "max_tokens",
         )
+    # vLLM: the generation config's max_new_tokens caps every request, set or not.
+    max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
     try:
         params = SamplingParams(
             n=body.n,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
+            temperature=given_or_default("temperature"),
+            top_p=given_or_default("top_p"),
+            top_k=given_or_default("top_k"),
             max_tokens=max_tokens,
             seed=body.seed,
             stop=body.stop_list or None,
@@ -170,10 +184,10 @@ def sampling_params(
             prompt_logprobs=prompt_logprobs,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
+            repetition_penalty=given_or_default("repetition_penalty"),
             logit_bias=body.logit_bias_ids,
             min_tokens=body.min_tokens,
-            min_p=body.min_p,
+            min_p=given_or_default("min_p"),
             best_of=body.best_of,
             structured=body.structured,
         )

@@ -88,6 +88,11 @@ class _Builder:
                 )
         return changed
 
+    def num_unfinished(self, subs: Any) -> int:
+        """The choices of these submissions that have not finished."""
+        return sum(not self.choices[sub.prompt_index * self.n + sample].finished
+                   for sub in subs for sample in range(self.n))
+
     def usage(self) -> UsageInfo:
         prompt = sum(len(sub.prompt_ids) for sub in self.subs)
         completion = sum(c.num_output_tokens for c in self.choices.values())

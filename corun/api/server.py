@@ -97,6 +97,9 @@ class ServerState:
     validate: Callable[[list[int], SamplingParams], list[int]]
     metrics: ServerMetrics
     api_key: str | None = None
+    # Sampling defaults for fields a request leaves out (the model's generation_config.json,
+    # as vLLM applies it; SamplingParams names).
+    default_sampling: dict[str, Any] = field(default_factory=dict)
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(
             NUM_PREPROCESS_WORKERS, thread_name_prefix="corun-preprocess"
@@ -176,6 +179,7 @@ def create_app(
     max_queue_len: int | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     on_engine_failure: Callable[[BaseException], None] | None = None,
+    default_sampling: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The FastAPI app over ``engine`` (an ``LLMEngine``, owned by the app's engine thread).
 
@@ -183,6 +187,8 @@ def create_app(
     (worker processes of tensor parallelism included). ``model_root``: the model the name stands
     for (``--model``; requests may name either). ``max_queue_len``: waiting sequences at most.
     ``on_engine_failure(exc)`` runs on the engine thread if the engine dies.
+    ``default_sampling``: what a request that leaves a field out samples with
+    (``corun.sampling_params.generation_config_defaults``).
     """
     metrics = ServerMetrics(model_name)
     state = ServerState(
@@ -196,6 +202,7 @@ def create_app(
         validate=engine.validate,
         metrics=metrics,
         api_key=api_key,
+        default_sampling=dict(default_sampling or {}),
     )
 
     @asynccontextmanager
@@ -420,7 +427,8 @@ async def _events(
         for request_id in unfinished:
             state.engine_loop.abort(request_id)
         if unfinished:
-            state.metrics.observe_aborted(len(unfinished))
+            # Sequences, the unit every finish reason counts (an n = 3 request finishes 3).
+            state.metrics.observe_aborted(build.num_unfinished(by_id[r] for r in unfinished))
         state.untrack(queue)
 
 

@@ -68,13 +68,22 @@ class PagedAttention(nn.Module):
         return torch.cat([out, prefill])
 
 
+def gqa_rotary(config: ModelConfig) -> RotaryEmbedding:
+    """The RoPE of a GQA model (NeoX halves over head_dim, every position the model serves):
+    the model builds one and its layers share it, one fp32 table rather than one a layer
+    (80 x 128 MiB for Hy3's 262144 positions)."""
+    return RotaryEmbedding(config.head_dim, config.max_sequence_length, config.rope_theta,
+                           config.rope_scaling, is_neox=True)
+
+
 class GQAAttention(nn.Module):
     """Qwen3 attention: fused q|k|v, per-head RMSNorm of q and k over head_dim before NeoX RoPE,
     grouped-query attention with scale head_dim^-0.5, o_proj from heads*head_dim (which may be
     wider than hidden: 32 x 128 over 2048 for Qwen3-30B-A3B)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int,
-                 parallel: ParallelContext = SINGLE) -> None:
+                 parallel: ParallelContext = SINGLE, rotary: RotaryEmbedding | None = None
+                 ) -> None:
         super().__init__()
         d = self.head_dim = config.head_dim
         q_start, q_stop = parallel.shard(config.num_attention_heads, "num_attention_heads")
@@ -86,11 +95,11 @@ class GQAAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size, [full_q, full_kv, full_kv], parallel, bias=config.attention_bias,
             local_ranges=[(q_start * d, q_stop * d), kv_rows, kv_rows])
-        self.o_proj = RowParallelLinear(full_q, config.hidden_size, parallel)
+        self.o_proj = RowParallelLinear(full_q, config.hidden_size, parallel,
+                                        bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling, is_neox=True)
+        self.rotary_emb = rotary if rotary is not None else gqa_rotary(config)
         self.attn = PagedAttention(layer_idx, self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

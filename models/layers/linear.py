@@ -81,16 +81,23 @@ class ColumnParallelLinear(Linear):
 class RowParallelLinear(Linear):
     """Input dim split across ranks; ``x`` is this rank's [M, in/W] slice (the output of a
     column-parallel layer). Returns the reduced [M, out], or the partial sum with
-    ``reduce_results=False``."""
+    ``reduce_results=False``. A bias (every rank holds all of it) is added once, after the
+    reduction."""
 
     def __init__(self, in_features: int, out_features: int,
-                 parallel: ParallelContext = SINGLE, reduce_results: bool = True) -> None:
+                 parallel: ParallelContext = SINGLE, reduce_results: bool = True,
+                 bias: bool = False) -> None:
+        if bias and not reduce_results:
+            raise ValueError("bias: a row-parallel bias is added after the reduction, so it "
+                             "needs reduce_results")
         self.in_range = parallel.shard(in_features, "in_features")
-        super().__init__(self.in_range[1] - self.in_range[0], out_features)
+        super().__init__(self.in_range[1] - self.in_range[0], out_features, bias)
         self.parallel, self.reduce_results = parallel, reduce_results
         self.full_in_features = in_features
 
-    def shard_layout(self, leaf: str) -> ShardLayout:
+    def shard_layout(self, leaf: str) -> ShardLayout | None:
+        if leaf != "weight":
+            return None  # the bias: replicated
         start, stop = self.in_range
         return ShardLayout((self.out_features, self.full_in_features),
                            (((slice(None), slice(0, stop - start)),
@@ -100,4 +107,5 @@ class RowParallelLinear(Linear):
         partial = ops.linear(x, self.weight, ops_config)
         if not self.reduce_results:
             return partial
-        return self.parallel.all_reduce(partial, ops_config.mode)
+        out = self.parallel.all_reduce(partial, ops_config.mode)
+        return out if self.bias is None else out + self.bias

@@ -41,9 +41,17 @@ from models.parallel import SINGLE, ParallelContext
 LATENT_NORM_EPS = 1e-6
 
 
+def mla_rotary(config: ModelConfig) -> RotaryEmbedding:
+    """The RoPE of an MLA model (qk_rope_head_dim, interleaved pairs unless the config says
+    otherwise, every position the model serves): one per model, shared by its layers."""
+    return RotaryEmbedding(config.qk_rope_head_dim, config.max_sequence_length, config.rope_theta,
+                           config.rope_scaling, is_neox=not config.rope_interleave)
+
+
 class MLAAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int,
-                 parallel: ParallelContext = SINGLE) -> None:
+                 parallel: ParallelContext = SINGLE, rotary: RotaryEmbedding | None = None
+                 ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         head_start, head_stop = parallel.shard(config.num_attention_heads, "num_attention_heads")
@@ -54,20 +62,20 @@ class MLAAttention(nn.Module):
         qk_dim, hidden = config.qk_head_dim, config.hidden_size
         self.has_q_lora = bool(config.q_lora_rank)  # None/0: a plain q_proj
         if self.has_q_lora:
-            self.q_a_proj = Linear(hidden, config.q_lora_rank)
+            self.q_a_proj = Linear(hidden, config.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, [full_heads * qk_dim],
                                                  parallel)
         else:
             self.q_proj = ColumnParallelLinear(hidden, [full_heads * qk_dim], parallel)
-        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim,
+                                         bias=config.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, [full_heads * (self.nope_dim + self.v_dim)], parallel)
-        self.o_proj = RowParallelLinear(full_heads * self.v_dim, hidden, parallel)
-        self.rotary_emb = RotaryEmbedding(self.rope_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling,
-                                          is_neox=not config.rope_interleave)
+        self.o_proj = RowParallelLinear(full_heads * self.v_dim, hidden, parallel,
+                                        bias=config.attention_bias)
+        self.rotary_emb = rotary if rotary is not None else mla_rotary(config)
         self.scale = qk_dim**-0.5 * yarn_softmax_scale_factor(config.rope_scaling)
         self.w_uk_t: torch.Tensor | None = None  # [H, Lkv, nope], set by split_kv_b_proj
 

@@ -124,3 +124,10 @@ def test_chat_parts_join_with_newlines_and_names_reach_the_template():
         {"role": "assistant", "content": "C"}]})
     text = preprocess.render_chat(state, body.messages, False, False, None)
     assert text == "[user|alice|A\nB][assistant||C]"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_an_over_long_chat_names_the_field_the_client_set(client: httpx.Client, field: str):
+    response = client.post(CHAT, json={"messages": MESSAGES, field: 500})  # > max_model_len
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == field

@@ -162,3 +162,33 @@ def test_generate_validates_every_prompt_before_queueing(llm):
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="^params:"):
         llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
+
+
+def test_max_model_len_past_the_model_positions_is_refused_before_building():
+    """The tiny models serve 4096 positions: a longer max_model_len is a ValueError at once (a
+    prompt past the RoPE table crashed a step, and every step after it, before)."""
+    with pytest.raises(ValueError, match="^max_model_len: 8192 exceeds the 4096 positions"):
+        LLM(model="tiny-qwen3", max_model_len=8192, skip_tokenizer_init=True)
+    llm = LLM(model="tiny-qwen3", max_model_len=1024, skip_tokenizer_init=True,
+              prefill_chunk_size=256)
+    out = llm.generate([[3] * 700], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(out[0].token_ids) == 2
+
+
+def test_generate_without_params_takes_the_generation_config(tmp_path):
+    """vLLM's LLM(generation_config=...): generate() without params samples with the model's
+    generation_config.json defaults; "vllm" ignores them."""
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.0, "max_new_tokens": 3, "do_sample": false}')
+    with LLM(model="tiny-qwen3", generation_config=str(tmp_path), skip_tokenizer_init=True,
+             **{k: v for k, v in TINY.items() if k != "model"}) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=3)
+        out = llm.generate([[5, 6, 7]], use_tqdm=False)[0]
+        greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3),
+                              use_tqdm=False)[0]
+        assert out.token_ids == greedy.token_ids
+    with LLM(model="tiny-qwen3", generation_config="vllm", skip_tokenizer_init=True,
+             **{k: v for k, v in TINY.items() if k != "model"}) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="^generation_config: "):
+        LLM(model="tiny-qwen3", generation_config=str(tmp_path / "none"))

@@ -179,9 +179,10 @@ def test_admission_counts_evictable_prefix_blocks_as_used():
     (dict(mode="corun", backend="triton", prefill_chunk_size=128, prefill_step_tokens=128,
           prefill_policy="isolated"), 128),
     (dict(mode="corun", backend="triton", prefill_chunk_size=16), 16),  # C below the tile
-    (dict(mode="batch_invariant", backend="triton", prefill_chunk_size=64), 64),
+    (dict(mode="batch_invariant", backend="triton", prefill_chunk_size=64,
+          max_num_batched_tokens=64), 64),
     (dict(mode="batch_invariant", backend="triton", dtype="bfloat16",
-          prefill_chunk_size=128), 128),
+          prefill_chunk_size=128, max_num_batched_tokens=128), 128),
     (dict(mode="default", backend="triton"), 64),
     (dict(mode="corun", enable_prefix_caching=False), None),
 ])

@@ -14,7 +14,8 @@ from corun.sampling_params import SamplingParams
      ("prompt_logprobs", -1), ("presence_penalty", 2.5), ("frequency_penalty", -3),
      ("frequency_penalty", float("nan")), ("repetition_penalty", 0.0), ("logit_bias", {-1: 1.0}),
      ("logit_bias", {3: 101.0}), ("min_tokens", -1), ("min_tokens", 17), ("min_p", 1.5),
-     ("best_of", 0)],
+     ("best_of", 0), ("stop", 5), ("stop_token_ids", 5), ("ignore_eos", "no"),
+     ("include_stop_str_in_output", 1), ("skip_special_tokens", None)],
     ids=lambda v: repr(v),
 )
 def test_bad_sampling_params_name_the_field(field, value):

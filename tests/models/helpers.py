@@ -72,3 +72,12 @@ def save_hf(hf_model: torch.nn.Module, tmp_path: Path) -> Path:
     path = tmp_path / "ckpt"
     hf_model.save_pretrained(path)
     return path
+
+
+def randomize_biases(model) -> None:
+    """transformers initialises biases to 0, which would hide a bias that is never added."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)

@@ -135,3 +135,57 @@ def test_corun_default_random_logits_are_finite_and_varied_in_bf16():
         assert torch.isfinite(step).all()
         assert step.std(dim=-1).min() > 0.1  # not flat
     assert len(set(logits[0].argmax(-1).tolist())) > 3  # next-token choice varies with position
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "quantization_config: fp8 checkpoints are not supported"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window: "),
+    ({"hidden_act": "gelu"}, "hidden_act: 'gelu' is not supported"),
+])
+def test_from_hf_refuses_what_the_models_do_not_build(extra, message):
+    """A config the models would load and then compute differently from (found against
+    transformers: a sliding window gave a relative error of 1.46, GELU 0.21)."""
+    assert ModelConfig.from_hf({**HUB_DEEPSEEK, "use_sliding_window": False, "hidden_act": "silu"})
+    with pytest.raises(ValueError, match=f"^{message}"):
+        ModelConfig.from_hf({**HUB_DEEPSEEK, **extra})
+
+
+def test_from_hf_takes_transformers_defaults_for_missing_keys():
+    keys = ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+            "first_k_dense_replace", "n_shared_experts")
+    sparse = ModelConfig.from_hf({k: v for k, v in HUB_DEEPSEEK.items() if k not in keys})
+    # DeepseekV3Config's defaults, which are also DeepSeek-V3's own values.
+    assert sparse == NAMED_CONFIGS["deepseek-v3"]
+    qwen3 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+             "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "max_position_embeddings": 32}
+    assert ModelConfig.from_hf(qwen3).head_dim == 128  # Qwen3Config's, not hidden / heads
+
+
+def test_max_sequence_length_follows_yarn_and_bounds_max_model_len():
+    qwen3_8b = NAMED_CONFIGS["qwen3-8b"]
+    assert qwen3_8b.max_sequence_length == 40960
+    # Qwen3's documented YaRN opt-in keeps max_position_embeddings and serves 4 x 32768.
+    yarn = dataclasses.replace(qwen3_8b, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    assert yarn.max_sequence_length == 131072
+    assert NAMED_CONFIGS["deepseek-v3"].max_sequence_length == 163840
+    from corun.config import EngineConfig
+    from corun.model_runner import check_model_len
+    check_model_len(EngineConfig(max_model_len=131072), yarn)
+    with pytest.raises(ValueError, match="^max_model_len: 131072 exceeds the 40960 positions"):
+        check_model_len(EngineConfig(max_model_len=131072), qwen3_8b)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-deepseek-v3"])
+def test_layers_share_one_rope_table_of_every_served_position(name):
+    from models.layers.rotary import RotaryEmbedding
+
+    model, config = build_model(name, dtype=torch.float32, device="cpu", seed=0)
+    tables = {id(m): m for m in model.modules() if isinstance(m, RotaryEmbedding)}
+    assert len(tables) == 1  # not one a layer (80 x 128 MiB for Hy3)
+    table = next(iter(tables.values())).cos_sin_cache
+    assert table.shape[0] == config.max_sequence_length
+    assert [n for n, _ in model.named_buffers() if n.endswith("cos_sin_cache")] == [
+        "model.layers.0.self_attn.rotary_emb.cos_sin_cache"]

@@ -12,12 +12,18 @@ import torch
 from kernels.mode import Mode
 from models.forward_batch import OpsConfig
 from models.loader import load_model
-from tests.models.helpers import relative_error, run_hf_sequence, run_sequence
+from tests.models.helpers import (
+    randomize_biases,
+    relative_error,
+    run_hf_sequence,
+    run_sequence,
+)
 
 TOLERANCE = 1e-4
 
 
-def make_hf_deepseek_v3(q_lora_rank: int | None, rope_interleave: bool = True):
+def make_hf_deepseek_v3(q_lora_rank: int | None, rope_interleave: bool = True,
+                        attention_bias: bool = False):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
@@ -27,6 +33,7 @@ def make_hf_deepseek_v3(q_lora_rank: int | None, rope_interleave: bool = True):
         qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2,
         num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
         max_position_embeddings=512, rope_interleave=rope_interleave, initializer_range=0.2,
+        attention_bias=attention_bias,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 128, "beta_fast": 32,
                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
@@ -38,6 +45,7 @@ def make_hf_deepseek_v3(q_lora_rank: int | None, rope_interleave: bool = True):
         for layer in model.model.layers[1:]:
             bias = layer.mlp.gate.e_score_correction_bias
             bias.copy_(torch.rand(bias.shape, generator=gen) * 0.2)
+    randomize_biases(model)
     return model
 
 
@@ -52,11 +60,13 @@ def add_mtp_layer(path, num_layers: int) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize(("q_lora_rank", "rope_interleave"),
-                         [(32, True), (None, True), (32, False)],
-                         ids=["q-lora", "q-proj", "q-lora-neox-rope"])
-def test_deepseek_v3_matches_transformers(tmp_path, q_lora_rank, rope_interleave):
-    hf_model = make_hf_deepseek_v3(q_lora_rank, rope_interleave)
+@pytest.mark.parametrize(("q_lora_rank", "rope_interleave", "attention_bias"),
+                         [(32, True, False), (None, True, False), (32, False, False),
+                          (32, True, True)],
+                         ids=["q-lora", "q-proj", "q-lora-neox-rope", "q-lora-attention-bias"])
+def test_deepseek_v3_matches_transformers(tmp_path, q_lora_rank, rope_interleave,
+                                          attention_bias):
+    hf_model = make_hf_deepseek_v3(q_lora_rank, rope_interleave, attention_bias)
     path = tmp_path / "ckpt"
     hf_model.save_pretrained(path)
     add_mtp_layer(path, 3)
