@@ -370,12 +370,16 @@ class LLMEngine:
     def _reported_seqs(self, request: Request) -> list[Sequence]:
         """The sequences a request reports: all of them, or with ``best_of`` > n, once all are
         finished, the n with the highest cumulative logprob (ties: lowest sample index), as
-        sample indices 0..n-1 in that order (vLLM's semantics)."""
+        sample indices 0..n-1 in that order (vLLM's semantics); an aborted request reports its
+        first n samples."""
         params = request.params
         if params.num_samples == params.n:
             return request.seqs
         if not request.finished:
             return []
+        if any(s.finish_reason == "abort" for s in request.seqs):
+            # Partial samples do not rank (a sample that never ran would sum to 0, the best).
+            return request.seqs[: params.n]
         ranked = sorted(request.seqs, key=lambda s: (-sum(s.logprobs), s.sample_index))
         return ranked[: params.n]
 

@@ -161,9 +161,15 @@ class _Builder:
         )
 
     def _chunk(self, choices: list, usage: UsageInfo | None = None) -> Any:
-        if usage is None and self.body.continuous_usage:  # vLLM: usage so far on every chunk
-            usage = self.usage()
+        if usage is None and self.body.continuous_usage and len(choices) == 1:
+            usage = self._choice_usage(choices[0].index)  # vLLM: its choice's usage so far
         return self._envelope(self.chunk_cls, choices, usage)
+
+    def _choice_usage(self, index: int) -> UsageInfo:
+        prompt = self.choices[index].prompt_len
+        completion = self.choices[index].num_output_tokens
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion)
 
     def _response(self, choices: list) -> Any:
         return self._envelope(self.response_cls, choices, self.usage())

@@ -255,3 +255,17 @@ def test_stream_options_continuous_usage(client: httpx.Client):
     assert events[-1] == "[DONE]"
     assert all(c["usage"] is not None for c in chunks)
     assert [c["usage"]["completion_tokens"] for c in chunks[:-1]] == [1, 2, 3]
+
+
+def test_continuous_usage_is_per_choice(client: httpx.Client):
+    """vLLM: with n > 1, a chunk's continuous usage is its own choice's tokens so far."""
+    body = {"prompt": "x", "max_tokens": 3, "ignore_eos": True, "stream": True, "n": 2,
+            "seed": 4, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with client.stream("POST", COMPLETIONS, json=body) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1] if json.loads(e)["choices"]]
+    for index in (0, 1):
+        counts = [c["usage"]["completion_tokens"] for c in chunks
+                  if c["choices"][0]["index"] == index]
+        assert counts == [1, 2, 3], (index, counts)
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 6  # the final total

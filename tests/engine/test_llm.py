@@ -114,6 +114,19 @@ def test_abort_frees_blocks_and_the_other_request_finishes():
     assert engine.stats()["num_kv_blocks_used"] == 0 and not engine.requests
 
 
+def test_an_aborted_best_of_request_reports_its_first_samples():
+    """Partial samples do not rank: a sample that never ran (its logprobs sum to 0) would
+    otherwise come first."""
+    engine = LLMEngine(EngineConfig(mode="corun", **dict(TINY, max_num_seqs=2)))
+    engine.add_request([1, 2, 3], SamplingParams(n=1, best_of=4, max_tokens=20, seed=1), "a")
+    for _ in range(3):
+        engine.step()
+    assert any(not s.logprobs for s in engine.requests["a"].seqs)  # some never ran
+    engine.abort_request("a")
+    final = _drain(engine)["a"]
+    assert final.finish_reason == "abort" and final.outputs[0].token_ids
+
+
 def test_deltas_add_up_and_logprobs_are_log_probabilities():
     engine = LLMEngine(EngineConfig(mode="corun", **TINY))
     engine.add_request([2, 3], SamplingParams(max_tokens=5, seed=3, logprobs=0), "r")
