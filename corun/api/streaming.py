@@ -78,18 +78,25 @@ class ChoiceState:
             self.prompt_logprobs = prompt_logprobs
         now = time.monotonic()
         gaps = []
-        new_tokens = len(output.token_ids) - len(self.token_ids)
+        # The engine thread appends to these live lists (a token, then its logprob, then its
+        # top-N) while this reads them: the shortest is a prefix every list holds (lengths only
+        # grow), so the choice never sees a token without its logprobs.
+        lists = [x for x in (output.token_ids, output.logprobs,
+                             getattr(output, "top_logprobs", None)) if x is not None]
+        count = min(len(x) for x in lists)
+        token_ids = output.token_ids[:count]
+        new_tokens = count - len(self.token_ids)
         if new_tokens > 0:
             if self.first_token_time is None:
                 self.first_token_time = now
             elif self.last_token_time is not None:
                 gaps = [(now - self.last_token_time) / new_tokens] * new_tokens
             self.last_token_time = now
-        self.token_ids = list(output.token_ids)
+        self.token_ids = token_ids
         if output.logprobs is not None:
-            self.logprobs = list(output.logprobs)
+            self.logprobs = output.logprobs[:count]
         if getattr(output, "top_logprobs", None) is not None:
-            self.top_logprobs = list(output.top_logprobs)
+            self.top_logprobs = output.top_logprobs[:count]
         self.seed = seed
         if output.finish_reason is not None:
             self.finish_reason = output.finish_reason

@@ -117,3 +117,20 @@ def test_chat_template_renders_as_transformers_renders_it(tokenizer: Tokenizer):
     assert text == hf
     assert '"a<b> & \'c\' \u00e9"' in text and '"z": 1,\n "a": 2' in text
     assert "never" not in text and "skip" not in text
+
+
+def test_a_choice_reads_a_prefix_every_live_list_holds(tokenizer: Tokenizer):
+    """The engine thread appends a token, then its logprob, then its top-N to the lists an
+    output hands out, while the event loop reads them: caught between two appends, the choice
+    takes the shortest prefix, so no token goes out without its logprobs."""
+    choice = ChoiceState(index=0, prompt_len=1, decode=tokenizer.decode)
+    mid_append = SimpleNamespace(token_ids=[72, 105, 33], logprobs=[-0.5, -0.25],
+                                 top_logprobs=[{72: -0.5}], text=None, finish_reason=None,
+                                 stop_reason=None, fingerprint=None)
+    choice.update(mid_append, seed=1)
+    text, ids, logprobs = choice.take_delta()
+    assert ids == [72] and logprobs == [(-0.5, {72: -0.5})] and text == "H"
+    mid_append.logprobs.append(-1.0)
+    mid_append.top_logprobs += [{105: -0.25}, {33: -1.0}]
+    choice.update(mid_append, seed=1)
+    assert choice.take_delta()[1:] == ([105, 33], [(-0.25, {105: -0.25}), (-1.0, {33: -1.0})])
