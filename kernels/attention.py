@@ -55,6 +55,7 @@ from kernels.mode import Mode
 from kernels.utils import (
     FLOAT_DTYPES,
     cdiv,
+    check_block_ids,
     check_same_device,
     check_shape,
     check_tensor,
@@ -104,7 +105,8 @@ def store_kv(
     check_tensor("v", v, ndim=3, dtypes=(k.dtype,), last_dim_contiguous=True)
     check_shape("v", v, k.shape)
     _check_caches(k_cache, v_cache, k.dtype)
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32))
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32),
+                 contiguous=True)
     check_shape("slot_mapping", slot_mapping, (k.shape[0],))
     check_shape("k", k, (-1, k_cache.shape[2], k_cache.shape[3]))
     check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
@@ -162,16 +164,6 @@ def _check_paged_attention(
                          f"{block_tables.stride()}")
 
 
-def _check_block_ids(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
-                     num_blocks: int) -> None:
-    """CPU only: the blocks each sequence uses exist in the cache."""
-    for b, length in enumerate(lengths.tolist()):
-        used = block_tables[b, : cdiv(int(length), block_size)]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
-            raise ValueError(f"block_tables: row {b} points outside the cache "
-                             f"(ids must lie in [0, {num_blocks}))")
-
-
 # ----------------------------------------------------------------------------------------------
 # prefill
 # ----------------------------------------------------------------------------------------------
@@ -225,11 +217,11 @@ def prefill_attention(
     needs a host sync, so the launch stays capturable in a CUDA graph.
     """
     _check_paged_attention(q, k_cache, v_cache, block_tables)
-    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), contiguous=True)
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_seqs < 1:
         raise ValueError("cu_seqlens_q: expected at least 2 entries (B + 1)")
-    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,), contiguous=True)
     check_shape("context_lens", context_lens, (num_seqs,))
     check_shape("block_tables", block_tables, (num_seqs, -1))
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
@@ -251,7 +243,7 @@ def prefill_attention(
         if any(c < n for c, n in zip(ctx, q_lens, strict=True)) or max(ctx) > capacity:
             raise ValueError(f"context_lens: each must lie in [q_len, {capacity}] "
                              f"(q_lens {q_lens}, table capacity {capacity}), got {ctx}")
-        _check_block_ids(block_tables, context_lens, block_size, k_cache.shape[0])
+        check_block_ids(block_tables, context_lens, block_size, k_cache.shape[0])
 
     out = torch.empty_like(q)
     if q.shape[0] == 0:
@@ -379,7 +371,7 @@ def decode_attention(
     """
     _check_paged_attention(q, k_cache, v_cache, block_tables)
     num_seqs, num_q_heads, head_dim = q.shape
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,))
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), contiguous=True)
     check_shape("seq_lens", seq_lens, (num_seqs,))
     check_shape("block_tables", block_tables, (num_seqs, -1))
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
@@ -394,7 +386,7 @@ def decode_attention(
         if min(lens) < 0 or max(lens) > min(max_seq_len, capacity):
             raise ValueError(f"seq_lens: each must lie in [0, min(max_seq_len={max_seq_len}, "
                              f"table capacity {capacity})], got {lens}")
-        _check_block_ids(block_tables, seq_lens, block_size, k_cache.shape[0])
+        check_block_ids(block_tables, seq_lens, block_size, k_cache.shape[0])
 
     out = torch.empty_like(q)
     if num_seqs == 0:

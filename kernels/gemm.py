@@ -312,7 +312,7 @@ def gemm(
     m, k = x.shape
     n = w.shape[0]
     if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
+        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, contiguous=True)
         check_shape("bias", bias, (n,))
         device = check_same_device(x=x, w=w, bias=bias)
     else:

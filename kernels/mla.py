@@ -56,6 +56,7 @@ from kernels.utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     cdiv,
+    check_block_ids,
     check_same_device,
     check_shape,
     check_tensor,
@@ -111,9 +112,9 @@ def store_mla_kv(
     check_shape("slot_mapping", slot_mapping, (num_tokens,))
     num_blocks, block_size, _ = kv_cache.shape
     if is_host_checkable(slot_mapping) and num_tokens > 0:
-        if int(slot_mapping.max()) >= num_blocks * block_size:
+        if int(slot_mapping.max()) >= num_blocks * block_size or int(slot_mapping.min()) < -1:
             raise ValueError(
-                f"slot_mapping: slot beyond the cache's {num_blocks * block_size} slots"
+                f"slot_mapping: slots must lie in [-1, {num_blocks * block_size}) (-1: skip)"
             )
     if num_tokens == 0:
         return
@@ -289,6 +290,7 @@ def mla_decode(
                 f"seq_lens: values must lie in [0, max_seq_len={max_seq_len}], got "
                 f"[{shortest}, {longest}]"
             )
+        check_block_ids(block_tables, seq_lens, kv_cache.shape[1], kv_cache.shape[0])
 
     out = torch.empty_like(q_latent)
     if batch == 0 or num_heads == 0:

@@ -7,9 +7,11 @@
   policy: one tile config for every shape, as batch_invariant_ops-style kernels do.
 - ``batch_invariant_tuned``: the strongest batch-invariant policy this hardware allows, the peer a
   CoRun speedup must beat. Same scheduling and reduction-order pins as ``batch_invariant`` (no
-  split-K, fixed attention split size, fixed BLOCK_K per op), but GEMM and MoE tiles (BLOCK_M/N,
-  warps, stages, persistence) tuned per shape: on the H200 those never change a row's bits (the
-  MMA accumulates a K tile in one order; checked by the GPU tests at real shapes across M).
+  split-K, fixed attention split size), but GEMM and MoE tiles (BLOCK_M/N/K, warps, stages,
+  persistence) tuned per shape: on the H200 none of those change a row's bits (the MMA
+  accumulates K in one order whatever the tile; checked by the GPU tests at real shapes across
+  M). Shapes without a tuned entry pin BLOCK_K to the portable policy's, which keeps the bits
+  on every backend (the interpreter's depend on BLOCK_K).
 - ``corun``: the fastest config per shape, restricted to configs that are position-invariant at a
   fixed shape, plus the selective constraints (fixed decode split size, expert-count-independent
   MoE tiles). Deterministic because the engine fixes the shapes.

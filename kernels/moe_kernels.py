@@ -121,7 +121,9 @@ def _grouped_topk_kernel(
         best = tl.max(tl.max(cand, axis=1), axis=0)
         hit = tl.where(cand == best, flat, BLOCK_G * BLOCK_GS)
         idx = tl.min(tl.min(hit, axis=1), axis=0)
-        weight = tl.sum(tl.sum(tl.where(flat == idx, scores, 0.0), axis=1), axis=0)
+        # masked: a padding lane of a group narrower than BLOCK_GS has the flat id of an expert
+        # of the next group (and the score of a zero logit)
+        weight = tl.sum(tl.sum(tl.where(mask & (flat == idx), scores, 0.0), axis=1), axis=0)
         top_w = tl.where(offs_k == r, weight, top_w)
         top_i = tl.where(offs_k == r, idx, top_i)
         cand = tl.where(flat == idx, -float("inf"), cand)

@@ -220,7 +220,8 @@ def rope(
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), last_dim_contiguous=True)
     num_tokens, num_q_heads, rotary_dim = q.shape
     check_shape("k", k, (num_tokens, -1, rotary_dim))
-    check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64))
+    check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64),
+                 contiguous=True)
     check_shape("positions", positions, (num_tokens,))
     check_tensor(
         "cos_sin_cache", cos_sin_cache, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True

@@ -127,8 +127,10 @@ def _check_logits(logits: object) -> tuple[int, int]:
     return batch, vocab
 
 
-def _check_per_row(name: str, t: object, batch: int, dtypes: tuple[torch.dtype, ...]) -> None:
-    check_tensor(name, t, ndim=1, dtypes=dtypes)
+def _check_per_row(name: str, t: object, batch: int, dtypes: tuple[torch.dtype, ...],
+                   contiguous: bool = True) -> None:
+    """A [batch] tensor; contiguous unless the launcher copies it (kernels read ``ptr + row``)."""
+    check_tensor(name, t, ndim=1, dtypes=dtypes, contiguous=contiguous)
     check_shape(name, t, (batch,))
 
 
@@ -216,7 +218,7 @@ def sampling_uniform(
     seeds: torch.Tensor, sample_indices: torch.Tensor, positions: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
     """The noise ``sample`` draws with, [B, V] fp32: ``sampling_uniform_reference`` bit for bit."""
-    check_tensor("seeds", seeds, ndim=1, dtypes=(torch.int64,))
+    check_tensor("seeds", seeds, ndim=1, dtypes=(torch.int64,), contiguous=True)
     batch = seeds.shape[0]
     _check_per_row("sample_indices", sample_indices, batch, INDEX_DTYPES)
     _check_per_row("positions", positions, batch, INDEX_DTYPES)
@@ -255,7 +257,7 @@ def token_logprobs(
             raise ValueError(f"token_ids: expected {batch} rows, got {token_ids.shape[0]}")
         num_ids = token_ids.shape[1]
     else:
-        _check_per_row("token_ids", token_ids, batch, INDEX_DTYPES)
+        _check_per_row("token_ids", token_ids, batch, INDEX_DTYPES, contiguous=False)
         num_ids = 1
     check_same_device(logits=logits, token_ids=token_ids)
     out = torch.empty(token_ids.shape, dtype=torch.float32, device=logits.device)

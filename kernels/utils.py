@@ -167,3 +167,13 @@ def load_tuned_json(path: Path | str, what: str, parse: Callable[[dict], T]) -> 
         return parse(data)
     except (KeyError, TypeError, ValueError, AttributeError) as err:  # JSONDecodeError included
         raise ValueError(f"{path}: malformed {what} ({err})") from err
+
+
+def check_block_ids(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
+                     num_blocks: int) -> None:
+    """CPU only: the blocks each sequence uses exist in the cache."""
+    for b, length in enumerate(lengths.tolist()):
+        used = block_tables[b, : cdiv(int(length), block_size)]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+            raise ValueError(f"block_tables: row {b} points outside the cache "
+                             f"(ids must lie in [0, {num_blocks}))")

@@ -70,8 +70,10 @@ def test_softmax_topk_matches_reference(num_tokens, num_experts, top_k, renormal
 
 @pytest.mark.parametrize(
     "num_experts, top_k, n_group, topk_group, renormalize, scale",
-    [(16, 4, 4, 2, True, 2.5), (24, 3, 3, 2, False, 1.0), (256, 8, 8, 4, True, 2.5)],
-    ids=["E16k4g4", "E24k3g3-raw", "E256k8g8"],
+    [(16, 4, 4, 2, True, 2.5), (24, 3, 3, 2, False, 1.0), (256, 8, 8, 4, True, 2.5),
+     # groups of 3 and 5 experts: the tile pads each group to a power of two
+     (12, 3, 4, 2, False, 1.0), (20, 4, 4, 3, True, 2.5)],
+    ids=["E16k4g4", "E24k3g3-raw", "E256k8g8", "E12k3g4-raw-odd-groups", "E20k4g4-odd-groups"],
 )
 def test_grouped_topk_matches_reference(
     num_experts, top_k, n_group, topk_group, renormalize, scale
