@@ -485,9 +485,9 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "serving-h200": columns_block("serving-h200", SERVING_COLUMNS),
     **{name: columns_block(name, [("label", "server"), ("extra_server_args", "flags"),
                                   *SERVING_COLUMNS[1:]])
-       for name in ("serving-step-h200", "serving-step-h200-run2")},
+       for name in ("serving-step-h200", "serving-step-h200-run2", "serving-corun-sweep-h200")},
     **{f"{name}-summary": serving_step_summary_block(name)
-       for name in ("serving-step-h200", "serving-step-h200-run2")},
+       for name in ("serving-step-h200", "serving-step-h200-run2", "serving-corun-sweep-h200")},
     "serving-h200-summary": serving_summary_block,
     "serving-peer-graphs-h200-summary": serving_peer_graphs_block,
     "serving-peer-graphs-h200": columns_block("serving-peer-graphs-h200", [
@@ -519,7 +519,8 @@ ALIASES = {"kernels-h200-summary": "kernels-h200", "offline-h200-summary": "offl
            "serving-h200-summary": "serving-h200",
            "serving-peer-graphs-h200-summary": "serving-peer-graphs-h200",
            "serving-step-h200-summary": "serving-step-h200",
-           "serving-step-h200-run2-summary": "serving-step-h200-run2"}
+           "serving-step-h200-run2-summary": "serving-step-h200-run2",
+           "serving-corun-sweep-h200-summary": "serving-corun-sweep-h200"}
 
 
 def render_readme(text: str) -> str:

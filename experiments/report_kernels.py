@@ -1,9 +1,11 @@
 """README views of the kernel results that gather several records into one line: issue 13's
 targets as measured (``kernels-h200-targets``) and a decode step before and after a change of
-the tuned tables (``models-h200-b128-after``). Looked up by ``experiments.report``."""
+the tuned tables or of a kernel path (``models-h200-b128-after``, ``-b128-retune``, ``-b8-fused``).
+Looked up by ``experiments.report``."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable
 
@@ -154,12 +156,15 @@ def kernels_targets_block(head: dict, records: list[dict]) -> str:
                       _table(["kernel", "target", "measured", "met"], _rows(records))])
 
 
-def decode_step_change_block(head: dict, records: list[dict]) -> str:
-    """bench_models' decode step, the same build timed before and after a change of the tuned
-    tables: ``models-h200-b128-before`` beside this file (``-after``), one row per model."""
-    loaded = _load("models-h200-b128-before")
+def decode_step_change_block(head: dict, records: list[dict],
+                             before_name: str = "models-h200-b128-before",
+                             after_name: str = "models-h200-b128-after") -> str:
+    """bench_models' decode step, the same build timed before and after a change (of the tuned
+    tables, or of a kernel path): ``before_name`` beside this file (``after_name``), one row per
+    model."""
+    loaded = _load(before_name)
     if loaded is None:
-        return "_not measured yet_ (`experiments/results/models-h200-b128-before.json`)"
+        return f"_not measured yet_ (`experiments/results/{before_name}.json`)"
     before_head, before = loaded
     earlier = {r["model"]: r for r in before}
     rows = []
@@ -173,8 +178,8 @@ def decode_step_change_block(head: dict, records: list[dict]) -> str:
                      _fmt(old.get("decode_fraction_of_bound")),
                      _fmt(r["decode_fraction_of_bound"])])
     return "\n".join([
-        "before: " + _source(before_head, "models-h200-b128-before"),
-        "", "after: " + _source(head, "models-h200-b128-after"), "",
+        "before: " + _source(before_head, before_name),
+        "", "after: " + _source(head, after_name), "",
         _table(["model", "B", "context", "decode step us (before)", "(after)", "after / before",
                 "of memory bound (before)", "(after)"], rows)])
 
@@ -182,5 +187,13 @@ def decode_step_change_block(head: dict, records: list[dict]) -> str:
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "kernels-h200-targets": kernels_targets_block,
     "models-h200-b128-after": decode_step_change_block,
+    # The GEMM re-tune at M 128 / 256 of 2026-12-05, against the tables before it.
+    "models-h200-b128-retune": functools.partial(
+        decode_step_change_block, before_name="models-h200-b128-after",
+        after_name="models-h200-b128-retune"),
+    # Decode attention's fused combine (one launch) against its two launches.
+    "models-h200-b8-fused": functools.partial(
+        decode_step_change_block, before_name="models-h200-b8-two-launch",
+        after_name="models-h200-b8-fused"),
 }
 ALIASES = {"kernels-h200-targets": "kernels-h200"}

@@ -15,6 +15,8 @@
 #            serving load -> serving-step-h200.json
 #   serving-peer-graphs  default and the tuned peer with their small prefill / mixed steps from
 #            graphs and eager, beside corun -> serving-peer-graphs-h200.json
+#   serving-corun-sweep  corun's serving settings (overlap, C, T, stall budget) against the
+#            graphed peers -> serving-corun-sweep-h200.json
 #   paper    experiments/bench_paper.py -> paper-h200.json; one family a call (~3-4 min each):
 #            PAPER_MODELS=hy3 (default all three: ~11 min, past one call's 10); it merges the
 #            committed experiments/results/paper-h200.json's other families; PAPER_ARGS adds flags
@@ -107,6 +109,19 @@ for stage in "$@"; do
                --model qwen3-8b --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
                --request-rate 4,16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
                --time-budget-s ${SERVING_BUDGET:-150} --result-name serving-peer-graphs-h200 \
+               --result-dir "$OUT/results" ;;
+    serving-corun-sweep)  # corun's serving settings against the peers as they now run (their
+               # small steps from graphs): the overlap, C, T and the stall budget at the loads
+               # where the graphed peers lead (16 req/s, concurrency 64)
+             run serving-corun-sweep ${SERVING_LIMIT:-560} python3 -m experiments.bench_serving --launch \
+               --modes corun,default,batch_invariant_tuned \
+               --variant "corun-overlap=corun --overlap-prefill-decode" \
+               --variant "corun-c256=corun --prefill-chunk-size 256" \
+               --variant "corun-t1024-b2048=corun --prefill-token-budget 2048" \
+               --variant "corun-t2048=corun --prefill-step-tokens 2048 --prefill-token-budget 2048" \
+               --model qwen3-8b --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
+               --request-rate 16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
+               --time-budget-s ${SERVING_BUDGET:-100} --result-name serving-corun-sweep-h200 \
                --result-dir "$OUT/results" ;;
     gputest) run gputest ${GPUTEST_LIMIT:-60} python3 -m pytest -v --tb=short -p no:cacheprovider \
                invariance_tests/test_engine_determinism.py -k "graph" --timeout=55 ;;

@@ -44,6 +44,9 @@ def _assert_same(ids, num_experts, block_m, mask, config=None):
     assert torch.equal(out[1], ref[1]), "block_expert_ids"
 
 
+# Natively every new (piece, block_m, fused) combination compiles first: the H200 run of
+# 2026-12-05 passed the 60 s default by compiling, and the timeout's signal read as a flaky case.
+@pytest.mark.timeout(300)
 @settings(max_examples=40, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(
