@@ -347,22 +347,29 @@ class LLMEngine:
         return seq.finish_reason is not None
 
     def _match_stop_string(self, seq: Sequence) -> tuple[int, str] | None:
-        """The earliest stop string that ends in the text the newest token added (its position
-        and the string), as vLLM's check: a match must end past the text of the previous step,
-        and past the text of the first ``min_tokens`` tokens."""
+        """The stop string that ends first in the text the newest token added, the earlier in
+        ``stop`` on a tie (its position and the string), as vLLM's check: a match must end past
+        the text of the previous step, and past the text of the first ``min_tokens`` tokens."""
         text = self._decode(seq.output_token_ids, seq.params)
         # Characters a later token may still change (an incomplete UTF-8 sequence) are new again.
         checked, seq.stop_checked_chars = seq.stop_checked_chars, len(text.rstrip(REPLACEMENT_CHAR))
         if seq.num_output_tokens <= seq.params.min_tokens:
             return None
         hits = [(text.find(s, max(0, checked - len(s) + 1)), s) for s in seq.params.stop_strings]
-        return min(((pos, s) for pos, s in hits if pos >= 0), default=None)
+        found = [(pos + len(s), order, pos, s) for order, (pos, s) in enumerate(hits) if pos >= 0]
+        if not found:
+            return None
+        _end, _order, pos, stop = min(found)
+        return pos, stop
 
     def _cut_stop_token_text(self, seq: Sequence) -> None:
         """A stop id or EOS ends the output without its own text unless
         ``include_stop_str_in_output`` (vLLM; the token id stays in the output)."""
         if self.tokenizer is not None and not seq.params.include_stop_str_in_output:
-            seq.stop_text_len = len(self._decode(seq.output_token_ids[:-1], seq.params))
+            # Without the stop token, the text before it may end in a character only the stop
+            # token completes: that character is the stop token's too.
+            before = self._decode(seq.output_token_ids[:-1], seq.params)
+            seq.stop_text_len = len(before.rstrip(REPLACEMENT_CHAR))
 
     def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)

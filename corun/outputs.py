@@ -15,13 +15,14 @@ REPLACEMENT_CHAR = "\ufffd"  # a decoder's stand-in for an incomplete UTF-8 sequ
 
 def settled_text(text: str, stop_strings: tuple[str, ...], include_stop_str: bool) -> str:
     """The part of an unfinished output's text no later token can take back (vLLM's hold-back):
-    without its last ``max(len(stop)) - 1`` characters while stop strings are set and cut away
-    (they may begin a stop string), and without trailing U+FFFD (the first bytes of a character
-    the next token completes)."""
-    end = len(text)
+    without trailing U+FFFD (the first bytes of a character the next token completes), then
+    without the last ``max(len(stop)) - 1`` characters of the rest while stop strings are set
+    and cut away (they may begin a stop string, whose last character may be the one still
+    incomplete)."""
+    text = text.rstrip(REPLACEMENT_CHAR)
     if stop_strings and not include_stop_str:
-        end -= max(map(len, stop_strings)) - 1
-    return text[:max(end, 0)].rstrip(REPLACEMENT_CHAR)
+        text = text[:max(len(text) - (max(map(len, stop_strings)) - 1), 0)]
+    return text
 
 
 @dataclass

@@ -105,3 +105,30 @@ def test_delta_text_adds_up_to_the_text_across_a_stop_and_a_split_character(free
 def test_logprobs_zero_gives_an_empty_dict_a_step(free):
     out = _steps(_engine(MapTokenizer()), SamplingParams(max_tokens=4, logprobs=0, **GREEDY))[-1]
     assert len(out.logprobs) == 4 and out.top_logprobs == [{}] * 4
+
+
+def test_a_stop_string_ending_in_an_incomplete_character_is_never_streamed(free):
+    # "f€": "f" ends the first token, "€" takes the next two; while "€" is incomplete the "f"
+    # must stay held back (the replacement character must not use up the hold-back).
+    raw = {free[0]: b"abcdef", free[1]: b"\xe2\x82", free[2]: b"\xac", free[3]: b"z"}
+    steps = _steps(_engine(MapTokenizer(raw=raw)),
+                   SamplingParams(max_tokens=6, stop=["f\u20ac"], **GREEDY))
+    assert steps[-1].stop_reason == "f\u20ac" and steps[-1].text == "abcde"
+    assert "".join(o.delta_text for o in steps) == "abcde"
+
+
+def test_a_stop_id_that_completes_a_character_takes_it_out_of_the_text(free):
+    raw = {free[0]: b"A", free[1]: b"\xe2\x82", free[2]: b"\xacTAIL"}
+    out = _steps(_engine(MapTokenizer(raw=raw)),
+                 SamplingParams(max_tokens=6, stop_token_ids=[free[2]], **GREEDY))[-1]
+    assert out.finish_reason == "stop" and out.token_ids == free[:3] and out.text == "A"
+
+
+def test_the_stop_string_that_ends_first_wins_ties_by_order(free):
+    tokenizer = MapTokenizer({free[0]: "x", free[1]: "abcd"})
+    out = _steps(_engine(tokenizer),
+                 SamplingParams(max_tokens=6, stop=["abcd", "bc"], **GREEDY))[-1]
+    assert (out.stop_reason, out.text) == ("bc", "xa")  # "bc" ends at 3, "abcd" at 4
+    out = _steps(_engine(tokenizer),
+                 SamplingParams(max_tokens=6, stop=["abc", "bc"], **GREEDY))[-1]
+    assert (out.stop_reason, out.text) == ("abc", "x")  # both end at 3: the first in the list
