@@ -109,7 +109,6 @@ class ChatChoice(BaseModel):
     seed: int | None = None
     fingerprint: str | None = None
     token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
 
@@ -121,6 +120,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    # vLLM's return_token_ids: a chat response's prompt ids sit at its root (one prompt).
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -138,7 +139,6 @@ class ChatStreamChoice(BaseModel):
     fingerprint: str | None = None
     token_ids: list[int] | None = None
     # On the choice's first chunk (its role), as the completions stream sends them.
-    prompt_token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
 
@@ -150,6 +150,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # the stream's first chunk (vLLM)
 
 
 class CompletionChunk(BaseModel):

@@ -262,6 +262,7 @@ class ChatBuilder(_Builder):
     id_prefix = "chatcmpl"
     chunk_cls = ChatCompletionChunk
     response_cls = ChatCompletionResponse
+    _prompt_ids_sent = False
 
     def _logprobs(self, ids: list[int], lps: list) -> ChatLogprobs | None:
         """OpenAI's chat logprobs: per token its logprob and the ``top_logprobs`` most likely."""
@@ -286,10 +287,13 @@ class ChatBuilder(_Builder):
                     index=choice.index,
                     seed=choice.seed,
                     delta=DeltaMessage(role="assistant", content=""),
-                    prompt_token_ids=self._prompt_token_ids(choice, True),
                     prompt_logprobs=self._prompt_logprobs(choice, True),
                 )
-                out.append(self._chunk([role]))
+                chunk = self._chunk([role])
+                if not self._prompt_ids_sent:  # once, at the stream's root
+                    self._prompt_ids_sent = True
+                    chunk.prompt_token_ids = self._prompt_token_ids(choice, True)
+                out.append(chunk)
             text, ids, lps = choice.take_delta()
             out.append(
                 self._chunk(
@@ -323,8 +327,9 @@ class ChatBuilder(_Builder):
                     seed=choice.seed,
                     fingerprint=choice.fingerprint,
                     token_ids=ids if self.body.return_token_ids else None,
-                    prompt_token_ids=self._prompt_token_ids(choice, True),
                     prompt_logprobs=self._prompt_logprobs(choice, True),
                 )
             )
-        return self._response(choices)
+        response = self._response(choices)
+        response.prompt_token_ids = self._prompt_token_ids(self.choices[0], True)
+        return response

@@ -66,11 +66,13 @@ def test_return_token_ids_gives_the_prompt_ids_once(client: httpx.Client):
     chunks = _stream(client, COMPLETIONS, body)
     given = [c["choices"][0]["prompt_token_ids"] for c in chunks if c["choices"]]
     assert given[0] == prompt_ids and all(g is None for g in given[1:])
+    # Chat (vLLM >= 0.10.2): at the response's root, and at the root of the stream's first chunk.
     chat_ids = _post(client, "/tokenize", {"messages": MESSAGES})["tokens"]
-    chat = {"messages": MESSAGES, "max_tokens": 2, "seed": 1, "return_token_ids": True}
-    assert _post(client, CHAT, chat)["choices"][0]["prompt_token_ids"] == chat_ids
-    given = [c["choices"][0]["prompt_token_ids"] for c in _stream(client, CHAT, chat)
-             if c["choices"]]
+    chat = {"messages": MESSAGES, "max_tokens": 2, "seed": 1, "return_token_ids": True, "n": 2}
+    response = _post(client, CHAT, chat)
+    assert response["prompt_token_ids"] == chat_ids
+    assert all("prompt_token_ids" not in c for c in response["choices"])
+    given = [c.get("prompt_token_ids") for c in _stream(client, CHAT, chat)]
     assert given[0] == chat_ids and all(g is None for g in given[1:])
     # Without the flag, no ids.
     plain = _post(client, COMPLETIONS, {"prompt": "Hello", "max_tokens": 1})["choices"][0]
