@@ -28,6 +28,8 @@ DYNAMIC_GRAPH_TOKENS = (128, 256, 384, 512, 768, 1024)
 # Prefill chunk rows of a captured dynamic step (beside its decode tokens). The steps that
 # eager launches slow down are small ones: a prompt or two arriving while others decode.
 DYNAMIC_GRAPH_PREFILL_ROWS = 4
+# max_model_len when none is given: this, or fewer when the model serves fewer positions.
+DEFAULT_MAX_MODEL_LEN = 2048
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
                   "bf16": "bfloat16"}
 
@@ -117,7 +119,7 @@ class EngineConfig:
     mode: Mode | str = Mode.CORUN
     backend: str | None = None
     max_num_seqs: int = 32
-    max_model_len: int = 2048
+    max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float | None = None
@@ -150,6 +152,8 @@ class EngineConfig:
             # was given, so the parsed value is exposed as the ``kernel_mode`` property.
             Mode.parse(self.mode, "mode")
         self._dtype_name()  # validates dtype
+        if self.max_model_len is None:
+            object.__setattr__(self, "max_model_len", self._default_max_model_len())
         if self.backend not in (None, "triton", "torch"):
             raise ValueError(f"backend: expected 'triton', 'torch' or None, got {self.backend!r}")
         for name in ("max_num_seqs", "max_model_len", "block_size", "prefill_chunk_size",
@@ -261,6 +265,17 @@ class EngineConfig:
     def max_running_seqs(self) -> int:
         """Admission cap: sequences holding KV (prefilling, decoding or waiting for a slot)."""
         return self.max_num_seqs
+
+    def _default_max_model_len(self) -> int:
+        """DEFAULT_MAX_MODEL_LEN, or the positions the model serves when fewer (vLLM derives
+        its default from the model too; a checkpoint whose config.json is unreadable keeps the
+        constant, and building it reports why)."""
+        from corun.memory_plan import model_config_of
+
+        model_config = model_config_of(self.model)
+        if model_config is None:
+            return DEFAULT_MAX_MODEL_LEN
+        return min(DEFAULT_MAX_MODEL_LEN, model_config.max_sequence_length)
 
     @property
     def prefill_alignment(self) -> int:

@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-model-len",
         type=int,
-        default=2048,
-        help="prompt + output tokens per sequence; longer requests get 400",
+        default=None,
+        help="prompt + output tokens per sequence; longer requests get 400 (default: 2048, or "
+        "the positions the model serves when fewer)",
     )
     p.add_argument(
         "--decode-batch-size",

@@ -108,9 +108,24 @@ class Tokenizer:
 def _compile_chat_template(source: str) -> Any:
     """A chat template compiled in the environment transformers renders it in (sandboxed; loop
     controls; its ``tojson``, which neither escapes HTML nor sorts keys, unlike Jinja's own;
-    ``strftime_now``; ``raise_exception``), so a prompt renders to the same text as with HF."""
-    from jinja2.ext import loopcontrols
+    ``strftime_now``; ``raise_exception``; the ``{% generation %}`` block, which marks assistant
+    text for training masks and renders its body as is), so a prompt renders to the same text
+    as with HF."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(
+                lineno)
+
+        def _render(self, caller: Any) -> str:
+            return caller()
 
     def raise_exception(message: str) -> None:
         raise ValueError(f"messages: {message}")
@@ -124,7 +139,7 @@ def _compile_chat_template(source: str) -> Any:
         return datetime.now().strftime(format)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
+                                        extensions=[loopcontrols, GenerationBlock])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     return env.from_string(source)

@@ -94,11 +94,12 @@ def test_long_texts_encode_to_the_same_ids(tokenizer: Tokenizer):
 
 
 # Uses what transformers' template environment adds to Jinja's: its tojson (no HTML escaping, no
-# key sorting, indent), loop controls and strftime_now.
+# key sorting, indent), loop controls, strftime_now and the generation block.
 HF_ONLY_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'stop' %}{% break %}{% endif %}"
     "{% if m['role'] == 'skip' %}{% continue %}{% endif %}"
-    "{{ m['role'] }}:{{ m['content'] | tojson }}|{{ m | tojson(indent=1) }}\n{% endfor %}"
+    "{{ m['role'] }}:{% generation %}{{ m['content'] | tojson }}{% endgeneration %}|"
+    "{{ m | tojson(indent=1) }}\n{% endfor %}"
     "{{ strftime_now('%Y') | length }}"
 )
 

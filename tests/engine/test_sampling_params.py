@@ -64,3 +64,18 @@ def test_batch_invariant_chunks_need_the_query_tile(backend, field, value):
     with pytest.raises(ValueError, match=f"^{field}: .*query tile"):
         EngineConfig(**config)
     assert EngineConfig(**{**config, "backend": "torch"}).prefill_alignment == 1
+
+
+def test_max_model_len_defaults_to_what_the_model_serves(tmp_path):
+    """2048 unless the model serves fewer positions (vLLM derives its default from the model
+    too); an explicit value stays as given (the engine refuses one above the model's)."""
+    import json
+
+    config = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "head_dim": 32, "max_position_embeddings": 1024}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert EngineConfig(model=str(tmp_path)).max_model_len == 1024
+    assert EngineConfig(model=str(tmp_path), max_model_len=512).max_model_len == 512
+    assert EngineConfig(model="qwen3-8b").max_model_len == 2048
+    assert EngineConfig(model=str(tmp_path / "absent")).max_model_len == 2048
