@@ -38,7 +38,7 @@ def merged_budget_s(earlier_head: dict, num_modes: int) -> float | None:
     return float(budget) / len(earlier_modes.split(",")) * num_modes
 
 
-def serving_argv(args: argparse.Namespace, out_dir: Path) -> list[str]:
+def serving_argv(args: argparse.Namespace, out_dir: Path, name: str | None = None) -> list[str]:
     dry = DRY_RUN if args.dry_run else {}
     modes = args.modes or dry.get("modes", SERVING_MODES)
     if not set(modes) <= set(SERVING_MODES):  # a server runs one engine mode, no variants
@@ -51,7 +51,7 @@ def serving_argv(args: argparse.Namespace, out_dir: Path) -> list[str]:
             "--num-prompts", str(dry.get("num_prompts", args.num_requests)),
             "--warmup-requests", str(dry.get("warmup_requests", 32)),
             "--time-budget-s", str(args.time_budget_s), "--seed", str(args.seed),
-            "--result-name", args.name, "--result-dir", str(out_dir)]
+            "--result-name", name or args.name, "--result-dir", str(out_dir)]
 
 
 def serving_load(args: argparse.Namespace) -> None:
@@ -61,8 +61,8 @@ def serving_load(args: argparse.Namespace) -> None:
     path = out_dir / f"{args.name}.json"
     earlier_head, earlier = None, []
     if args.merge is not None:
-        if args.merge.resolve() == path.resolve():  # written after every rate: a cut run
-            raise ValueError(f"--merge {args.merge}: this run writes that file as it goes; "
+        if args.merge.resolve() == path.resolve():  # the merged file replaces its own source
+            raise ValueError(f"--merge {args.merge}: this run writes its merged file there; "
                              "pass --name (or CORUN_RESULTS_DIR) for another output file")
         earlier_head, *earlier = json.loads(args.merge.read_text())
         num_modes = len(args.modes or SERVING_MODES)
@@ -74,8 +74,12 @@ def serving_load(args: argparse.Namespace) -> None:
             print(f"--merge: budget {budget:.0f} s ({args.merge.name}'s per mode x "
                   f"{num_modes}), not {args.time_budget_s:.0f} s", flush=True)
             args.time_budget_s = budget
-    bench_serving.main(serving_argv(args, out_dir))
-    head, *records = json.loads(path.read_text())
+    # A merging run writes its own records under another name as it goes, and the merged file
+    # only once it finished: a run cut short never leaves a file of the merged name that lacks
+    # the earlier run's modes.
+    run_path = path if earlier_head is None else out_dir / f"{args.name}-unmerged.json"
+    bench_serving.main(serving_argv(args, out_dir, run_path.stem))
+    head, *records = json.loads(run_path.read_text())
     if earlier_head is not None:  # an earlier run's modes that this one did not run
         ran = {r["mode"] for r in records}
         kept = [r for r in earlier if not r.get("header") and r.get("mode") not in ran]

@@ -24,8 +24,10 @@ Per variant:
 - **main run**: all requests: output tokens/s, TTFT and TPOT (mean/p50/p99) from each request's
   arrival, first-token and finish times, and a per-step profile (``LLMEngine(profile_steps)``:
   the device is synchronised around each step): steps per kind, their median ms, mean live rows;
-- **decode bound of the steps timed**: for every profiled decode step, the weights plus the KV of
-  *its* live sequences at *their* lengths, read once at the measured H200 bandwidth; the record
+- **decode bound of the steps timed**: for every profiled decode step, the weights it reads (not
+  the embedding, only gathered; of a MoE layer the experts its live tokens route to, expected
+  under uniform routing, as ``bench_models``) plus the KV of *its* live sequences at *their*
+  lengths, read once at the measured H200 bandwidth; the record
   gives the median step / bound ratio and TPOT p50 over the bound at the mean live count;
 - **audit**: ``--audit-requests`` of the requests again, arrival order shuffled, concurrency
   ``--audit-max-num-seqs`` (it binds: half of max_num_seqs), and ``--alone-sample`` (>= 16)
@@ -68,6 +70,7 @@ from corun.engine import LLMEngine, StepRecord
 from corun.model_runner import ModelRunner
 from corun.outputs import RequestOutput
 from corun.sampling_params import SamplingParams
+from experiments.bench_models import decode_weight_bytes
 from experiments.harness import (
     WARMUP_LENGTHS,
     count_jit_compiles,
@@ -188,9 +191,12 @@ def latency_stats(outputs: list[RequestOutput]) -> dict:
     }
 
 
-def decode_bound_ms(runner: ModelRunner, context_tokens: float) -> float:
-    """Weights + the KV of ``context_tokens`` cached tokens, read once at the H200 bandwidth."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+def decode_bound_ms(runner: ModelRunner, context_tokens: float, live: float) -> float:
+    """The weights a decode step of ``live`` tokens reads (``bench_models.decode_weight_bytes``:
+    not the embedding, which is only gathered, nor the experts no token routes to) + the KV of
+    ``context_tokens`` cached tokens, read once at the H200 bandwidth."""
+    weight_bytes = decode_weight_bytes(runner.model_config, max(live, 1),
+                                       runner.dtype.itemsize)
     kv_per_token = runner.kv_cache.spec.bytes_per_block(1, runner.dtype)
     return memory_bound_us(weight_bytes + context_tokens * kv_per_token) / 1e3
 
@@ -213,13 +219,13 @@ def step_profile(records: list[StepRecord], runner: ModelRunner) -> dict:
                 3)
     decodes = [r for r in records if r.kind == "decode"]
     if decodes:
-        ratios = [r.seconds * 1e3 / decode_bound_ms(runner, r.decode_context_tokens)
-                  for r in decodes]
+        ratios = [r.seconds * 1e3 / decode_bound_ms(runner, r.decode_context_tokens,
+                                                    r.num_decode_live) for r in decodes]
         out["decode_step_over_own_bound_p50"] = _pct(ratios, 0.5)
         live = statistics.fmean(r.num_decode_live for r in decodes)
         context = statistics.fmean(r.decode_context_tokens for r in decodes)
         out["decode_live_mean"] = round(live, 2)
-        out["decode_bound_ms_at_live_mean"] = round(decode_bound_ms(runner, context), 4)
+        out["decode_bound_ms_at_live_mean"] = round(decode_bound_ms(runner, context, live), 4)
     out["steps"] = len(records)
     return out
 
@@ -521,8 +527,9 @@ def main(argv: list[str] | None = None) -> None:
                              args.seed)
     extra = {"model": args.model, "dtype": args.dtype, "workload": workload,
              "timing": "wall clock of the whole run; per-step profile with a device sync around "
-                       "each step; decode bounds: weights + the timed step's live KV read once "
-                       "at 4.3 TB/s"}
+                       "each step; decode bounds: the weights the step reads (no embedding; the "
+                       "experts its live tokens reach under uniform routing) + the timed step's "
+                       "live KV, read once at 4.3 TB/s"}
     records: list[dict] = []
     path = None
     cachings = {"on": (True,), "off": (False,), "both": (True, False)}[args.prefix_caching]

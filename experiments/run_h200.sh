@@ -8,7 +8,7 @@
 #   models   experiments/bench_models.py -> models-h200.json; MODELS_ARGS adds flags (e.g. --decode-batch 128 --name ...)
 #   offline  experiments/bench_offline.py -> offline-h200.json (+ png); OFFLINE_ARGS adds flags
 #   sweep    experiments/sweep_offline.py -> sweep-offline-h200.json (+ png)
-#   headline  SWEEP_ARGS points -> sweep-offline-h200-run2.json, then offline at the best corun point
+#   headline  SWEEP_ARGS points -> sweep-offline-h200-run5.json, then offline at the best corun point
 #   gpuengine  tests/engine/test_gpu_engine.py (graph replay == eager, packed bits, BI-tuned)
 #   serving  experiments/bench_serving.py --launch -> serving-h200.json (+ png per mode)
 #   serving-step  corun at several packed steps T beside default and the tuned peer under the
@@ -65,13 +65,17 @@ for stage in "$@"; do
     offline) run offline ${OFFLINE_LIMIT:-300} python3 -m experiments.bench_offline ${OFFLINE_ARGS:-} ;;
     sweep)   run sweep ${SWEEP_LIMIT:-330} python3 -m experiments.sweep_offline --time-budget-s ${SWEEP_BUDGET:-300} ${SWEEP_ARGS:-} ;;
     headline)  # more sweep points (SWEEP_ARGS), then the offline headline at the best corun point
-               # of every sweep file (the committed one and this run's)
-               run sweep ${SWEEP_LIMIT:-200} python3 -m experiments.sweep_offline --name sweep-offline-h200-run2 \
+               # of every sweep file (the committed ones and this run's, under a new name)
+               run sweep ${SWEEP_LIMIT:-200} python3 -m experiments.sweep_offline --name ${HEADLINE_SWEEP_NAME:-sweep-offline-h200-run5} \
                  --time-budget-s ${SWEEP_BUDGET:-170} ${SWEEP_ARGS:-}
-               best=$(python3 -m experiments.sweep_offline --print-best experiments/results/sweep-offline-h200.json \
-                 $(ls "$OUT"/results/sweep-offline-h200-run2.json 2>/dev/null))
-               echo "== best corun settings: $best"
-               run offline ${OFFLINE_LIMIT:-380} python3 -m experiments.bench_offline ${OFFLINE_ARGS:-} --corun-set $best ;;
+               best=$(python3 -m experiments.sweep_offline --print-best experiments/results/sweep-offline-h200*.json \
+                 $(ls "$OUT"/results/${HEADLINE_SWEEP_NAME:-sweep-offline-h200-run5}.json 2>/dev/null))
+               if [ -z "$best" ]; then  # never the engine's defaults in the best point's place
+                 echo "== headline: no best corun point (see the sweep log); offline skipped"
+               else
+                 echo "== best corun settings: $best"
+                 run offline ${OFFLINE_LIMIT:-380} python3 -m experiments.bench_offline ${OFFLINE_ARGS:-} --corun-set $best
+               fi ;;
     gpuengine) run gpuengine ${GPUENGINE_LIMIT:-240} python3 -m pytest -v --tb=short -p no:cacheprovider \
                tests/engine/test_gpu_engine.py \
                invariance_tests/test_engine_determinism.py::test_corun_graph_replay_matches_eager_on_gpu --timeout=140 ;;

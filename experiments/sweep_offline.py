@@ -231,7 +231,10 @@ def main(argv: list[str] | None = None) -> None:
     points = [(label, fields) for label, fields in grid(args.max_num_seqs, args.dry_run)
               if args.points is None or label in args.points]
     configs = [(label, dataclasses.replace(base, **fields)) for label, fields in points]
-    configs.sort(key=lambda p: tuple(str(getattr(p[1], f)) for f in RUNNER_FIELDS))
+    # default's points first: every file needs one for --print-best's ratios, and a run cut by
+    # its time budget keeps what ran first; then by runner, so consecutive points share one.
+    configs.sort(key=lambda p: (str(p[1].mode) != "default",
+                                tuple(str(getattr(p[1], f)) for f in RUNNER_FIELDS)))
     extra = {"model": args.model, "workload": {"num_requests": args.num_requests,
              "input_len": list(args.input_len), "output_len": args.output_len,
              "max_num_seqs": args.max_num_seqs, "arrivals": "all at t=0"},

@@ -97,6 +97,8 @@ def test_sweep_dry_run_writes_points(tmp_path, monkeypatch):
     head, *records = json.loads((tmp_path / "sweep-test.json").read_text())
     assert {r["point"] for r in records} == {"base", "overlap,budget=1T", "default,tokens=256"}
     assert all(r["output_tok_s"] > 0 for r in records)
+    # default's point runs first: a run its time budget cuts still has --print-best's reference.
+    assert records[0]["point"] == "default,tokens=256"
 
 
 def test_best_corun_settings_compares_each_run_to_its_own_default():

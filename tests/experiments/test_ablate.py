@@ -139,6 +139,20 @@ def test_serving_load_merge_keeps_the_earlier_modes(tmp_path, monkeypatch):
     assert head["merged"]["points_kept"] == 1 and head["merged"]["date"] == "2026-12-04"
     assert [(r["mode"], r["output_throughput"]) for r in records] == [("corun", 1.0),
                                                                      ("default", 9.0)]
+    # A run cut short (the device call's time limit) leaves its own records under another name,
+    # never a file of the merged name without the earlier modes.
+    (tmp_path / "load.json").unlink()
+
+    def cut_bench(argv):
+        fake_bench(argv)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_serving, "main", cut_bench)
+    with pytest.raises(KeyboardInterrupt):
+        ablate.main(["serving-load", "--modes", "default", "--name", "load", "--merge",
+                     str(earlier)])
+    assert not (tmp_path / "load.json").exists()
+    assert (tmp_path / "load-unmerged.json").exists()
 
 
 def test_serving_load_merge_runs_at_the_earlier_budget_per_mode(tmp_path, monkeypatch):
@@ -164,7 +178,7 @@ def test_serving_load_merge_runs_at_the_earlier_budget_per_mode(tmp_path, monkey
                  "--time-budget-s", "200"])
     assert budgets == [pytest.approx(47.5)]
     # The output file is written after every rate: merging from it would lose it to a cut run.
-    with pytest.raises(ValueError, match="writes that file as it goes"):
+    with pytest.raises(ValueError, match="writes its merged file there"):
         ablate.main(["serving-load", "--modes", "default", "--name", "earlier", "--merge",
                      str(earlier)])
     assert budgets == [pytest.approx(47.5)]  # refused before any work
