@@ -151,26 +151,27 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_kernels needs a CUDA device; none found", file=sys.stderr)
         return 2
     timings, checks, errors = [], [], []
-    for name in args.families.split(","):
-        t, c, e = run_family(name.strip(), args.quick)
+    # With --merge this run's own records go to kernels-h200-lastrun.json and the merged file is
+    # rewritten after every family: a run cut short by its time limit leaves a whole merged
+    # file (never this run's records alone under the committed name).
+    name = "kernels-h200-lastrun" if args.merge is not None else "kernels-h200"
+    for family in args.families.split(","):
+        t, c, e = run_family(family.strip(), args.quick)
         timings += t
         checks += c
         errors += e
-        # Written after every family, so a run cut short by its time limit still leaves a file.
         path = harness.write_results(
-            "kernels-h200",
+            name,
             timings + checks + [{"error": True, **e} for e in errors],
             args.out,
             quick=args.quick,
             families=args.families,
             timing="harness.bench_us: CUDA-graph replay medians, do_bench where not capturable",
         )
-    plot_ratios(timings, path.with_suffix(".png"))
-    if args.merge is not None:
-        # The merged file replaces this run's: keep this run's own records beside it.
-        single = path.with_name("kernels-h200-lastrun.json")
-        path.replace(single)
-        path = _merge_files(args.merge, [single], args.out or str(path.parent))
+        if args.merge is not None:  # (it plots the merged records)
+            path = _merge_files(args.merge, [path], args.out or str(path.parent))
+    if args.merge is None:
+        plot_ratios(timings, path.with_suffix(".png"))
     failed = [c for c in checks if not c.get("passed") and not c.get("negative_control")]
     print(
         f"wrote {path}: {len(timings)} timings, {len(checks)} checks "

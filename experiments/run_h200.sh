@@ -41,19 +41,22 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 
-run() {  # run NAME SECONDS CMD...: time-limited, logged, never stops the script
+run() {  # run NAME SECONDS CMD...: time-limited, logged, never stops the script; returns the
+  # command's status (124 or 130: cut by the limit), so `run ... && cp` copies only a finished file
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
   timeout --signal=INT --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   echo "== $name rc=$rc $((SECONDS - start))s"; tail -n 12 "$OUT/$name.log"
+  return $rc
 }
 
 for stage in "$@"; do
   case $stage in
     tests)   run tests ${TESTS_LIMIT:-110} python3 -m pytest -v --tb=short -n 8 -p no:cacheprovider tests/kernels invariance_tests \
                --ignore=invariance_tests/test_engine_determinism.py --timeout=60 ;;
-    tune)    run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-250} ${TUNE_ARGS:-} && cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
+    # tune_gemm writes its table after every shape (a cut run resumes): copied whatever the status
+    tune)    run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-250} ${TUNE_ARGS:-}; cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
     tune_moe) run tune_moe ${TUNE_MOE_LIMIT:-150} python3 -m experiments.tune_moe --budget-s ${TUNE_MOE_BUDGET:-120} \
                && cp kernels/tuned/moe_h200.json "$OUT/results/" ;;
     tune_mla) run tune_mla ${TUNE_MLA_LIMIT:-330} python3 -m experiments.tune_mla --budget-s ${TUNE_MLA_BUDGET:-270} \

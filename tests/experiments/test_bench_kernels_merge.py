@@ -42,3 +42,33 @@ def test_merge_from_files_writes_the_merged_file(tmp_path):
     head, *records = json.loads((out / "kernels-h200.json").read_text())
     assert {r["op"] for r in records} == {"gemm", "decode_attention"}
     assert (out / "kernels-h200.png").exists()
+
+
+def test_a_cut_merging_run_leaves_a_whole_merged_file(tmp_path, monkeypatch):
+    """The merged file is rewritten after every family: a run its time limit stops in its
+    second family leaves the base's records with the first family's, and this run's own
+    records under kernels-h200-lastrun.json (never them alone under the committed name)."""
+    import torch
+
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(_run("d1", "gemm,mla", {"gemm": 2, "mla_decode": 1})))
+    record = _run("d2", "attention", {"decode_attention": 1})[1]
+
+    def family(name, quick):
+        if name == "mla":
+            raise KeyboardInterrupt  # the time limit, during the second family
+        return [record], [], []
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H200")  # the header's
+    monkeypatch.setattr(bench_kernels, "run_family", family)
+    out = tmp_path / "out"
+    try:
+        bench_kernels.main(["--merge", str(base), "--families", "attention,mla",
+                            "--out", str(out)])
+    except KeyboardInterrupt:
+        pass
+    _, *merged = json.loads((out / "kernels-h200.json").read_text())
+    assert sorted(r["op"] for r in merged) == ["decode_attention", "gemm", "gemm", "mla_decode"]
+    _, *own = json.loads((out / "kernels-h200-lastrun.json").read_text())
+    assert [r["op"] for r in own] == ["decode_attention"]
