@@ -207,14 +207,26 @@ def main(argv: list[str] | None = None) -> None:
                           "arrivals": "all at t=0", "corun_overrides": args.corun_overrides},
              "timing": "wall clock of each mode's main run after its warm-up; TTFT from the "
                        "common arrival time (all requests at t=0, so it includes queueing)"}
-    records, kept, commands = earlier_records(args.merge, {f for f, _ in runs})
-    extra["truncation"] = {**kept, **extra["truncation"]}
+    # An earlier file's records of a family stay until this run has measured every mode of it:
+    # a run its time limit cuts mid-family leaves that family as it was, not half of it.
+    earlier, kept_truncation, kept_commands = earlier_records(args.merge, set())
+    new_truncation = extra["truncation"]
     # A merged file holds several device calls: the header's command is this one, and
     # ``commands`` names the call that measured each family.
     this_command = " ".join(shlex.quote(a) for a in [
         sys.executable, "-m", "experiments.bench_paper",
         *(sys.argv[1:] if argv is None else argv)])
-    extra["commands"] = {**commands, **{f: this_command for f, _ in runs}}
+    finished: dict[str, list[dict]] = {}  # family -> this run's records, once all modes ran
+
+    def current() -> tuple[list[dict], dict]:
+        records = [r for r in earlier if r.get("model") not in finished]
+        records += [r for family_records in finished.values() for r in family_records]
+        header = {**extra,
+                  "truncation": {**kept_truncation, **{f: new_truncation[f] for f in finished}},
+                  "commands": {**kept_commands, **{f: this_command for f in finished}}}
+        return records, header
+
+    path = None
     bar = tqdm(total=len(runs) * len(args.modes), desc="paper", unit="run")
     for family, config_name in runs:
         args.model = config_name
@@ -225,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         build_s = round(time.perf_counter() - build, 1)
         work = bench_offline.make_workload(args.num_requests, args.input_len, args.output_len,
                                            model[1].vocab_size, args.seed)
+        family_records: list[dict] = []
         for mode in args.modes:
             bar.set_postfix_str(f"{family} {mode}")
             base = {"model": family, "model_config": config_name,
@@ -235,15 +248,17 @@ def main(argv: list[str] | None = None) -> None:
                 record = {**base, **bench_offline.bench_variant(mode, model, args, work)[0]}
             except Exception as exc:  # one mode failing (e.g. out of memory) keeps the others
                 record = {**base, "mode": mode, "error": f"{type(exc).__name__}: {exc}"[:500]}
-            records.append(record)
+            family_records.append(record)
             print(json.dumps(record), flush=True)
             gc.collect()
             if probe.is_cuda:
                 torch.cuda.empty_cache()
-            add_paper_ratios(records)
-            path = write_results(args.name, records, **extra)  # partial results as it goes
-            plot(records, path.with_suffix(".png"))
             bar.update(1)
+        finished[family] = family_records
+        records, header = current()
+        add_paper_ratios(records)
+        path = write_results(args.name, records, **header)  # written after every family
+        plot(records, path.with_suffix(".png"))
         del model
         gc.collect()
         if probe.is_cuda:

@@ -51,3 +51,36 @@ def test_plot_of_failed_modes_draws_nothing_and_does_not_raise(tmp_path):
     bench_paper.plot([{"model": "hy3", "mode": "corun", "output_tok_s": 1.0, "ttft_ms_mean": 2.0,
                        "tpot_ms_mean": 3.0}], path)
     assert path.stat().st_size > 0
+
+
+def test_a_cut_run_keeps_the_earlier_records_of_an_unfinished_family(tmp_path, monkeypatch):
+    """The file is written after every family: a run cut in its second family (the device
+    call's time limit) keeps that family's earlier records whole, with the first one's new."""
+    from experiments import bench_offline
+
+    monkeypatch.setenv("CORUN_RESULTS_DIR", str(tmp_path))
+    common = ["--dry-run", "--modes", "default", "corun", "--num-requests", "4", "--name"]
+    bench_paper.main([*common, "paper-first", "--models", "qwen3-235b-a22b", "deepseek-v3"])
+    earlier = json.loads((tmp_path / "paper-first.json").read_text())[1:]
+    bench_variant = bench_offline.bench_variant
+    calls = []
+
+    def cut_in_deepseek(mode, model, args, work):
+        calls.append(args.model)
+        if args.model == "tiny-deepseek-v3" and mode == "corun":
+            raise KeyboardInterrupt
+        return bench_variant(mode, model, args, work)
+
+    monkeypatch.setattr(bench_offline, "bench_variant", cut_in_deepseek)
+    try:
+        bench_paper.main([*common, "paper-cut", "--models", "hy3", "deepseek-v3", "--merge",
+                          str(tmp_path / "paper-first.json")])
+    except KeyboardInterrupt:
+        pass
+    head, *records = json.loads((tmp_path / "paper-cut.json").read_text())
+    assert [(r["model"], r["mode"]) for r in records] == [
+        (f, m) for f in ("qwen3-235b-a22b", "deepseek-v3", "hy3") for m in ("default", "corun")]
+    deepseek = [r for r in records if r["model"] == "deepseek-v3"]
+    assert [r["measured_at"] for r in deepseek] == [
+        r["measured_at"] for r in earlier if r["model"] == "deepseek-v3"]
+    assert "paper-first" in head["commands"]["deepseek-v3"] and "hy3" in head["commands"]["hy3"]
