@@ -161,6 +161,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         max_queue = self.config.max_queue_len
+        if max_queue is not None and params.num_samples > max_queue:
+            raise ValueError(f"n: {params.num_samples} sequences (n, or best_of) exceed "
+                             f"max_queue_len {max_queue}: no wait can queue them")
         if max_queue is not None and len(self.scheduler.waiting) + params.num_samples > max_queue:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests waiting "
                                  f"(max_queue_len {max_queue})")

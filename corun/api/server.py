@@ -363,6 +363,11 @@ async def _respond(
 ) -> Response:
     """Submit every prompt (all or none), then answer with one JSON body or an SSE stream."""
     state.check_accepting()
+    limit = state.engine_loop.max_queue_len
+    num_seqs = sum(s.params.num_samples for s in subs)
+    if limit is not None and num_seqs > limit:  # no retry can queue it: the client's error
+        raise APIError(400, f"n: this request's {num_seqs} sequences (prompts x n, or "
+                       f"best_of) exceed the server's queue of {limit} (--max-queue-len)", "n")
     queue: asyncio.Queue = asyncio.Queue()
     try:
         state.engine_loop.submit([(s.request_id, s.prompt_ids, s.params) for s in subs], queue)

@@ -137,3 +137,14 @@ def test_full_queue_answers_503(guarded_server: Server):
         assert (
             client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
         )
+
+
+def test_a_request_larger_than_the_queue_answers_400(guarded_server: Server):
+    """Two sequences can never fit a queue of one: a 400 naming n, not a 503 to retry."""
+    with guarded_server.client() as client:
+        response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "n" and "--max-queue-len" in error["message"]
+        assert client.post("/v1/completions",
+                           json={"prompt": "x", "max_tokens": 1}).status_code == 200

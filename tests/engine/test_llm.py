@@ -205,3 +205,10 @@ def test_generate_without_params_takes_the_generation_config(tmp_path):
         assert llm.get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="^generation_config: "):
         LLM(model="tiny-qwen3", generation_config=str(tmp_path / "none"))
+
+
+def test_more_samples_than_the_queue_holds_is_a_value_error():
+    engine = LLMEngine(EngineConfig(mode="corun", **dict(TINY, max_queue_len=2)))
+    with pytest.raises(ValueError, match="^n: 3 sequences .* exceed max_queue_len 2"):
+        engine.add_request([1, 2], SamplingParams(n=3, max_tokens=2), "a")
+    assert not engine.requests
