@@ -49,6 +49,11 @@ class EngineConfig:
       kept as given; ``torch_dtype`` normalises); None (``"auto"``): bfloat16 on CUDA, float32 on
       the CPU, the one default of ``LLM`` and the server.
     - ``device``: ``"cuda"``, ``"cpu"``, ... or None for CUDA when present, else CPU.
+    - ``max_model_len``: prompt + output tokens a sequence may hold; None: 2048, or the
+      positions the model serves when fewer, resolved at construction (so
+      ``dataclasses.replace(config, model=...)`` keeps the first model's; pass
+      ``max_model_len=None`` with it to derive it again). The engine refuses a value above the
+      model's positions.
     - ``backend``: ``"triton"`` or ``"torch"``; None picks triton on CUDA, torch on the CPU.
     - ``num_kv_blocks``: KV blocks of ``block_size`` tokens; None sizes the cache to what the
       config can use (``max_num_seqs`` + 1 full-length sequences, ``corun.memory_plan``), on a

@@ -350,20 +350,19 @@ class LLMEngine:
         return seq.finish_reason is not None
 
     def _match_stop_string(self, seq: Sequence) -> tuple[int, str] | None:
-        """The stop string that ends first in the text the newest token added, the earlier in
-        ``stop`` on a tie (its position and the string), as vLLM's check: a match must end past
-        the text of the previous step, and past the text of the first ``min_tokens`` tokens."""
+        """The first string of ``stop`` found in the text the newest token added (its position
+        and the string), as vLLM's ``check_stop_strings``: a match must end past the text of the
+        previous step, and past the text of the first ``min_tokens`` tokens."""
         text = self._decode(seq.output_token_ids, seq.params)
         # Characters a later token may still change (an incomplete UTF-8 sequence) are new again.
         checked, seq.stop_checked_chars = seq.stop_checked_chars, len(text.rstrip(REPLACEMENT_CHAR))
         if seq.num_output_tokens <= seq.params.min_tokens:
             return None
-        hits = [(text.find(s, max(0, checked - len(s) + 1)), s) for s in seq.params.stop_strings]
-        found = [(pos + len(s), order, pos, s) for order, (pos, s) in enumerate(hits) if pos >= 0]
-        if not found:
-            return None
-        _end, _order, pos, stop = min(found)
-        return pos, stop
+        for stop in seq.params.stop_strings:
+            pos = text.find(stop, max(0, checked - len(stop) + 1))
+            if pos >= 0:
+                return pos, stop
+        return None
 
     def _cut_stop_token_text(self, seq: Sequence) -> None:
         """A stop id or EOS ends the output without its own text unless

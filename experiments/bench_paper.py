@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
              "timing": "wall clock of each mode's main run after its warm-up; TTFT from the "
                        "common arrival time (all requests at t=0, so it includes queueing)"}
     # An earlier file's records of a family stay until this run has measured every mode of it:
-    # a run its time limit cuts mid-family leaves that family as it was, not half of it.
+    # a run its time limit cuts mid-family leaves that family as it was, not half of it. A
+    # family the earlier file lacks is written mode by mode (half of it beats none).
     earlier, kept_truncation, kept_commands = earlier_records(args.merge, set())
     new_truncation = extra["truncation"]
     # A merged file holds several device calls: the header's command is this one, and
@@ -218,9 +219,12 @@ def main(argv: list[str] | None = None) -> None:
         *(sys.argv[1:] if argv is None else argv)])
     finished: dict[str, list[dict]] = {}  # family -> this run's records, once all modes ran
 
-    def current() -> tuple[list[dict], dict]:
+    def current(family: str | None = None, partial: list[dict] | None = None
+                ) -> tuple[list[dict], dict]:
         records = [r for r in earlier if r.get("model") not in finished]
         records += [r for family_records in finished.values() for r in family_records]
+        if partial and not any(r.get("model") == family for r in records):
+            records += partial
         header = {**extra,
                   "truncation": {**kept_truncation, **{f: new_truncation[f] for f in finished}},
                   "commands": {**kept_commands, **{f: this_command for f in finished}}}
@@ -254,11 +258,12 @@ def main(argv: list[str] | None = None) -> None:
             if probe.is_cuda:
                 torch.cuda.empty_cache()
             bar.update(1)
-        finished[family] = family_records
-        records, header = current()
-        add_paper_ratios(records)
-        path = write_results(args.name, records, **header)  # written after every family
-        plot(records, path.with_suffix(".png"))
+            if len(family_records) == len(args.modes):
+                finished[family] = family_records
+            records, header = current(family, family_records)
+            add_paper_ratios(records)
+            path = write_results(args.name, records, **header)  # written after every mode
+            plot(records, path.with_suffix(".png"))
         del model
         gc.collect()
         if probe.is_cuda:

@@ -42,7 +42,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,n
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 
 run() {  # run NAME SECONDS CMD...: time-limited, logged, never stops the script; returns the
-  # command's status (124 or 130: cut by the limit), so `run ... && cp` copies only a finished file
+  # command's status (124, or 137 after the kill: cut by the limit), so `run ... && cp` copies
+  # only a finished file
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
   timeout --signal=INT --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1

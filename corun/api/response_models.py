@@ -109,7 +109,6 @@ class ChatChoice(BaseModel):
     seed: int | None = None
     fingerprint: str | None = None
     token_ids: list[int] | None = None
-    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -120,8 +119,9 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
-    # vLLM's return_token_ids: a chat response's prompt ids sit at its root (one prompt).
+    # vLLM's return_token_ids and prompt_logprobs: at a chat response's root (one prompt).
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -138,8 +138,6 @@ class ChatStreamChoice(BaseModel):
     seed: int | None = None
     fingerprint: str | None = None
     token_ids: list[int] | None = None
-    # On the choice's first chunk (its role), as the completions stream sends them.
-    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -150,7 +148,10 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
-    prompt_token_ids: list[int] | None = None  # the stream's first chunk (vLLM)
+    # On each choice's role chunk: the prompt's ids (vLLM) and its logprobs (vLLM refuses them
+    # in a stream; here they come as the non-streamed response has them).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionChunk(BaseModel):

@@ -262,7 +262,6 @@ class ChatBuilder(_Builder):
     id_prefix = "chatcmpl"
     chunk_cls = ChatCompletionChunk
     response_cls = ChatCompletionResponse
-    _prompt_ids_sent = False
 
     def _logprobs(self, ids: list[int], lps: list) -> ChatLogprobs | None:
         """OpenAI's chat logprobs: per token its logprob and the ``top_logprobs`` most likely."""
@@ -287,12 +286,16 @@ class ChatBuilder(_Builder):
                     index=choice.index,
                     seed=choice.seed,
                     delta=DeltaMessage(role="assistant", content=""),
-                    prompt_logprobs=self._prompt_logprobs(choice, True),
                 )
-                chunk = self._chunk([role])
-                if not self._prompt_ids_sent:  # once, at the stream's root
-                    self._prompt_ids_sent = True
-                    chunk.prompt_token_ids = self._prompt_token_ids(choice, True)
+                # vLLM: every choice's role chunk carries the prompt's ids (and here its
+                # logprobs) at the root, and counts no completion tokens yet.
+                usage = None
+                if self.body.continuous_usage:
+                    usage = UsageInfo(prompt_tokens=choice.prompt_len, completion_tokens=0,
+                                      total_tokens=choice.prompt_len)
+                chunk = self._chunk([role], usage)
+                chunk.prompt_token_ids = self._prompt_token_ids(choice, True)
+                chunk.prompt_logprobs = self._prompt_logprobs(choice, True)
                 out.append(chunk)
             text, ids, lps = choice.take_delta()
             out.append(
@@ -327,9 +330,10 @@ class ChatBuilder(_Builder):
                     seed=choice.seed,
                     fingerprint=choice.fingerprint,
                     token_ids=ids if self.body.return_token_ids else None,
-                    prompt_logprobs=self._prompt_logprobs(choice, True),
                 )
             )
+        # vLLM: a chat response's prompt ids and prompt logprobs sit at its root (one prompt).
         response = self._response(choices)
         response.prompt_token_ids = self._prompt_token_ids(self.choices[0], True)
+        response.prompt_logprobs = self._prompt_logprobs(self.choices[0], True)
         return response

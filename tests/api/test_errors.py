@@ -148,3 +148,6 @@ def test_a_request_larger_than_the_queue_answers_400(guarded_server: Server):
         assert error["param"] == "n" and "--max-queue-len" in error["message"]
         assert client.post("/v1/completions",
                            json={"prompt": "x", "max_tokens": 1}).status_code == 200
+        response = client.post("/v1/completions",
+                               json={"prompt": "x", "max_tokens": 2, "best_of": 2})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "best_of"

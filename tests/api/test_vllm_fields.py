@@ -66,26 +66,36 @@ def test_return_token_ids_gives_the_prompt_ids_once(client: httpx.Client):
     chunks = _stream(client, COMPLETIONS, body)
     given = [c["choices"][0]["prompt_token_ids"] for c in chunks if c["choices"]]
     assert given[0] == prompt_ids and all(g is None for g in given[1:])
-    # Chat (vLLM >= 0.10.2): at the response's root, and at the root of the stream's first chunk.
+    # Chat (vLLM >= 0.10.2): at the response's root, and at the root of each choice's role chunk.
     chat_ids = _post(client, "/tokenize", {"messages": MESSAGES})["tokens"]
     chat = {"messages": MESSAGES, "max_tokens": 2, "seed": 1, "return_token_ids": True, "n": 2}
     response = _post(client, CHAT, chat)
     assert response["prompt_token_ids"] == chat_ids
     assert all("prompt_token_ids" not in c for c in response["choices"])
-    given = [c.get("prompt_token_ids") for c in _stream(client, CHAT, chat)]
-    assert given[0] == chat_ids and all(g is None for g in given[1:])
+    chunks = [c for c in _stream(client, CHAT, chat) if c["choices"]]
+    roles = [c for c in chunks if c["choices"][0]["delta"].get("role") == "assistant"]
+    assert sorted(c["choices"][0]["index"] for c in roles) == [0, 1]
+    assert all(c["prompt_token_ids"] == chat_ids for c in roles)
+    assert all(c.get("prompt_token_ids") is None for c in chunks if c not in roles)
     # Without the flag, no ids.
     plain = _post(client, COMPLETIONS, {"prompt": "Hello", "max_tokens": 1})["choices"][0]
     assert plain.get("prompt_token_ids") is None
 
 
-def test_chat_stream_carries_the_prompt_logprobs(client: httpx.Client):
+def test_chat_prompt_logprobs_sit_at_the_root(client: httpx.Client):
+    """vLLM puts a chat response's prompt_logprobs at its root; a stream has them on the role
+    chunk; and with continuous usage the role chunk counts no completion tokens yet."""
     body = {"messages": MESSAGES, "max_tokens": 2, "seed": 3, "prompt_logprobs": 1}
-    whole = _post(client, CHAT, body)["choices"][0]["prompt_logprobs"]
+    response = _post(client, CHAT, body)
+    whole = response["prompt_logprobs"]
     assert whole[0] is None and len(whole) > 1
-    streamed = [c["choices"][0].get("prompt_logprobs") for c in _stream(client, CHAT, body)
-                if c["choices"]]
-    assert streamed[0] == whole and all(s is None for s in streamed[1:])
+    assert "prompt_logprobs" not in response["choices"][0]
+    chunks = [c for c in _stream(client, CHAT, {**body, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}}) if c["choices"]]
+    assert chunks[0]["prompt_logprobs"] == whole
+    assert all(c.get("prompt_logprobs") is None for c in chunks[1:])
+    assert chunks[0]["usage"]["completion_tokens"] == 0
+    assert chunks[1]["usage"]["completion_tokens"] == 1
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])

@@ -124,11 +124,12 @@ def test_a_stop_id_that_completes_a_character_takes_it_out_of_the_text(free):
     assert out.finish_reason == "stop" and out.token_ids == free[:3] and out.text == "A"
 
 
-def test_the_stop_string_that_ends_first_wins_ties_by_order(free):
+def test_the_first_stop_string_of_the_list_found_in_the_new_text_wins(free):
+    """vLLM's check_stop_strings: the list's order, not the earliest match in the text."""
     tokenizer = MapTokenizer({free[0]: "x", free[1]: "abcd"})
     out = _steps(_engine(tokenizer),
                  SamplingParams(max_tokens=6, stop=["abcd", "bc"], **GREEDY))[-1]
-    assert (out.stop_reason, out.text) == ("bc", "xa")  # "bc" ends at 3, "abcd" at 4
+    assert (out.stop_reason, out.text) == ("abcd", "x")
     out = _steps(_engine(tokenizer),
-                 SamplingParams(max_tokens=6, stop=["abc", "bc"], **GREEDY))[-1]
-    assert (out.stop_reason, out.text) == ("abc", "x")  # both end at 3: the first in the list
+                 SamplingParams(max_tokens=6, stop=["bc", "abcd"], **GREEDY))[-1]
+    assert (out.stop_reason, out.text) == ("bc", "xa")

@@ -70,5 +70,6 @@ def test_a_cut_merging_run_leaves_a_whole_merged_file(tmp_path, monkeypatch):
         pass
     _, *merged = json.loads((out / "kernels-h200.json").read_text())
     assert sorted(r["op"] for r in merged) == ["decode_attention", "gemm", "gemm", "mla_decode"]
-    _, *own = json.loads((out / "kernels-h200-lastrun.json").read_text())
+    own_head, *own = json.loads((out / "kernels-h200-lastrun.json").read_text())
     assert [r["op"] for r in own] == ["decode_attention"]
+    assert own_head["families"] == "attention"  # not the mla it never measured

@@ -84,3 +84,25 @@ def test_a_cut_run_keeps_the_earlier_records_of_an_unfinished_family(tmp_path, m
     assert [r["measured_at"] for r in deepseek] == [
         r["measured_at"] for r in earlier if r["model"] == "deepseek-v3"]
     assert "paper-first" in head["commands"]["deepseek-v3"] and "hy3" in head["commands"]["hy3"]
+
+
+def test_a_cut_run_keeps_the_finished_modes_of_a_new_family(tmp_path, monkeypatch):
+    """Nothing earlier to protect: the modes a cut run finished are written."""
+    from experiments import bench_offline
+
+    monkeypatch.setenv("CORUN_RESULTS_DIR", str(tmp_path))
+    bench_variant = bench_offline.bench_variant
+
+    def cut_at_corun(mode, model, args, work):
+        if mode == "corun":
+            raise KeyboardInterrupt
+        return bench_variant(mode, model, args, work)
+
+    monkeypatch.setattr(bench_offline, "bench_variant", cut_at_corun)
+    try:
+        bench_paper.main(["--dry-run", "--modes", "default", "corun", "--num-requests", "4",
+                          "--name", "paper-new", "--models", "hy3"])
+    except KeyboardInterrupt:
+        pass
+    _, *records = json.loads((tmp_path / "paper-new.json").read_text())
+    assert [(r["model"], r["mode"]) for r in records] == [("hy3", "default")]
