@@ -366,9 +366,10 @@ async def _respond(
     limit = state.engine_loop.max_queue_len
     num_seqs = sum(s.params.num_samples for s in subs)
     if limit is not None and num_seqs > limit:  # no retry can queue it: the client's error
-        field = "best_of" if any(s.params.num_samples > s.params.n for s in subs) else "n"
-        raise APIError(400, f"{field}: this request's {num_seqs} sequences (prompts x "
-                       f"{field}) exceed the server's queue of {limit} (--max-queue-len)", field)
+        field = ("best_of" if any(s.params.num_samples > s.params.n for s in subs)
+                 else "n" if any(s.params.n > 1 for s in subs) else "prompt")
+        raise APIError(400, f"{field}: this request's {num_seqs} sequences (prompts x n, or "
+                       f"best_of) exceed the server's queue of {limit} (--max-queue-len)", field)
     queue: asyncio.Queue = asyncio.Queue()
     try:
         state.engine_loop.submit([(s.request_id, s.prompt_ids, s.params) for s in subs], queue)

@@ -92,15 +92,16 @@ def test_body_over_the_limit_is_413(client: httpx.Client):
 
 
 def test_queue_limit_counts_sequences(guarded_server: Server):
-    """A queue of one sequence: one prompt with n = 2 (or two prompts) is refused whole with 503
-    and Retry-After, before any of it is queued; n = 1 is served."""
+    """A queue of one sequence: one prompt with n = 2 (or two prompts) can never be queued, so it
+    is refused whole with a 400 naming what made it too large, before any of it is queued (a 503
+    would invite a retry that cannot succeed); n = 1 is served."""
     with guarded_server.client() as client:
         before = guarded_server.metrics()
-        for body in ({"prompt": "x", "n": 2}, {"prompt": ["x", "y"]}, {"prompt": "x", "n": 128}):
+        for body, field in (({"prompt": "x", "n": 2}, "n"), ({"prompt": ["x", "y"]}, "prompt"),
+                            ({"prompt": "x", "n": 128}, "n")):
             response = client.post("/v1/completions", json={**body, "max_tokens": 4})
-            error = _error(response, 503)
-            assert error["code"] == "queue_full", error
-            assert response.headers["retry-after"].isdigit()
+            error = _error(response, 400)
+            assert error["param"] == field and "--max-queue-len" in error["message"], error
         after = guarded_server.metrics()
         assert after["corun:prompt_tokens_total"] == before["corun:prompt_tokens_total"]
         assert after.get("corun:request_success_total[abort]", 0.0) == before.get(
