@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import threading
 from types import ModuleType
 
@@ -116,10 +117,139 @@ class StructuredOutput:
         if self.kind == "json_object":
             return json_object_regex()
         if self.kind == "regex":
-            return self.spec
+            return _full_match_regex(self.spec, self.field)
         if self.kind == "choice":
             return "(" + "|".join(_escape(c) for c in self.spec) + ")"
+        _check_schema(json.loads(self.spec), self.field, "")
         return _schema_regex(self.spec, self.field)
+
+
+def _full_match_regex(regex: str, field: str) -> str:
+    """A guided regex as the grammar compiles it: it matches the whole output, so a leading
+    ``^`` and a trailing unescaped ``$`` are dropped (clients send them; the compiler refuses
+    them). One that matches the empty string is refused: the grammar anchors the match at the
+    output's end, which outlines-core cannot build for an empty match."""
+    if regex.startswith("^"):
+        regex = regex[1:]
+    if regex.endswith("$"):
+        backslashes = len(regex[:-1]) - len(regex[:-1].rstrip("\\"))
+        if backslashes % 2 == 0:  # an odd count escapes the dollar itself
+            regex = regex[:-1]
+    try:
+        matches_empty = re.fullmatch(regex, "") is not None
+    except re.error:
+        matches_empty = False  # Rust syntax Python does not read: the compiler judges it
+    if matches_empty:
+        raise ValueError(f"{field}: a regex that matches the empty string is not supported "
+                         f"(make it match at least one character)")
+    return regex
+
+
+# Keywords outlines-core's schema compiler accepts and ignores: refused rather than served
+# unenforced (checked against its grammar: minimum 0 allowed -3, uniqueItems allowed [1, 1]).
+_UNENFORCED = frozenset({
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+    "maxProperties", "contains", "minContains", "maxContains", "dependentRequired",
+    "propertyNames"})
+# String formats whose patterns let a quote, a backslash or a control character into the string
+# (so the output would not be JSON): "uri" (any non-space in its userinfo and path), "time".
+_UNSAFE_FORMATS = frozenset({"uri", "time"})
+# Escapes that can match a quote, a backslash or a control character (or, \\x and \\u, any
+# character): inside a JSON string they would end it or break it.
+_UNSAFE_ESCAPES = frozenset('SWDsPpntrfv0xu"\\')
+
+
+def _class_is_unsafe(items: str) -> bool:
+    """Whether a positive character class's items (between its brackets) admit a quote, a
+    backslash or a control character: listed, escaped, or inside a range."""
+    chars, i = [], 0
+    while i < len(items):
+        if items[i] == "\\":
+            if i + 1 >= len(items) or items[i + 1] in _UNSAFE_ESCAPES:
+                return True
+            chars.append(items[i + 1])
+            i += 2
+            continue
+        if i + 2 < len(items) and items[i + 1] == "-" and items[i + 2] != "\\":
+            low, high = ord(items[i]), ord(items[i + 2])
+            if low < 0x20 or low <= 0x22 <= high or low <= 0x5C <= high:
+                return True
+            i += 3
+            continue
+        chars.append(items[i])
+        i += 1
+    return any(c in '"\\' or ord(c) < 0x20 for c in chars)
+
+
+def _pattern_can_break_string(pattern: str) -> bool:
+    """Whether ``pattern`` can match a quote, a backslash or a control character (``.``, a
+    negated class, ``\\s \\S \\W \\D \\p``, ``\\n``, a class or range that holds one): inside a
+    JSON string such a character would end it or break it."""
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            if i + 1 >= len(pattern) or pattern[i + 1] in _UNSAFE_ESCAPES:
+                return True
+            i += 2
+            continue
+        if char == "[":
+            end = i + 2 if pattern[i + 1 : i + 2] == "]" else i + 1  # "[]...]": a literal "]"
+            while end < len(pattern) and pattern[end] != "]":
+                end += 2 if pattern[end] == "\\" else 1
+            items = pattern[i + 1 : end]
+            if items.startswith("^") or _class_is_unsafe(items):
+                return True
+            i = end + 1
+            continue
+        if char in '."' or ord(char) < 0x20:
+            return True
+        i += 1
+    return False
+# Keywords whose value maps names to schemas, and those whose value is a schema or a list of them.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+
+
+def _check_schema(node: object, field: str, path: str) -> None:
+    """ValueError naming ``field`` and the keyword's path for what outlines-core would compile
+    to a grammar that does not enforce it, or that lets the output stop being JSON."""
+    if not isinstance(node, dict):
+        return
+    where = f"{field}{path}"
+    for key in node:
+        if key in _UNENFORCED:
+            raise ValueError(f"{where}: the JSON-schema keyword {key!r} is not supported (the "
+                             f"grammar compiler does not enforce it)")
+    if node.get("format") in _UNSAFE_FORMATS:
+        raise ValueError(f"{where}: format {node['format']!r} is not supported (its pattern "
+                         f"lets a quote or a backslash into the string)")
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and _pattern_can_break_string(pattern):
+        raise ValueError(f"{where}: pattern {pattern!r} is not supported: it can match a quote, "
+                         f"a backslash or a control character ('.', a negated class, \\s, \\S, "
+                         f"\\W, \\D, ...), which would end the JSON string; list the characters "
+                         f"it may match instead")
+    if "enum" in node and "const" in node:
+        raise ValueError(f"{where}: 'const' with 'enum' is not supported (the compiler keeps "
+                         f"only one of them)")
+    required = node.get("required")
+    if isinstance(required, list):
+        missing = [name for name in required if name not in (node.get("properties") or {})]
+        if missing:
+            raise ValueError(f"{where}: required {missing} not in 'properties' (the compiler "
+                             f"would drop the requirement)")
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for name, sub in node[key].items():
+                _check_schema(sub, field, f"{path}.{key}.{name}")
+    for key in _SCHEMA_VALUES:
+        _check_schema(node.get(key), field, f"{path}.{key}")
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            for i, sub in enumerate(node[key]):
+                _check_schema(sub, field, f"{path}.{key}[{i}]")
 
 
 _IMPORT_LOCK = threading.Lock()

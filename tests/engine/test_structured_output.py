@@ -119,6 +119,43 @@ def test_specs_are_validated_naming_the_field():
     assert SamplingParams(structured=StructuredOutput("json_object")).has_logits_processing
 
 
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "integer", "minimum": 0}, "'minimum' is not supported"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+     "'uniqueItems' is not supported"),
+    ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 5}}},
+     r"\.properties\.n: the JSON-schema keyword 'multipleOf'"),
+    ({"type": "object", "required": ["x"]}, r"required \['x'\] not in 'properties'"),
+    ({"type": "string", "pattern": "^a.*$"}, "pattern '\\^a\\.\\*\\$' is not supported"),
+    ({"type": "string", "pattern": "[^0-9]+"}, "pattern .* is not supported"),
+    ({"type": "string", "pattern": "[ -~]+"}, "pattern .* is not supported"),
+    ({"type": "string", "format": "uri"}, "format 'uri' is not supported"),
+    ({"anyOf": [{"type": "string", "format": "time"}]}, r"anyOf\[0\]: format 'time'"),
+    ({"enum": ["a", "b"], "const": "a"}, "'const' with 'enum' is not supported"),
+])
+def test_schema_keywords_the_grammar_would_not_enforce_are_refused(schema, message):
+    """outlines-core compiles these and ignores them (minimum 0 allowed -3), or lets a quote or
+    a backslash into a string (a '.' pattern allowed {"x": "a"b"}): a ValueError naming the
+    field and the keyword's path, never output that breaks the schema or is not JSON."""
+    with pytest.raises(ValueError, match=f"^guided_json.*{message}"):
+        StructuredOutput.from_schema(schema, field="guided_json")
+
+
+def test_safe_patterns_and_a_property_named_like_a_keyword_are_served():
+    for pattern in (r"^\d+\.\d+$", "[A-Za-z0-9_-]+", r"^[0-9]{3}-[0-9]{4}$", r"\w+"):
+        StructuredOutput.from_schema({"type": "string", "pattern": pattern})
+    StructuredOutput.from_schema({"type": "object", "properties": {
+        "minimum": {"type": "integer"}}, "required": ["minimum"]})
+
+
+def test_guided_regex_anchors_are_dropped_and_an_empty_match_is_refused():
+    assert StructuredOutput("regex", "^[0-9]+$").regex == "[0-9]+"
+    assert StructuredOutput("regex", r"ab\$").regex == r"ab\$"  # an escaped dollar stays
+    for empty in ("[0-9]*", "a?", "x|"):
+        with pytest.raises(ValueError, match="^guided_regex: a regex that matches the empty"):
+            StructuredOutput("regex", empty, field="guided_regex")
+
+
 def test_choices_are_literals():
     """Regex metacharacters and control characters in a choice match themselves."""
     tokenizer, _ = tokenizer_for_model("corun-default")
