@@ -151,14 +151,18 @@ class WorkerGroup:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self._reports: dict[int, str] = {}
-        for rank in range(1, config.tensor_parallel_size):
-            parent_conn, child_conn = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(config, rank, port, child_conn),
-                               name=f"corun-tp-rank{rank}", daemon=True)
-            proc.start()
-            child_conn.close()  # only the child holds its end: its death closes the pipe
-            self.procs.append(proc)
-            self.conns.append(parent_conn)
+        try:
+            for rank in range(1, config.tensor_parallel_size):
+                parent_conn, child_conn = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(config, rank, port, child_conn),
+                                   name=f"corun-tp-rank{rank}", daemon=True)
+                proc.start()
+                child_conn.close()  # only the child holds its end: its death closes the pipe
+                self.procs.append(proc)
+                self.conns.append(parent_conn)
+        except BaseException:  # the workers already started must not outlive the failure
+            self.stop(grace_s=0.0)
+            raise
         try:
             self._join_group(port)
         except BaseException:
@@ -338,7 +342,10 @@ class TPModelRunner(ModelRunner):
         super().drop_swapped(seq_id)
 
     def destroy(self) -> None:
-        """Graphs first, then the workers, then rank 0's process group (idempotent)."""
-        super().destroy()
-        self.workers.stop(grace_s=0.0 if self._failure is not None else 5.0)
-        self._failure = self._failure or "the engine was shut down"
+        """Graphs first, then the workers, then rank 0's process group (idempotent); the
+        workers stop even if rank 0's teardown raises."""
+        try:
+            super().destroy()
+        finally:
+            self.workers.stop(grace_s=0.0 if self._failure is not None else 5.0)
+            self._failure = self._failure or "the engine was shut down"

@@ -342,3 +342,18 @@ def test_server_tp2_answers_then_exits_when_a_worker_dies(tmp_path):
         assert "the engine failed: tensor-parallel rank 1 exited with code -9" in log, log[-2000:]
     finally:
         server.stop()
+
+
+def test_workers_stop_even_if_rank_0_teardown_raises(monkeypatch):
+    """TPModelRunner.destroy stops the workers whatever rank 0's own teardown does."""
+    from corun.model_runner import ModelRunner
+
+    llm = LLM("tiny-qwen3", tensor_parallel_size=2, **dict(TINY, max_model_len=512))
+
+    def failing_destroy(self) -> None:
+        raise RuntimeError("rank 0 teardown failed")
+
+    monkeypatch.setattr(ModelRunner, "destroy", failing_destroy)
+    with pytest.raises(RuntimeError, match="rank 0 teardown failed"):
+        llm.close()
+    assert _no_workers_left()
