@@ -19,7 +19,7 @@ from pathlib import Path
 from corun.config import EngineConfig
 from corun.engine import LLMEngine
 from corun.outputs import RequestOutput
-from corun.sampling_params import SamplingParams, generation_config_defaults
+from corun.sampling_params import SamplingParams, generation_defaults_of
 from corun.tokenizer import Tokenizer, tokenizer_for_model
 
 PromptType = str | list[int] | dict
@@ -47,13 +47,7 @@ class LLM:
         self.engine: LLMEngine | None = None  # set last: __del__ may run on a failed __init__
         self._closed = False
         self.config = EngineConfig(model=model, mode=mode, **config)
-        if generation_config not in ("auto", "vllm") and not Path(generation_config).is_dir():
-            raise ValueError(f"generation_config: expected 'auto', 'vllm' or a folder, got "
-                             f"{generation_config!r}")
-        folder = model if generation_config == "auto" else generation_config
-        self.default_sampling: dict = (generation_config_defaults(folder) if
-                                       generation_config != "vllm" and Path(folder).is_dir()
-                                       else {})
+        self.default_sampling = generation_defaults_of(generation_config, model)
         if isinstance(tokenizer, (str, Path)):
             tokenizer = Tokenizer.from_dir(tokenizer)
         if skip_tokenizer_init:

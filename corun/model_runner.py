@@ -117,13 +117,15 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         # Weights this runner builds are its own to free (``destroy``); given ones are not.
         self._owns_model = model is None
+        # Before building anything (config.json read once): the positions and the memory.
+        model_config = model[1] if model is not None else memory_plan.model_config_of(
+            config.model)
+        check_model_len(config, model_config)
         if model is None:
-            check_model_len(config, memory_plan.model_config_of(config.model))
-            self._check_memory()
+            self._check_memory(model_config)
             model = build_model(config.model, dtype=self.dtype, device=self.device,
                                 seed=config.seed, parallel=parallel)
         self.model, self.model_config = model
-        check_model_len(config, self.model_config)
         self.ops = OpsConfig(mode=config.kernel_mode, backend=config.resolved_backend,
                              decode_split_size=config.decode_split_size,
                              decode_fused_combine=config.decode_fused_combine)
@@ -253,10 +255,10 @@ class ModelRunner:
 
     # -- KV cache sizing --------------------------------------------------------------------------
 
-    def _check_memory(self) -> None:
+    def _check_memory(self, model_config) -> None:
         """Before building anything: the weights and the KV cache this config asks for fit in
-        the device's available memory, or a ValueError says what to change."""
-        model_config = memory_plan.model_config_of(self.config.model)
+        the device's available memory, or a ValueError says what to change. ``model_config``
+        None: an unreadable checkpoint config."""
         if model_config is None:
             return  # unreadable checkpoint config: building the model reports why
         memory = memory_plan.plan(self.config, model_config)

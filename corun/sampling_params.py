@@ -203,6 +203,22 @@ GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top
                             "max_new_tokens": "max_tokens"}
 
 
+def generation_defaults_of(source: str, model: str | None) -> dict[str, Any]:
+    """The sampling defaults a ``generation_config`` source names (vLLM's argument, the
+    server's ``--generation-config``): "auto" = ``model``'s folder's file (none for a named
+    config), "vllm" = none, or a folder holding one. ValueError for another source or a bad
+    file."""
+    if source == "vllm":
+        return {}
+    if source != "auto" and not Path(source).is_dir():
+        raise ValueError(f"generation_config: expected 'auto', 'vllm' or a folder, got "
+                         f"{source!r}")
+    folder = model if source == "auto" else source
+    if folder is None or not Path(folder).is_dir():
+        return {}
+    return generation_config_defaults(folder)
+
+
 def generation_config_defaults(folder: str | Path) -> dict[str, Any]:
     """The sampling defaults a model's ``generation_config.json`` sets (vLLM's
     ``--generation-config auto``): ``GENERATION_CONFIG_FIELDS`` by their SamplingParams name;

@@ -333,19 +333,11 @@ class _ShutDownOnEngineFailure:
 
 
 def generation_defaults(args: argparse.Namespace) -> dict:
-    """The sampling defaults ``--generation-config`` names (SystemExit for a bad file)."""
-    from corun.sampling_params import generation_config_defaults
+    """The sampling defaults ``--generation-config`` names (SystemExit for a bad source)."""
+    from corun.sampling_params import generation_defaults_of
 
-    source = args.generation_config
-    if source == "vllm":
-        return {}
-    folder = args.model if source == "auto" else source
-    if source != "auto" and not Path(source).is_dir():
-        raise SystemExit(f"--generation-config: {source} is not 'auto', 'vllm' or a folder")
-    if folder is None or not Path(folder).is_dir():
-        return {}  # a named config or the embedded model: no generation_config.json
     try:
-        return generation_config_defaults(folder)
+        return generation_defaults_of(args.generation_config, args.model)
     except ValueError as exc:
         raise SystemExit(f"--generation-config: {exc}") from None
 
