@@ -6,16 +6,17 @@ cache blocks of 16 tokens scattered at random).
   way (target ratio >= 0.8, the attention row of the README).
 - ``decode_attention``: batch {1, 8, 32, 64, 128} x context {512 .. 32768}, every sequence at the
   full context; policies ``corun`` (split 256 tokens, grid for max_seq_len = the context) and
-  ``default``, ``corun_fused`` (the corun split with the combine done by each sequence's last
-  lane in the split launch: one launch, ``DecodeAttentionConfig.fused_combine``, arrival counts
-  held across calls), plus ``corun_stages5`` at B <= 8 (the corun split with a 5-stage pipeline:
-  two KV tiles in flight behind the block-table load, to show whether the policy's 2 stages
-  starve the few programs of a small batch). Peer: SDPA with q length 1 over a contiguous
-  cache (flash, else the efficient backend). Bound (``bound_us``): K and V read once plus q and
-  out, at the measured 4.3 TB/s copy bandwidth; ``bw_fraction`` = bound_us / us. Issue 13's
-  target for B <= 8 is bw_fraction >= 0.6 (``meets_target``), set where the bound is at least
-  3 us: below that one graph-replayed launch (~2-3 us even for an empty kernel) is already more
-  than bound / 0.6.
+  ``default``, ``corun_fused`` (the corun split with the combine done by each sequence's last lane
+  in the split launch: one launch, ``DecodeAttentionConfig.fused_combine``, arrival counts held
+  across calls), plus ``corun_stages5`` at B <= 8 (the corun split with a 5-stage pipeline: two KV
+  tiles in flight behind the block-table load, to show whether the policy's 2 stages starve the few
+  programs of a small batch) and ``corun_lanes3`` at B <= 8 where it differs (the corun split over
+  as many lanes as fit 3 resident programs an SM, ``DECODE_RESIDENT_PROGRAMS``, rather than about 2
+  an SM). Peer: SDPA with q length 1 over a contiguous cache (flash, else the efficient backend).
+  Bound (``bound_us``): K and V read once plus q and out, at the measured 4.3 TB/s copy bandwidth;
+  ``bw_fraction`` = bound_us / us. Issue 13's target for B <= 8 is bw_fraction >= 0.6
+  (``meets_target``), set where the bound is at least 3 us: below that one graph-replayed launch
+  (~2-3 us even for an empty kernel) is already more than bound / 0.6.
 
 Timing: harness.bench_us (CUDA-graph replay medians), ours and the peer the same way.
 Run: ``python -m experiments.bench_attention [--quick]`` -> experiments/results/attention-h200.json.
@@ -29,7 +30,13 @@ import sys
 import torch
 
 from experiments.harness import bench_us, family_main, kernel_record, memory_bound_us
-from kernels.attention import decode_attention, decode_attention_config, prefill_attention, store_kv
+from kernels.attention import (
+    DECODE_RESIDENT_PROGRAMS,
+    decode_attention,
+    decode_attention_config,
+    prefill_attention,
+    store_kv,
+)
 from kernels.mode import Mode
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B
@@ -167,6 +174,13 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
     if batch <= 8:
         policies.append(("corun_stages5", Mode.CORUN,
                          dataclasses.replace(corun_cfg, num_stages=5)))
+        # The same splits over lanes sized to the programs an H200 holds at once (3 an SM)
+        # rather than two per SM: fewer rounds of splits per lane where the split count allows.
+        lanes = max(1, min(corun_cfg.max_num_splits,
+                           DECODE_RESIDENT_PROGRAMS // (batch * NUM_KV_HEADS)))
+        if lanes != corun_cfg.num_split_programs:
+            policies.append(("corun_lanes3", Mode.CORUN,
+                             dataclasses.replace(corun_cfg, num_split_programs=lanes)))
     # The fused combine's arrival counts, held across calls as an engine would (no memset).
     arrivals = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=device)
     records = []

@@ -67,8 +67,12 @@ from kernels.utils import (
 
 # H200 streaming multiprocessors; the default decode policy sizes its grid to fill them.
 NUM_SMS = 132
-# Default-mode decode aims at this many stage-1 programs (two waves hide the tail of the first).
+# Decode aims at this many stage-1 programs (two waves hide the tail of the first).
 DECODE_TARGET_PROGRAMS = 2 * NUM_SMS
+# Stage-1 programs an H200 holds at once: 3 per SM, set by the split kernel's 157 registers x 128
+# threads (experiments/results/ptxas-decode-attention-sm90.json). experiments/bench_attention.py's
+# ``corun_lanes3`` rows time as many lanes as fit it instead of about DECODE_TARGET_PROGRAMS.
+DECODE_RESIDENT_PROGRAMS = 3 * NUM_SMS
 # Cap on the default mode's splits, bounding the partial-output buffer and the combine loop.
 DECODE_MAX_SPLITS_DEFAULT = 64
 # Splits the combine loads per unrolled step. They are added one at a time in split order
@@ -292,6 +296,14 @@ def _decode_block_n(split_size: int) -> int:
     return next(bn for bn in (64, 32, 16) if split_size % bn == 0)
 
 
+def decode_lanes(max_num_splits: int, programs_per_split: int, target_programs: int) -> int:
+    """Stage-1 lanes per (sequence, kv head) for the fixed-split policies: about
+    ``target_programs`` programs in all, never more lanes than splits. A lane walks a contiguous
+    run of its sequence's splits, so the lanes only size the grid; a split's arithmetic (and so
+    every bit) is the same whatever this returns."""
+    return max(1, min(max_num_splits, cdiv(target_programs, max(1, programs_per_split))))
+
+
 def decode_attention_config(
     batch: int,
     num_q_heads: int,
@@ -329,7 +341,7 @@ def decode_attention_config(
         size, block_n = split_size, _decode_block_n(split_size)
         max_num_splits = cdiv(max_seq_len, size)
         # Enough lanes to fill the GPU; programs loop over the remaining splits.
-        lanes = min(max_num_splits, cdiv(DECODE_TARGET_PROGRAMS, programs_per_split))
+        lanes = decode_lanes(max_num_splits, programs_per_split, DECODE_TARGET_PROGRAMS)
     num_warps = 4 if head_dim <= 128 else 8
     return DecodeAttentionConfig(
         split_size=size, max_num_splits=max_num_splits, num_split_programs=max(1, lanes),

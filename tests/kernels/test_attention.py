@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from kernels.attention import (
+    DECODE_TARGET_PROGRAMS,
     PrefillAttentionConfig,
     decode_attention,
     decode_attention_config,
+    decode_lanes,
     prefill_attention,
     prefill_attention_config,
     store_kv,
@@ -149,6 +151,18 @@ def test_decode_attention_config_policies():
     long = decode_attention_config(8, 32, 8, 128, 32768, torch.bfloat16, Mode.DEFAULT)
     assert short.split_size != long.split_size
     assert long.split_size % long.BLOCK_N == 0 and long.max_num_splits <= 64
+
+
+def test_decode_lanes_fill_the_target_without_exceeding_the_splits():
+    """The fixed-split policies' lanes: about target / (B x kv heads) per sequence and kv head,
+    at least 1, never more than the splits (a lane past the splits would only exit)."""
+    assert decode_lanes(128, 8, 264) == 33  # B 1, Qwen3-8B's kv heads, 32k context
+    assert decode_lanes(16, 64, 264) == 5  # B 8
+    assert decode_lanes(2, 8, 264) == 2  # capped by the splits
+    assert decode_lanes(128, 1024, 264) == 1  # B 128: one lane walks every split
+    assert decode_lanes(0, 0, 264) == 1
+    cfg = decode_attention_config(8, 32, 8, 128, 4096, torch.bfloat16, Mode.CORUN)
+    assert cfg.num_split_programs == decode_lanes(16, 64, DECODE_TARGET_PROGRAMS) == 5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
