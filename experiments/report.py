@@ -202,14 +202,19 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
         names = run["families"]
         return ", ".join(names) if isinstance(names, list) else str(names)
 
-    methods = "; ".join(f"{families(r)}: {r['timing']}" for r in runs)
+    def when(run: dict) -> str:  # which run of the merged file, and its date
+        said = [str(run[key])[:10] for key in ("run", "date") if run.get(key)]
+        return f" ({', '.join(said)})" if said else ""
+
+    methods = "; ".join(f"{families(r)}{when(r)}: {r['timing']}" for r in runs)
     left_out = sorted({r["op"] for r in superseded})
     note = ([f"Left out: {len(superseded)} rows of {', '.join(left_out)} that timed a policy since "
              "replaced (marked `superseded` in the file, with the config each ran).", ""]
             if superseded else [])
     return "\n".join([
         _source(head, "kernels-h200"), "",
-        f"Timing per family: {methods}.", "", *note,
+        f"The runs the rows come from (each op from its latest run), with their timing: "
+        f"{methods}.", "", *note,
         _table(["op", "policy", "shapes", "peer", "peer/ours min", "median", "max",
                 "of bw bound (median)", "(max)"], rows), "",
         f"{L2_NOTE}", "",
