@@ -264,6 +264,19 @@ def ptxas_block(name: str) -> Callable[[dict, list[dict]], str]:
     return render
 
 
+def native_tests_block(head: dict, records: list[dict]) -> str:
+    """experiments/native_tests.py: each driver stage's latest native pytest run."""
+    rows = [[r["stage"], r.get("date", "?"), r["tests"], r["passed"], r["failed"], r["errors"],
+             r["skipped"], ", ".join(f"`{t}`" for t in r.get("failed_ids", []) + r.get(
+                 "error_ids", [])) or "—"] for r in records]
+    commands = "; ".join(f"{r['stage']}: `{r['command']}`" for r in records)
+    return "\n".join([
+        _source(head, "native-tests-h200"), "", f"pytest commands: {commands}.", "",
+        _table(["stage", "date", "tests", "passed", "failed", "errors", "skipped",
+                "failed or erroring tests"], rows),
+    ])
+
+
 def launch_cost_block(head: dict, records: list[dict]) -> str:
     """Per op and shape: the launcher's host cost (stubbed kernels on the CPU tensors, and real
     launches) beside the op's GPU time at the same shape."""
@@ -517,6 +530,7 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "kernels-h200": kernels_block,
     "kernels-h200-summary": kernels_summary_block,
     "launch-cost-h200": launch_cost_block,
+    "native-tests-h200": native_tests_block,
     **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
        for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "decode-attention")},
 }

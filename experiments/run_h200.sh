@@ -52,9 +52,23 @@ run() {  # run NAME SECONDS CMD...: time-limited, logged, never stops the script
   return $rc
 }
 
+native_tests() {  # native_tests STAGE SECONDS PYTEST-ARGS...: pytest with a JUnit XML, whose
+  # counts and failing ids go into results/native-tests-h200.json (merged with the other stage's)
+  local name=$1 limit=$2; shift 2
+  local xml="$OUT/results/pytest-$name.xml"
+  local cmd="python3 -m pytest -v --tb=short -p no:cacheprovider --junitxml=$xml $*"
+  run "$name" "$limit" python3 -m pytest -v --tb=short -p no:cacheprovider --junitxml="$xml" "$@"
+  local rc=$?
+  local merge=experiments/results/native-tests-h200.json
+  [ -f "$OUT/results/native-tests-h200.json" ] && merge="$OUT/results/native-tests-h200.json"
+  [ -f "$xml" ] && python3 -m experiments.native_tests "$name" "$xml" --pytest-command "$cmd" \
+    --merge "$merge"
+  return $rc
+}
+
 for stage in "$@"; do
   case $stage in
-    tests)   run tests ${TESTS_LIMIT:-110} python3 -m pytest -v --tb=short -n 8 -p no:cacheprovider tests/kernels invariance_tests \
+    tests)   native_tests tests ${TESTS_LIMIT:-110} -n 8 tests/kernels invariance_tests \
                --ignore=invariance_tests/test_engine_determinism.py --timeout=60 ;;
     # tune_gemm writes its table after every shape (a cut run resumes): copied whatever the status
     tune)    run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-250} ${TUNE_ARGS:-}; cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
@@ -80,8 +94,7 @@ for stage in "$@"; do
                  echo "== best corun settings: $best"
                  run offline ${OFFLINE_LIMIT:-380} python3 -m experiments.bench_offline ${OFFLINE_ARGS:-} --corun-set $best
                fi ;;
-    gpuengine) run gpuengine ${GPUENGINE_LIMIT:-240} python3 -m pytest -v --tb=short -p no:cacheprovider \
-               tests/engine/test_gpu_engine.py \
+    gpuengine) native_tests gpuengine ${GPUENGINE_LIMIT:-240} tests/engine/test_gpu_engine.py \
                invariance_tests/test_engine_determinism.py::test_corun_graph_replay_matches_eager_on_gpu --timeout=140 ;;
     serving) python3 -c 'import uvicorn, fastapi' 2>/dev/null \
                || echo "== serving needs the server's wheels: bash experiments/device_wheels.sh, carry .whl"
