@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from kernels.attention import (
@@ -89,6 +89,39 @@ def test_decode_row_independent_of_co_runners(seed, length, other_lens, slot, mo
     assert_bitwise_equal(together, alone, f"{mode} decode row, slot {slot}")
 
 
+# The fixed-split policies size the grid's lanes per (sequence, kv head) from B: about
+# DECODE_TARGET_PROGRAMS stage-1 programs in all. At the drawn batches above (B <= 4) every split
+# gets its own lane on both sides, so the property there never sees the lanes change. With 16-token
+# splits a sequence alone gets 6 lanes for its 6 splits; beside 44 other slots (mostly dummies,
+# cheap under the interpreter) 3 lanes walk them two by two.
+_LANES_SPLIT, _LANES_BATCH = 16, 45
+
+
+@settings(max_examples=2)  # each example runs ~300 interpreter programs
+@example(seed=0, length=90, slot=1, mode=Mode.BATCH_INVARIANT)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    length=st.sampled_from([49, 64, 90]),  # >= 4 splits: some lane walks two
+    slot=st.integers(0, _LANES_BATCH - 1),
+    mode=st.sampled_from([Mode.CORUN, Mode.BATCH_INVARIANT]),
+)
+def test_decode_row_independent_of_the_lanes_its_batch_gets(seed, length, slot, mode):
+    """Under corun and batch_invariant, a sequence's decode bits are the same alone (a lane per
+    split) and in a batch whose size gives it fewer lanes than splits."""
+    lanes = [decode_attention_config(b, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_MODEL_LEN,
+                                     torch.float32, mode, _LANES_SPLIT).num_split_programs
+             for b in (1, _LANES_BATCH)]
+    assert lanes == [6, 3], lanes  # the precondition: the batch changes the lanes
+    alone = _decode_batch([(seed, length)], torch.float32, seed, MAX_MODEL_LEN, mode,
+                          split_size=_LANES_SPLIT)[0]
+    others = [(seed + 1, 40), (seed + 2, MAX_MODEL_LEN - 1)]
+    others += [(seed + 3 + i, 0) for i in range(_LANES_BATCH - 1 - len(others))]
+    batch = others[:slot] + [(seed, length)] + others[slot:]
+    together = _decode_batch(batch, torch.float32, seed + 7, MAX_MODEL_LEN, mode,
+                             split_size=_LANES_SPLIT)[slot]
+    assert_bitwise_equal(together, alone, f"{mode} decode row, {lanes[1]} lanes vs {lanes[0]}")
+
+
 # A batch large enough that default mode makes few splits, so its split size follows the max:
 # 64 slots x 2 kv heads -> 3 splits; longest 150 -> 64-token splits, longest 400 -> 192.
 _CONTROL_BATCH = 64
@@ -164,6 +197,7 @@ def _prefill_chunks(seed, length, chunk, dtype, config, chunk_config=None):
 def test_prefill_whole_equals_chunked(seed, length, chunk, dtype):
     """A prompt prefilled whole or in chunks of C (aligned at multiples of C, C a multiple of
     BLOCK_M) gives bitwise the same output rows and the same KV in the cache."""
+    assume(chunk < length)  # else "chunked" is one chunk: the whole prefill's very computation
     whole, k_whole, v_whole = _prefill_chunks(seed, length, length, dtype, TILES_16)
     chunked, k_chunked, v_chunked = _prefill_chunks(seed, length, chunk, dtype, TILES_16)
     # Compare only the written slots' blocks: the tail of the last block holds junk.

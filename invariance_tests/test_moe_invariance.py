@@ -183,10 +183,16 @@ def test_tuned_table_keeps_batch_invariant_on_one_config(
     tuned_table_path, num_tokens_a, num_tokens_b, seed, dtype_name
 ):
     """With a tuned table whose corun buckets differ in BLOCK_K, batch_invariant still gives a
-    token the same output bits at every token count."""
+    token the same output bits at every token count.
+
+    At these interpreter shapes fp16/bf16 rounding hides a BLOCK_K change (see the negative
+    control below), so the bitwise check alone would pass a policy that took the per-T entries
+    at one of the two counts: the config both counts run is checked too."""
     with mock.patch.object(moe_module, "TUNED_PATH", tuned_table_path):
-        assert moe_config(num_tokens_b, NUM_EXPERTS, 2, HIDDEN, INTER, torch.float16,
-                          Mode.BATCH_INVARIANT) == _TUNED_FIXED  # the table is in force
+        for num_tokens in (num_tokens_a, num_tokens_b):  # the table is in force, one entry
+            for dtype in (torch.float16, torch.bfloat16):
+                assert moe_config(num_tokens, NUM_EXPERTS, 2, HIDDEN, INTER, dtype,
+                                  Mode.BATCH_INVARIANT) == _TUNED_FIXED, (num_tokens, dtype)
         out_a, out_b = _token_at_two_counts(seed, num_tokens_a, num_tokens_b,
                                             Mode.BATCH_INVARIANT, DTYPES[dtype_name])
     assert_bitwise_equal(out_b, out_a, f"T={num_tokens_a} vs T={num_tokens_b}")
@@ -280,6 +286,34 @@ def test_batch_invariant_token_bits_equal_where_policies_differ(
     assert offset_a < block_m <= offset_b  # first block vs second block of expert 0
     assert_bitwise_equal(out_b, out_a, f"T={num_tokens_a} row {row_a} vs T={num_tokens_b} "
                                        f"row {row_b}")
+
+
+@given(
+    num_tokens_a=st.integers(1, 32),
+    num_tokens_b=st.integers(34, 72),
+    data=st.data(),
+    seed=st.integers(0, 2**63 - 1),
+    dtype_name=st.sampled_from(list(DTYPES)),
+)
+@example(num_tokens_a=1, num_tokens_b=40, data=None, seed=0, dtype_name="fp32")
+def test_batch_invariant_tuned_token_bits_equal_where_its_tiles_differ(
+    num_tokens_a, num_tokens_b, data, seed, dtype_name
+):
+    """batch_invariant_tuned (the literal tiles here: no tuned entry for this shape) takes its
+    BLOCK_M by T with BLOCK_K pinned: a token's MoE output bits are the same at two T whose tiles
+    differ (and where corun/default would change BLOCK_K)."""
+    dtype, mode = DTYPES[dtype_name], Mode.BATCH_INVARIANT_TUNED
+    configs = [moe_config(t, WIDE_EXPERTS, 2, WIDE_DIM, WIDE_DIM, dtype, mode)
+               for t in (num_tokens_a, num_tokens_b)]
+    assert configs[0].block_m != configs[1].block_m, configs  # the tiles follow T
+    assert _wide_block_k(num_tokens_a, Mode.CORUN) != _wide_block_k(num_tokens_b, Mode.CORUN)
+    row_a = data.draw(st.integers(0, num_tokens_a - 1)) if data is not None else 0
+    row_b = data.draw(st.integers(0, num_tokens_b - 1)) if data is not None else num_tokens_b - 1
+    token_x, token_logits = _wide_token(seed, dtype)
+    out_a, _, _ = _crowded_run(token_x, token_logits, num_tokens_a, row_a, seed + 1, dtype, mode)
+    out_b, _, _ = _crowded_run(token_x, token_logits, num_tokens_b, row_b, seed + 2, dtype, mode)
+    assert_bitwise_equal(out_b, out_a, f"{mode}: T={num_tokens_a} row {row_a} vs "
+                                       f"T={num_tokens_b} row {row_b}")
 
 
 @pytest.mark.interpreter_only(

@@ -1,8 +1,10 @@
 """SIGTERM drains: new requests get 503 while those in flight finish; at ``--shutdown-timeout-s``
 what still runs ends with an error event and ``[DONE]`` (or an error body); the exit status is 0.
 
-Real server subprocesses; every wait is on an observable event (a chunk received, /health
-turning 503, a request running in /metrics), never on a sleep.
+Every wait is on an observable event (a chunk received, /health turning 503, a request running
+in /metrics, the engine thread held inside a step), never on a sleep. The drain runs in-process,
+its in-flight request held inside an engine step until the checks are done: in a subprocess the
+checks raced the request's last token (had it finished first, the drained server was gone).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import time
 
 import httpx
 import pytest
+import uvicorn
 
-from tests.api.conftest import Server, launch
+from tests.api.conftest import _free_port, launch
+from tests.api.inprocess import START_TIMEOUT_S, build_engine
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,10 +30,10 @@ MODEL_LEN_ARGS = ("--max-model-len", "1100", "--max-num-seqs", "4")
 class _Stream:
     """A streamed completion read on a thread; ``first`` is set at its first chunk."""
 
-    def __init__(self, server: Server, max_tokens: int) -> None:
+    def __init__(self, url: str, max_tokens: int) -> None:
         self.body = {"prompt": "tell me", "max_tokens": max_tokens, "ignore_eos": True,
                      "seed": 1, "stream": True, "return_token_ids": True}
-        self.url = server.base_url
+        self.url = url
         self.first = threading.Event()
         self.events: list[str] = []
         self.thread = threading.Thread(target=self._read, daemon=True)
@@ -61,38 +65,78 @@ def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def _health(server: Server) -> int:
-    return httpx.get(f"{server.base_url}/health", timeout=10.0).status_code
+class _GatedEngine:
+    """Delegates to ``engine``; once ``hold`` is set, the engine thread's next step waits (after
+    setting ``held``) until ``release``: the test decides when the requests in flight may go on."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.hold, self.held, self.release = (threading.Event() for _ in range(3))
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def step(self):
+        if self.hold.is_set() and not self.release.is_set():
+            self.held.set()
+            self.release.wait(START_TIMEOUT_S)
+        return self.engine.step()
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
-    server = launch(tmp_path, "drain", *MODEL_LEN_ARGS, "--shutdown-timeout-s", "120")
+def test_sigterm_drains_in_flight_requests_then_exits_0():
+    """The server ``corun.serve`` runs (DrainingServer over the app), in-process: after the
+    signal's handler runs, /health and new requests answer 503 while the request in flight is
+    held; released, it runs to its last token, the server stops, and no engine error is left
+    (what makes ``corun.serve`` exit 0)."""
+    from corun.api.server import create_app
+    from corun.api.shutdown import DrainingServer
+
+    engine, tokenizer = build_engine("--max-num-seqs", "4")
+    gated = _GatedEngine(engine)
+    app = create_app(gated, tokenizer, model_name="corun-default", mode="corun")
+    port = _free_port()
+    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
+                            state=app.state.corun, shutdown_timeout_s=120)
+    thread = threading.Thread(target=server.run, name="test-draining-uvicorn", daemon=True)
+    thread.start()
     try:
-        stream = _Stream(server, max_tokens=200)
+        _wait_for(lambda: server.started or not thread.is_alive(), "the server to start")
+        assert thread.is_alive(), "the server did not start"
+        url = f"http://127.0.0.1:{port}"
+        stream = _Stream(url, max_tokens=100)
         assert stream.first.wait(60)
-        server.proc.send_signal(signal.SIGTERM)
-        _wait_for(lambda: _health(server) == 503, "/health to report the drain")
-        assert httpx.get(f"{server.base_url}/health").headers["retry-after"].isdigit()
+        gated.hold.set()
+        assert gated.held.wait(60), "the engine never stepped again"  # the stream is held
+        server.handle_exit(signal.SIGTERM, None)  # what the SIGTERM handler runs
+        _wait_for(lambda: httpx.get(f"{url}/health", timeout=10.0).status_code == 503,
+                  "/health to report the drain")
+        assert httpx.get(f"{url}/health").headers["retry-after"].isdigit()
         # Draining: a new request is refused with 503 and Retry-After, the port still answers.
-        refused = httpx.post(f"{server.base_url}/v1/completions",
-                             json={"prompt": "x", "max_tokens": 1}, timeout=30.0)
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                             timeout=30.0)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "server_shutting_down"
         assert refused.headers["retry-after"].isdigit()
-        # The stream in flight runs to its last token.
+        assert stream.thread.is_alive() and thread.is_alive()  # both still held by the step
+        gated.release.set()
+        # The stream in flight runs to its last token, then the drained server stops.
         chunks = stream.chunks()
         assert all("error" not in c for c in chunks), chunks[-1]
-        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 200
+        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 100
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert server.proc.wait(timeout=60) == 0, server.log_path.read_text()[-3000:]
+        thread.join(60)
+        assert not thread.is_alive(), "the drained server did not stop"
+        assert app.state.corun.engine_loop.error is None
     finally:
-        server.stop()
+        gated.release.set()
+        server.should_exit = True
+        thread.join(60)
 
 
 def test_sigterm_ends_what_outlasts_the_timeout_with_an_error(tmp_path):
     server = launch(tmp_path, "deadline", *MODEL_LEN_ARGS, "--shutdown-timeout-s", "0")
     try:
-        stream = _Stream(server, max_tokens=1000)
+        stream = _Stream(server.base_url, max_tokens=1000)
         whole: dict = {}
 
         def post_whole() -> None:

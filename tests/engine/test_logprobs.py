@@ -38,11 +38,22 @@ def test_top_token_ids_breaks_ties_by_lowest_id_and_orders_by_value():
     assert alone.tolist() == [[4, 0]]
 
 
-def test_sampler_logprobs_of_many_ids_share_the_row_log_softmax():
-    logits = torch.randn(3, 50)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sampler_logprobs_of_many_ids_share_the_row_log_softmax(backend):
+    """[N, K] ids: every column has the bits of the [N] call on that column (one log-softmax
+    of the row), and the values are an fp64 log-softmax's. (Checked against an independent
+    reference: the torch backend *is* ``log_softmax(...).gather``, so comparing with that
+    expression could not fail.)"""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
     ids = torch.tensor([[1, 2, 3], [0, 49, 7], [5, 5, 6]])
-    out = Sampler("torch", torch.device("cpu")).logprobs(logits, ids)
-    assert torch.equal(out, torch.log_softmax(logits, -1).gather(1, ids))
+    sampler = Sampler(backend, torch.device("cpu"))
+    out = sampler.logprobs(logits, ids)
+    assert out.shape == (3, 3) and out.dtype == torch.float32
+    for k in range(ids.shape[1]):
+        assert torch.equal(out[:, k], sampler.logprobs(logits, ids[:, k].contiguous())), k
+    assert torch.equal(out[2, 0], out[2, 1])  # a repeated id: the same value
+    want = torch.log_softmax(logits.double(), -1).gather(1, ids)
+    assert torch.allclose(out.double(), want, rtol=0, atol=1e-5)
 
 
 def test_top_logprobs_match_a_direct_forward(llm):
