@@ -241,7 +241,8 @@ def moe_align_reports(experts: tuple[int, ...] = (128, 192, 256), top_k: int = 8
 
 def gemm_reports(ms: tuple[int, ...] = (128, 256)) -> list[dict]:
     """The corun policy's GEMM launch at the decode M of issue 13 for every GEMM shape of the
-    kernel benchmark (experiments/tune_gemm.py's BENCH_MODELS), and the same tile TMA-fed."""
+    kernel benchmark (experiments/tune_gemm.py's BENCH_MODELS), and its twin: the same tile
+    TMA-fed where the pick loads with cp.async, or cp.async-fed where the pick is TMA-fed."""
     from experiments.tune_gemm import BENCH_MODELS, gemm_shapes
     from kernels import gemm
     from kernels.mode import Mode
@@ -252,10 +253,12 @@ def gemm_reports(ms: tuple[int, ...] = (128, 256)) -> list[dict]:
             x = torch.empty(m, k, dtype=torch.bfloat16)
             w = torch.empty(n, k, dtype=torch.bfloat16)
             pick = gemm.gemm_config(m, n, k, torch.bfloat16, Mode.CORUN)
-            for cfg in (pick, dataclasses.replace(pick, tma=True)):
+            for cfg in (pick, dataclasses.replace(pick, tma=not pick.tma)):
                 launch = capture_launches(
                     gemm, lambda x=x, w=w, cfg=cfg: gemm.gemm(x, w, config=cfg))[0]
-                extras = ", persistent" * cfg.persistent + ", TMA-fed (not the pick)" * cfg.tma
+                extras = (", persistent" * cfg.persistent
+                          + (", TMA-fed" if cfg.tma else ", cp.async-fed")
+                          + " (not the pick)" * (cfg is not pick))
                 rows.append({"case": f"{label} M {m} (N {n}, K {k}): {cfg.block_m} x "
                                      f"{cfg.block_n} x {cfg.block_k}, split_k {cfg.split_k}, "
                                      f"{cfg.num_warps} warps, {cfg.num_stages} stages{extras}",
