@@ -70,8 +70,14 @@ _MID_SPLITS = (2, 3, 4)
 # M range whose candidates also run with TMA-fed tiles (GemmConfig.tma): the serving (64) and
 # offline (128) decode batches and mid M, where the weights stream from HBM.
 TMA_M_RANGE = (64, 256)
+# Stream-K (GemmConfig.stream_k_programs) in the same range, for the tiles of one row tile
+# (block_m >= M): one or two programs an SM share the column-tile x K-block iterations equally,
+# where whole tiles leave a partial wave (Qwen3-8B's qkv at M 128: 96 tiles of 128 x 64, split
+# 2 -> 192 programs on 132 SMs, 0.72 of cuBLAS in the tuner). M 256 gets 256-row tiles for it.
+STREAM_K_PROGRAMS = (H200_NUM_SMS, 2 * H200_NUM_SMS)
+_STREAM_K_TILES_256 = ((256, 64, 64, 8, 3), (256, 128, 64, 8, 3))
 # Names the candidate generator an entry was tuned with; --retune-m re-tunes entries of another.
-CANDIDATE_SET = "tma-split3-bk64-decode-bn256"
+CANDIDATE_SET = "tma-split3-bk64-decode-bn256-streamk"
 _LARGE_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
                 (64, 256, 64, 4, 4))
 
@@ -139,9 +145,10 @@ def gemm_shapes(models: tuple[str, ...] = TUNED_MODELS) -> list[tuple[str, int, 
 
 def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfig]:
     """The bounded candidate set at one point: M-range tiles, each without and with auto split-K
-    (mid M also with split-K 2, 3 and 4, large M with 2 where the tiles leave SMs idle), each of
-    those also TMA-fed for M in ``TMA_M_RANGE``, plus the batch-invariant pool when
-    ``with_pool`` (timed at every point of the bench shapes for its geometric mean)."""
+    (mid M also with split-K 2, 3 and 4, large M with 2 where the tiles leave SMs idle); for M in
+    ``TMA_M_RANGE`` also each tile of one row tile as stream-K over ``STREAM_K_PROGRAMS``, and
+    every one of those TMA-fed; plus the batch-invariant pool when ``with_pool`` (timed at every
+    point of the bench shapes for its geometric mean)."""
     tiles: list[GemmConfig] = []
     splits: tuple[int, ...] = ()
     if m <= 64:
@@ -155,6 +162,11 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
     else:
         tiles = [GemmConfig(bm, bn, bk, num_warps=w, num_stages=s)
                  for bm, bn, bk, w, s in _LARGE_TILES]
+    if TMA_M_RANGE[0] <= m <= TMA_M_RANGE[1] and m > 128:
+        stream_tiles = [GemmConfig(bm, bn, bk, num_warps=w, num_stages=s)
+                        for bm, bn, bk, w, s in _STREAM_K_TILES_256]
+    else:
+        stream_tiles = []
     out: list[GemmConfig] = []
     for tile in tiles:
         out.append(tile)
@@ -168,6 +180,9 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
             if split > 1 and k_blocks >= 2 * split:  # >= 2 K blocks per split
                 out.append(dataclasses.replace(tile, split_k=split))
     if TMA_M_RANGE[0] <= m <= TMA_M_RANGE[1]:
+        out += [dataclasses.replace(tile, stream_k_programs=programs)
+                for tile in [*tiles, *stream_tiles] if tile.block_m >= m
+                for programs in STREAM_K_PROGRAMS]
         out += [dataclasses.replace(c, tma=True) for c in out]
     if with_pool:
         out += BATCH_INVARIANT_POOL
@@ -260,8 +275,9 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
         print(f"  {label} M={m}: no candidate ran", file=sys.stderr)
         return None
     best = min(timed, key=timed.get)
-    # batch_invariant_tuned's entry: the fastest candidate that does not split K.
-    no_split = {c: t for c, t in timed.items() if c.split_k == 1}
+    # batch_invariant_tuned's entry: the fastest candidate that keeps K whole in one program
+    # (stream-K cuts it too, where the programs' shares end).
+    no_split = {c: t for c, t in timed.items() if c.split_k == 1 and not c.stream_k_programs}
     best_no_split = min(no_split, key=no_split.get) if no_split else None
     entry = {"m": m, "n": n, "k": k, "layer": label,
              "dtype": str(setup.dtype).removeprefix("torch."),

@@ -155,6 +155,50 @@ def test_negative_control_block_k_changes_bits(m, n, k, seed):
     assert not _same_bits(out_32, gemm(x, w, config=GemmConfig(16, 16, 64)))
 
 
+def _stream_k_cuts(n: int, k: int, config: GemmConfig) -> set[tuple[int, int]]:
+    """(column tile, K block) where a stream-K share starts inside a tile: the config's cuts."""
+    k_blocks = -(-k // config.block_k)
+    total = -(-n // config.block_n) * k_blocks
+    starts = {p * total // config.stream_k_programs for p in range(config.stream_k_programs)}
+    return {(it // k_blocks, it % k_blocks) for it in starts if it % k_blocks}
+
+
+@given(m_pair=size_pairs(1, 16), n=sizes(16, 64), k=sizes(64, 256, blocks=(32,)),
+       programs=st.integers(2, 9), seed=seeds(), data=st.data())
+@example(m_pair=(1, 16), n=48, k=160, programs=4, seed=0, data=None)
+def test_stream_k_row_bits_equal_for_every_m_and_other_rows(m_pair, n, k, programs, seed, data):
+    """Stream-K cuts a column tile's K walk where the programs' equal shares end: a function of
+    (N, K, the tiles, the program count), never of M or the other rows. So a row keeps its bits
+    at every batch size up to block_m and whatever the other rows hold."""
+    config = GemmConfig(16, 16, 32, stream_k_programs=programs)
+    small, large = m_pair
+    row = data.draw(row_index(small)) if data is not None else small - 1
+    x, w = randn((large, k), seed, torch.float32), _weights(n, k, seed, torch.float32)
+    bias = randn((n,), seed + 2, torch.float32)
+    x_other = randn((small, k), seed + 1, torch.float32)
+    x_other[row] = x[row]
+    out = gemm(x, w, bias, config=config)
+    assert_bitwise_equal(gemm(x[:small], w, bias, config=config)[row], out[row],
+                         f"stream-K ({programs}) row {row}: M {small} vs {large}")
+    assert_bitwise_equal(gemm(x_other, w, bias, config=config)[row], out[row],
+                         f"stream-K ({programs}) row {row}: other rows replaced")
+
+
+@given(n=sizes(32, 64), k=sizes(128, 256, blocks=(32,)), programs=st.sampled_from([(3, 5), (4, 7)]),
+       seed=seeds())
+@example(n=48, k=160, programs=(3, 5), seed=0)
+def test_negative_control_stream_k_program_count_changes_bits(n, k, programs, seed):
+    """Negative control: another program count cuts the tiles' K walks elsewhere, and the bitwise
+    check sees it; the same config twice gives the same bits. The program count is therefore
+    part of a row's reduction order, and a config (never the device) fixes it."""
+    first, second = (GemmConfig(16, 16, 32, stream_k_programs=p) for p in programs)
+    assume(_stream_k_cuts(n, k, first) != _stream_k_cuts(n, k, second))
+    x, w = randn((4, k), seed, torch.float32), _weights(n, k, seed, torch.float32)
+    out = gemm(x, w, config=first)
+    assert _same_bits(out, gemm(x, w, config=first))
+    assert not _same_bits(out, gemm(x, w, config=second)), f"{programs} kept every bit"
+
+
 def test_pinned_examples_reach_split_k():
     """The pinned examples above exercise the split-K path they claim to."""
     assert gemm_config(3, 40, 288, torch.float32, Mode.CORUN).split_k == 2

@@ -5,7 +5,9 @@ Invariance, by mode (DESIGN.md, "The two properties"):
 
 - every mode is **position-invariant**: at a fixed (M, N, K) a row's bits depend only on its own
   data, never on its row index or the other rows. The config is a pure function of the shape, a
-  row's K walk is fixed by (block_k, split_k), and split-K partials are summed in split order.
+  row's K walk is fixed by (block_k, split_k) or, under stream-K, by where the programs' equal
+  shares cut its column tile (a function of N, K, the tiles and ``stream_k_programs``; one row
+  tile, so the same cuts for every row), and partials are summed in order.
 - ``batch_invariant`` is also **batch-invariant**: one config for every M (its policy never reads
   M), no split-K, so a row's reduction order is the same at every batch size.
 - ``batch_invariant_tuned`` is batch-invariant on the hardware its table was tuned on: tiles per
@@ -83,6 +85,13 @@ class GemmConfig:
     # Tiles of x and w brought in by the Hopper tensor-memory accelerator (host-side descriptors)
     # instead of per-thread loads: the same tiles into the same dot, so the same bits.
     tma: bool = False
+    # Stream-K (0: off): exactly this many programs, each streaming an equal share of the
+    # (column tile, K block) iterations, for one row tile (M <= block_m). Where a share ends
+    # inside a column tile, the tile's K walk is cut there and its pieces are summed in order by
+    # the reduce launch: fixed by (N, K, the tiles and this count), so part of a row's reduction
+    # order, and never a function of M or the device. It fills every SM when the tiles alone
+    # would leave a partial last wave (96 tiles of Qwen3-8B's qkv at M 128 on 132 SMs).
+    stream_k_programs: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -93,16 +102,25 @@ class GemmConfig:
         for name in ("persistent", "tma"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        programs = self.stream_k_programs
+        if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
+            raise ValueError(f"stream_k_programs: expected an int >= 0, got {programs!r}")
+        if programs and (self.split_k != 1 or self.persistent):
+            raise ValueError("stream_k_programs: stream-K cuts K itself and sizes its own grid; "
+                             f"expected split_k 1 and persistent False, got split_k "
+                             f"{self.split_k}, persistent {self.persistent}")
 
     def smem_bytes(self, itemsize: int) -> int:
         """Shared memory of the software pipeline: one x and one w tile per stage."""
         return (self.block_m + self.block_n) * self.block_k * itemsize * self.num_stages
 
     def to_dict(self) -> dict:
-        # Configs without TMA keep the format the tuned files were written in (no tma key).
+        # Configs without TMA or stream-K keep the format the tuned files were written in.
         data = dataclasses.asdict(self)
         if not self.tma:
             del data["tma"]
+        if not self.stream_k_programs:
+            del data["stream_k_programs"]
         return data
 
     @classmethod
@@ -155,15 +173,20 @@ def _parse_tuned_table(data: dict) -> TunedTable:
     for entry in data["entries"]:
         key, m = (int(entry["n"]), int(entry["k"])), int(entry["m"])
         config = GemmConfig.from_dict(entry["config"])
+        if config.stream_k_programs and config.block_m < m:  # it serves every M up to m
+            raise ValueError(f"config of ({m}, {key}): stream-K runs one row tile, so block_m "
+                             f"must be >= {m}, got {config.block_m}")
         grouped.setdefault(key, []).append((m, config))
         # The tuner records the fastest split_k == 1 candidate as "no_split_config"; older tables
         # only have "config", which serves when it does not split K.
         if "no_split_config" in entry:
             fastest = GemmConfig.from_dict(entry["no_split_config"])
-            if fastest.split_k != 1:
-                raise ValueError(f"no_split_config of ({m}, {key}) has split_k {fastest.split_k}")
+            if fastest.split_k != 1 or fastest.stream_k_programs:
+                raise ValueError(f"no_split_config of ({m}, {key}) cuts K: split_k "
+                                 f"{fastest.split_k}, stream_k_programs "
+                                 f"{fastest.stream_k_programs}")
             no_split.setdefault(key, []).append((m, fastest))
-        elif config.split_k == 1:
+        elif config.split_k == 1 and not config.stream_k_programs:
             no_split.setdefault(key, []).append((m, config))
     bi = data.get("batch_invariant")
 
@@ -327,16 +350,24 @@ def gemm(
     cfg = config if config is not None else gemm_config(m, n, k, x.dtype, mode)
 
     k_blocks = cdiv(k, cfg.block_k)
-    k_blocks_per_split = max(1, cdiv(k_blocks, cfg.split_k))
-    split_k = max(1, cdiv(k_blocks, k_blocks_per_split))  # no empty splits
-    use_workspace = split_k > 1
-    target = (torch.empty((split_k, m, n), dtype=torch.float32, device=device)
-              if use_workspace else out)
-    num_work = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) * split_k
-    grid = (min(num_work, _num_sms(device)) if cfg.persistent else num_work,)
+    stream_k = cfg.stream_k_programs > 0 and k_blocks > 0
+    if stream_k and m > cfg.block_m:
+        raise ValueError(f"config: stream-K runs one row tile; expected M <= block_m "
+                         f"{cfg.block_m}, got M {m}")
     bias_arg = bias if bias is not None else out  # never read when HAS_BIAS is False
-    stride_os = target.stride(0) if use_workspace else 0
-    stride_om, stride_on = target.stride(-2), target.stride(-1)
+    if stream_k:
+        slots = stream_k_pieces(n, k, cfg)  # the most pieces a column tile is cut into
+        workspace = (torch.empty((slots, m, n), dtype=torch.float32, device=device)
+                     if slots > 1 else out)
+        grid, split_k, k_blocks_per_split = (cfg.stream_k_programs,), slots, k_blocks
+    else:
+        k_blocks_per_split = max(1, cdiv(k_blocks, cfg.split_k))
+        split_k = max(1, cdiv(k_blocks, k_blocks_per_split))  # no empty splits
+        workspace = (torch.empty((split_k, m, n), dtype=torch.float32, device=device)
+                     if split_k > 1 else out)
+        num_work = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) * split_k
+        grid = (min(num_work, _num_sms(device)) if cfg.persistent else num_work,)
+    use_workspace = split_k > 1
     # A layout TMA cannot address (a view with a 2-byte-aligned row stride, say) takes the
     # per-thread loads with the same tiles: the same arithmetic, so the same bits.
     use_tma = cfg.tma and k > 0 and tma_addressable(x) and tma_addressable(w)
@@ -344,11 +375,12 @@ def gemm(
     w_arg = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k]) if use_tma else w
 
     _gemm_kernel[grid](
-        x_arg, w_arg, bias_arg, target,
+        x_arg, w_arg, bias_arg, out, workspace,
         m, n, k, split_k, k_blocks_per_split,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), stride_os, stride_om, stride_on,
-        HAS_BIAS=bias is not None and not use_workspace,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), m * n, out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None and (stream_k or not use_workspace),
         USE_WORKSPACE=use_workspace,
+        STREAM_K=stream_k,
         EVEN_K=k % cfg.block_k == 0,
         UPCAST=upcast_dot_operands(x.dtype),
         SERIAL_DOT=is_interpreter(),
@@ -360,10 +392,30 @@ def gemm(
     if use_workspace:
         block_size = 1024
         _splitk_reduce_kernel[(cdiv(m * n, block_size),)](
-            target, bias_arg, out,
-            m, n, split_k,
-            target.stride(0), out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, BLOCK_SIZE=block_size,
+            workspace, bias_arg, out,
+            m, n, k, split_k, cfg.stream_k_programs,
+            m * n, out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, STREAM_K=stream_k,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_SIZE=block_size,
             num_warps=4,
         )
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def stream_k_pieces(n: int, k: int, config: GemmConfig) -> int:
+    """The most pieces stream-K cuts one column tile's K walk into (the workspace's slots):
+    program p holds iterations [p * total // P, (p + 1) * total // P) of the (column tile,
+    K block) space, and a tile's pieces are the programs its iterations span."""
+    programs = config.stream_k_programs
+    k_blocks = cdiv(k, config.block_k)
+    tiles = cdiv(n, config.block_n)
+    total = tiles * k_blocks
+    if programs < 1 or total == 0:
+        return 1
+
+    def program_of(iteration: int) -> int:
+        return ((iteration + 1) * programs - 1) // total
+
+    return max(program_of((t + 1) * k_blocks - 1) - program_of(t * k_blocks) + 1
+               for t in range(tiles))

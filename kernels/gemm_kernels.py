@@ -12,6 +12,13 @@ K walk: BLOCK_K and the split boundaries. With ``split_k > 1`` each split writes
 to a workspace [split_k, M, N] and ``_splitk_reduce_kernel`` sums the partials in split order
 0, 1, ..., split_k - 1: no atomics, so a fixed shape always gives the same bits.
 
+Stream-K (``STREAM_K``, one row tile): the grid is exactly ``stream_k_programs`` programs, and
+program p walks iterations [p * T // P, (p + 1) * T // P) of the T = column tiles x K blocks, so
+each streams the same share of the weights whatever the tile count. A column tile whose K walk
+is wholly in one program is stored directly; otherwise each program's piece goes to workspace slot
+(p - the tile's first program), and the reduce launch sums the pieces in slot order. The cuts are
+a function of (N, K, the tiles, P): the same for every row, and never of M.
+
 With TMA (a config flag; x_ptr and w_ptr are then host-side tensor descriptors) the x and w
 tiles arrive through the Hopper tensor-memory accelerator, zero-filled past M, N and K, instead
 of per-thread loads; the tiles a real row and column see, and the dot that consumes them, are the
@@ -28,19 +35,115 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _tile_product(
+    x_ptr, w_ptr, M, N, K, pid_m, pid_n, kb_start, kb_end,
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, SERIAL_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The fp32 [BLOCK_M, BLOCK_N] product of output tile (pid_m, pid_n) over K blocks
+    [kb_start, kb_end), accumulated from zero in increasing K order."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Out-of-range rows/columns re-read in-range data instead of being masked in the K loop:
+    # they are never stored, and no other row or column reads them.
+    offs_xm = offs_m % M
+    offs_wn = offs_n % N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb_start, kb_end):
+        if TMA:
+            a = x_ptr.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            b = w_ptr.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
+        else:
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + offs_k[None, :] * stride_xk
+            if SERIAL_DOT:
+                # Interpreter only: w read as [BLOCK_N, BLOCK_K] and transposed, the layout
+                # of a TMA tile, so the serial product below sums both paths in one order and
+                # a config's bits do not depend on whether its inputs were TMA-addressable.
+                w_ptrs = w_ptr + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk
+                a = tl.load(x_ptrs, mask=offs_k[None, :] < K, other=0.0)
+                b = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0).T
+            else:
+                w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn
+                if EVEN_K:
+                    a = tl.load(x_ptrs)
+                    b = tl.load(w_ptrs)
+                else:
+                    # Zero padding past K adds exact zeros: the sum over the real K is
+                    # unchanged.
+                    a = tl.load(x_ptrs, mask=offs_k[None, :] < K, other=0.0)
+                    b = tl.load(w_ptrs, mask=offs_k[:, None] < K, other=0.0)
+        if UPCAST:
+            # Interpreter only: its bf16 dot is wrong, fp32 is exact (kernels.utils).
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if SERIAL_DOT:
+            # Interpreter only: its tl.dot is numpy's BLAS matmul, whose FMA order for a row
+            # depends on the row's slot in the BLAS micro-tile (measured: permuting rows
+            # changes fp32 bits). A broadcast product summed over the tile's K in order, then
+            # added to acc, is the same for every row, as the GPU's MMA is (DESIGN.md ground
+            # truth), and like the BLAS path it still depends on BLOCK_K.
+            prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, axis=1)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _store_output(acc, out_ptr, bias_ptr, pid_m, pid_n, M, N, stride_om, stride_on,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc (+ bias) into the output tile, in the output's dtype."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _store_partial(acc, ws_ptr, slot, pid_m, pid_n, M, N, stride_ws,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc as fp32 into slot ``slot`` of the contiguous workspace [slots, M, N]."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ws_ptrs = ws_ptr + slot * stride_ws + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(ws_ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _stream_k_first_program(pid_n, k_blocks, total, num_programs):
+    """The program whose range holds column tile pid_n's first K block: program p holds
+    iterations [p * total // P, (p + 1) * total // P) of the (column tile, K block) space."""
+    return ((pid_n.to(tl.int64) * k_blocks + 1) * num_programs - 1) // total
+
+
+@triton.jit
+def _stream_k_last_program(pid_n, k_blocks, total, num_programs):
+    """The program whose range holds column tile pid_n's last K block."""
+    return ((pid_n.to(tl.int64) + 1) * k_blocks * num_programs - 1) // total
+
+
 # M is not specialized: M == 1 or M % 16 == 0 would otherwise compile a separate binary, which
 # costs compile time per batch size and is one more thing that could differ between batch sizes.
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(
-    # pointers
-    x_ptr, w_ptr, bias_ptr, out_ptr,
+    # pointers (ws_ptr: the fp32 workspace [slots, M, N] of split-K / stream-K partials)
+    x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr,
     # sizes
     M, N, K, split_k, k_blocks_per_split,
-    # strides (out_ptr is the output [M, N], or the fp32 workspace [split_k, M, N])
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_os, stride_om, stride_on,
+    # strides (out_ptr may be strided; the workspace is contiguous)
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ws, stride_om, stride_on,
     # meta-parameters
     HAS_BIAS: tl.constexpr,
     USE_WORKSPACE: tl.constexpr,
+    STREAM_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     SERIAL_DOT: tl.constexpr,
@@ -53,81 +156,62 @@ def _gemm_kernel(
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_work = num_pid_m * num_pid_n * split_k
-    for work in range(pid, num_work, num_programs):
-        tile = work // split_k
-        split = work % split_k
-        # Grouped ordering: GROUP_M row-tiles share each column-tile of w while it is in L2
-        # (Triton tutorial 03).
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = tile // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
-        pid_n = (tile % num_pid_in_group) // group_size_m
-
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Out-of-range rows/columns re-read in-range data instead of being masked in the K loop:
-        # they are never stored, and no other row or column reads them.
-        offs_xm = offs_m % M
-        offs_wn = offs_n % N
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        kb_start = split * k_blocks_per_split
-        kb_end = tl.minimum(kb_start + k_blocks_per_split, tl.cdiv(K, BLOCK_K))
-        for kb in range(kb_start, kb_end):
-            if TMA:
-                a = x_ptr.load([pid_m * BLOCK_M, kb * BLOCK_K])
-                b = w_ptr.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
+    if STREAM_K:
+        # One row tile (M <= BLOCK_M, checked by the launcher); the (column tile, K block)
+        # iterations are cut into num_programs equal ranges, so every program streams the same
+        # share of the weights whatever the tile count. A column tile's K walk is cut where the
+        # ranges fall: a function of (N, K, the tiles, num_programs), never of M or a row.
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        total = num_pid_n * k_blocks
+        it = (pid.to(tl.int64) * total) // num_programs  # int64: pid * total may pass 2^31
+        it_end = ((pid.to(tl.int64) + 1) * total) // num_programs
+        while it < it_end:
+            # int32 again: each is below the tile or K-block count (TMA offsets must be 32-bit)
+            pid_n = (it // k_blocks).to(tl.int32)
+            kb_start = (it % k_blocks).to(tl.int32)
+            kb_end = tl.minimum(k_blocks, kb_start + (it_end - it)).to(tl.int32)
+            acc = _tile_product(
+                x_ptr, w_ptr, M, N, K, 0, pid_n, kb_start, kb_end,
+                stride_xm, stride_xk, stride_wn, stride_wk,
+                EVEN_K, UPCAST, SERIAL_DOT, DOT_PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+            )
+            first = _stream_k_first_program(pid_n, k_blocks, total, num_programs)
+            last = _stream_k_last_program(pid_n, k_blocks, total, num_programs)
+            if first == last:  # the whole K walk in this program: no partial round trip
+                _store_output(acc, out_ptr, bias_ptr, 0, pid_n, M, N, stride_om, stride_on,
+                              HAS_BIAS, BLOCK_M, BLOCK_N)
+            else:  # piece (pid - first) of the tile, summed in piece order by the reduce
+                _store_partial(acc, ws_ptr, pid - first, 0, pid_n, M, N, stride_ws,
+                               BLOCK_M, BLOCK_N)
+            it += kb_end - kb_start
+    else:
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_work = num_pid_m * num_pid_n * split_k
+        for work in range(pid, num_work, num_programs):
+            tile = work // split_k
+            split = work % split_k
+            # Grouped ordering: GROUP_M row-tiles share each column-tile of w while it is in L2
+            # (Triton tutorial 03).
+            num_pid_in_group = GROUP_M * num_pid_n
+            group_id = tile // num_pid_in_group
+            first_pid_m = group_id * GROUP_M
+            group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+            pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+            pid_n = (tile % num_pid_in_group) // group_size_m
+            kb_start = split * k_blocks_per_split
+            kb_end = tl.minimum(kb_start + k_blocks_per_split, tl.cdiv(K, BLOCK_K))
+            acc = _tile_product(
+                x_ptr, w_ptr, M, N, K, pid_m, pid_n, kb_start, kb_end,
+                stride_xm, stride_xk, stride_wn, stride_wk,
+                EVEN_K, UPCAST, SERIAL_DOT, DOT_PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+            )
+            if USE_WORKSPACE:
+                _store_partial(acc, ws_ptr, split, pid_m, pid_n, M, N, stride_ws,
+                               BLOCK_M, BLOCK_N)
             else:
-                offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-                x_ptrs = x_ptr + offs_xm[:, None] * stride_xm + offs_k[None, :] * stride_xk
-                if SERIAL_DOT:
-                    # Interpreter only: w read as [BLOCK_N, BLOCK_K] and transposed, the layout
-                    # of a TMA tile, so the serial product below sums both paths in one order and
-                    # a config's bits do not depend on whether its inputs were TMA-addressable.
-                    w_ptrs = w_ptr + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk
-                    a = tl.load(x_ptrs, mask=offs_k[None, :] < K, other=0.0)
-                    b = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0).T
-                else:
-                    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn
-                    if EVEN_K:
-                        a = tl.load(x_ptrs)
-                        b = tl.load(w_ptrs)
-                    else:
-                        # Zero padding past K adds exact zeros: the sum over the real K is
-                        # unchanged.
-                        a = tl.load(x_ptrs, mask=offs_k[None, :] < K, other=0.0)
-                        b = tl.load(w_ptrs, mask=offs_k[:, None] < K, other=0.0)
-            if UPCAST:
-                # Interpreter only: its bf16 dot is wrong, fp32 is exact (kernels.utils).
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if SERIAL_DOT:
-                # Interpreter only: its tl.dot is numpy's BLAS matmul, whose FMA order for a row
-                # depends on the row's slot in the BLAS micro-tile (measured: permuting rows
-                # changes fp32 bits). A broadcast product summed over the tile's K in order, then
-                # added to acc, is the same for every row, as the GPU's MMA is (DESIGN.md ground
-                # truth), and like the BLAS path it still depends on BLOCK_K.
-                prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
-                acc += tl.sum(prod, axis=1)
-            else:
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        if USE_WORKSPACE:
-            out_ptrs = (out_ptr + split * stride_os
-                        + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on)
-            tl.store(out_ptrs, acc, mask=mask)
-        else:
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-                acc += bias.to(tl.float32)[None, :]
-            out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                _store_output(acc, out_ptr, bias_ptr, pid_m, pid_n, M, N, stride_om, stride_on,
+                              HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -135,22 +219,39 @@ def _splitk_reduce_kernel(
     # pointers
     ws_ptr, bias_ptr, out_ptr,
     # sizes
-    M, N, split_k,
-    # strides (workspace is contiguous [split_k, M, N]; out may be strided)
+    M, N, K, split_k, stream_k_programs,
+    # strides (workspace is contiguous [slots, M, N]; out may be strided)
     stride_ws, stride_om, stride_on,
     # meta-parameters
     HAS_BIAS: tl.constexpr,
+    STREAM_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
+    """Sums each element's partials in slot order ((p0 + p1) + p2) + ...: the reason split-K and
+    stream-K stay deterministic at a fixed shape. Split-K: split_k slots everywhere. Stream-K:
+    the pieces of the element's column tile; a tile of one piece was written by the GEMM."""
     pid = tl.program_id(0)
     offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < M * N
-    # Fixed order ((p0 + p1) + p2) + ...: the reason split-K stays deterministic at a fixed shape.
-    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, split_k):
-        acc += tl.load(ws_ptr + s * stride_ws + offs, mask=mask, other=0.0)
     offs_m = offs // N
     offs_n = offs % N
+    if STREAM_K:
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        tile_n = offs_n // BLOCK_N
+        total = tl.cdiv(N, BLOCK_N) * k_blocks
+        first = _stream_k_first_program(tile_n, k_blocks, total, stream_k_programs)
+        pieces = _stream_k_last_program(tile_n, k_blocks, total, stream_k_programs) - first + 1
+        mask = mask & (pieces > 1)
+    else:
+        pieces = split_k + offs * 0
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, split_k):  # split_k: the slot count (stream-K: the most pieces a tile has)
+        part = tl.load(ws_ptr + s * stride_ws + offs, mask=mask & (s < pieces), other=0.0)
+        # A tile with fewer pieces keeps its sum as is (adding a masked +0.0 would turn a -0.0
+        # sum into +0.0, and make the bits depend on the slot count).
+        acc = tl.where(s < pieces, acc + part, acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_m * stride_om + offs_n * stride_on,

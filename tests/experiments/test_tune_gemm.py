@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from experiments import tune_gemm
 from kernels.gemm import GemmConfig, load_tuned_table
@@ -55,6 +56,35 @@ def test_mid_m_candidates_split_k_where_k_allows():
     # Large M splits only where the tiles leave SMs idle (the N = 576 projection, not 24576).
     assert any(c.split_k == 2 for c in tune_gemm.candidates(2048, 576, 7168, with_pool=False))
     assert all(c.split_k == 1 for c in tune_gemm.candidates(2048, 24576, 4096, with_pool=False))
+
+
+def test_stream_k_candidates_run_one_row_tile_in_the_tma_range():
+    """Stream-K candidates at M 64-256 only, each with a row tile covering M (the entry serves
+    every M up to its own), at both program counts, pointer- and TMA-fed."""
+    for m in (64, 128, 256):
+        stream = [c for c in tune_gemm.candidates(m, 6144, 4096, with_pool=False)
+                  if c.stream_k_programs]
+        assert stream and all(c.block_m >= m and c.split_k == 1 for c in stream), m
+        assert {c.stream_k_programs for c in stream} == set(tune_gemm.STREAM_K_PROGRAMS)
+        assert {c.tma for c in stream} == {False, True}
+    for m in (1, 32, 512):
+        assert not any(c.stream_k_programs for c in tune_gemm.candidates(m, 6144, 4096)), m
+
+
+def test_no_split_pick_never_cuts_k(monkeypatch):
+    """batch_invariant_tuned's entry (no_split_config) is never a stream-K config, which cuts
+    K where the programs' shares end, even when one is the fastest of all."""
+    setup = dataclasses.replace(tune_gemm.dry_run_setup(), max_candidates=None)
+    stream = GemmConfig(16, 16, 16, stream_k_programs=3)
+    whole = GemmConfig(16, 16, 16)
+    monkeypatch.setattr(tune_gemm, "candidates", lambda m, n, k, with_pool=True: [stream, whole])
+    times = {stream: 1.0, whole: 2.0}
+    monkeypatch.setattr(tune_gemm, "_time_config",
+                        lambda setup, x, w, expected, config: times[config])
+    w = torch.randn(48, 64)
+    entry = tune_gemm._tune_point(setup, "tiny", 1, 48, 64, w)
+    assert GemmConfig.from_dict(entry["config"]) == stream
+    assert GemmConfig.from_dict(entry["no_split_config"]) == whole
 
 
 def test_pool_choice_is_the_geometric_mean_winner():

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from kernels import gemm as gemm_module
-from kernels.gemm import GemmConfig, auto_split_k, gemm, gemm_config, load_tuned_table
+from kernels.gemm import (
+    GemmConfig,
+    auto_split_k,
+    gemm,
+    gemm_config,
+    load_tuned_table,
+    stream_k_pieces,
+)
 from kernels.mode import Mode
 from kernels.reference import gemm_reference
 from kernels.utils import tma_addressable
@@ -146,6 +153,60 @@ def test_gemm_config_tma_field_round_trips():
         GemmConfig(64, 128, 64, tma=1)
 
 
+# Stream-K configs whose column tiles are cut into several pieces at these shapes (asserted).
+STREAM_K_CASES = [
+    (7, 48, 160, GemmConfig(16, 16, 32, stream_k_programs=4)),  # 3 tiles x 5 K blocks / 4
+    (16, 33, 50, GemmConfig(16, 16, 16, stream_k_programs=7)),  # K and N off the tiles
+    (3, 64, 256, GemmConfig(16, 32, 64, stream_k_programs=3, tma=True)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("m, n, k, config", STREAM_K_CASES, ids=["split-tiles", "ragged", "tma"])
+def test_gemm_stream_k_matches_reference(m, n, k, config, dtype):
+    """Stream-K (equal shares of the column-tile x K-block iterations; tiles cut where a share
+    ends, their pieces summed in order by the reduce launch) against the fp64 reference, with
+    and without bias."""
+    assert stream_k_pieces(n, k, config) > 1  # the pieces and the reduce are exercised
+    for bias in (False, True):
+        _check(*_inputs(m, n, k, dtype, seed=4, bias=bias), config=config)
+
+
+def test_gemm_stream_k_single_piece_tiles_skip_the_reduce():
+    """Shares that end on tile boundaries (6 K blocks x 4 tiles over 4 programs) write the output
+    directly: one slot, no workspace, the reference's values."""
+    config = GemmConfig(16, 16, 16, stream_k_programs=4)
+    assert stream_k_pieces(64, 96, config) == 1
+    _check(*_inputs(5, 64, 96, torch.float32, seed=5, bias=True), config=config)
+
+
+def test_gemm_stream_k_rows_keep_their_bits_at_every_m():
+    """A stream-K row's K walk is cut by (N, K, the tiles, the program count) only: a row's bits
+    are the same alone, in any batch up to block_m, and in any slot."""
+    m, n, k, config = STREAM_K_CASES[0]
+    x, w, b = _inputs(16, n, k, torch.float32, seed=6, bias=True)
+    full = gemm(x, w, b, config=config)
+    assert_bitwise_equal(gemm(x[3:4], w, b, config=config)[0], full[3], "row 3 alone")
+    assert_bitwise_equal(gemm(x[:m], w, b, config=config), full[:m], f"first {m} rows")
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(1))
+    assert_bitwise_equal(gemm(x[perm], w, b, config=config), full[perm], "permuted rows")
+
+
+def test_gemm_stream_k_config_checks():
+    config = GemmConfig(64, 128, 64, stream_k_programs=132, tma=True)
+    assert GemmConfig.from_dict(config.to_dict()) == config
+    assert "stream_k_programs" not in GemmConfig(64, 128, 64).to_dict()
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="^stream_k_programs: expected an int"):
+            GemmConfig(64, 128, 64, stream_k_programs=bad)
+    for other in ({"split_k": 2}, {"persistent": True}):
+        with pytest.raises(ValueError, match="^stream_k_programs: stream-K"):
+            GemmConfig(64, 128, 64, stream_k_programs=4, **other)
+    x, w, _ = _inputs(17, 16, 32, torch.float32)
+    with pytest.raises(ValueError, match="^config: stream-K runs one row tile"):
+        gemm(x, w, config=GemmConfig(16, 16, 16, stream_k_programs=2))
+
+
 def test_gemm_strided_inputs_and_fp32_bias():
     x, w, _ = _inputs(21, 40, 96, torch.float16, seed=2)
     x_t = x.t().contiguous().t()  # column-major view of the same values
@@ -261,3 +322,23 @@ def test_tuned_table_lookup(tmp_path):
     path.write_text('{"entries": [{"m": 1}]}')
     with pytest.raises(ValueError, match="malformed"):
         load_tuned_table(path)
+
+
+def test_tuned_table_refuses_stream_k_where_it_cannot_run(tmp_path):
+    """A stream-K entry must cover every M it serves in one row tile, and never stands as the
+    no-split entry (it cuts K where the programs' shares end)."""
+    path = tmp_path / "gemm.json"
+    stream = GemmConfig(64, 64, 64, stream_k_programs=132)
+    for entry, message in (
+        ({"m": 128, "n": 96, "k": 80, "config": stream.to_dict()}, "block_m must be >= 128"),
+        ({"m": 64, "n": 96, "k": 80, "config": stream.to_dict(),
+          "no_split_config": stream.to_dict()}, "cuts K"),
+    ):
+        path.write_text(json.dumps({"header": {}, "entries": [entry]}))
+        with pytest.raises(ValueError, match=message):
+            load_tuned_table(path)
+    path.write_text(json.dumps({"header": {}, "entries": [
+        {"m": 64, "n": 96, "k": 80, "config": stream.to_dict()}]}))
+    table = load_tuned_table(path)  # no no-split entry: batch_invariant_tuned falls back
+    assert table.lookup(64, 96, 80, torch.bfloat16) == stream
+    assert table.lookup(64, 96, 80, torch.bfloat16, no_split=True) is None
