@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="where a request's sampling defaults come from: 'auto' = the checkpoint's "
         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
         "max_new_tokens, for fields a request leaves out, as vLLM applies them), 'vllm' = none "
-        "(OpenAI's defaults), or a folder holding a generation_config.json (default: auto)",
+        "(OpenAI's defaults), or a folder holding a generation_config.json, whose "
+        "max_new_tokens then also caps every request, as in vLLM (default: auto)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -342,6 +343,14 @@ def generation_defaults(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--generation-config: {exc}") from None
 
 
+def max_tokens_ceiling(args: argparse.Namespace, defaults: dict) -> int | None:
+    """vLLM: the generation config's max_new_tokens caps every request only when
+    ``--generation-config`` names a folder; the model's own file (``auto``) makes it a default."""
+    if args.generation_config in ("auto", "vllm"):
+        return None
+    return defaults.get("max_tokens")
+
+
 def build_app(args: argparse.Namespace, on_engine_failure=None):
     """The engine (built and warmed up here, before the port opens) and the FastAPI app;
     ``on_engine_failure(exc)`` runs if the engine dies."""
@@ -406,6 +415,7 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
         max_request_body_bytes=args.max_request_body_bytes,
         on_engine_failure=on_engine_failure,
         default_sampling=default_sampling,
+        max_tokens_ceiling=max_tokens_ceiling(args, default_sampling),
     )
 
 

@@ -36,6 +36,8 @@ class Submission:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    # A chat request's chat-templated prompt (vLLM's return_prompt_text).
+    prompt_text: str | None = None
 
 
 def parse(model: type[Model], body: bytes) -> Model:
@@ -93,8 +95,7 @@ def render_chat(
     the template's own markup whenever the content also occurs there (``"im"``, ``">"``, ``"\\n"``
     in ``<|im_end|>\\n``).
     """
-    conversation = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
-                    for m in messages]
+    conversation = [m.template_fields() for m in messages]
     marker = None
     if continue_final:
         marker = _continue_marker(conversation)
@@ -137,8 +138,8 @@ def sampling_params(
 ) -> SamplingParams:
     """SamplingParams for one prompt; ValueErrors become 400s naming the field. A field the
     request leaves out takes the server's default (``ServerState.default_sampling``) if it has
-    one, and a default max_tokens caps every request, as vLLM applies a model's
-    generation_config.json."""
+    one, max_tokens included, as vLLM applies a model's generation_config.json (a default, not
+    a ceiling: vLLM PR #34063); ``ServerState.max_tokens_ceiling`` caps every request."""
     room = state.max_model_len - len(prompt_ids)
     defaults = state.default_sampling
 
@@ -154,8 +155,8 @@ def sampling_params(
             f"prompt has {len(prompt_ids)}, which leaves no room to generate.",
             field,
         )
-    if max_tokens is None:
-        max_tokens = room
+    if max_tokens is None:  # vLLM's get_max_tokens: the default, within the room left
+        max_tokens = min(room, defaults.get("max_tokens", room))
     elif max_tokens > room:
         raise APIError(
             400,
@@ -166,8 +167,8 @@ def sampling_params(
             "max_completion_tokens"
             if getattr(body, "max_completion_tokens", None) is not None else "max_tokens",
         )
-    # vLLM: the generation config's max_new_tokens caps every request, set or not.
-    max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
+    if state.max_tokens_ceiling is not None:
+        max_tokens = min(max_tokens, state.max_tokens_ceiling)
     try:
         params = SamplingParams(
             n=body.n,
@@ -179,6 +180,7 @@ def sampling_params(
             stop=body.stop_list or None,
             stop_token_ids=body.stop_token_ids,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -237,4 +239,4 @@ def chat_submissions(state: ServerState, body: ChatCompletionRequest) -> list[Su
     ids = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
     params = sampling_params(state, body, ids, body.max_new_tokens, body.num_logprobs, "messages",
                              body.prompt_logprobs)
-    return [Submission(random_id("req"), 0, ids, params)]
+    return [Submission(random_id("req"), 0, ids, params, text)]

@@ -223,6 +223,8 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
+    # vLLM: special tokens are left out of the output text unless this is false.
+    skip_special_tokens: bool = True
     return_token_ids: bool = False
     # vLLM: logprobs name tokens "token_id:<id>" (token texts can collide or be partial UTF-8).
     return_tokens_as_token_ids: bool = False
@@ -414,12 +416,29 @@ class ChatMessage(unsupported.refusing(unsupported.MESSAGE, _Request, "_MessageF
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
     name: Text | None = None
+    # vLLM hands these to the chat template: an assistant message's earlier reasoning (sent as
+    # either name, rendered under both) and a tool message's call id.
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
+    tool_call_id: Text | None = None
 
     @property
     def text(self) -> str:
         if isinstance(self.content, list):  # vLLM joins text parts with newlines
             return "\n".join(part.text for part in self.content)
         return self.content or ""
+
+    def template_fields(self) -> dict[str, str]:
+        """The message as the chat template sees it (vLLM's ``_parse_chat_message_content``)."""
+        fields = {"role": self.role, "content": self.text}
+        if self.name is not None:
+            fields["name"] = self.name
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if self.role == "assistant" and reasoning is not None:
+            fields["reasoning"] = fields["reasoning_content"] = reasoning
+        if self.role == "tool" and self.tool_call_id is not None:
+            fields["tool_call_id"] = self.tool_call_id
+        return fields
 
 
 # Names the renderer passes to the chat template itself: a template kwarg may not replace them.
@@ -465,13 +484,16 @@ class ChatCompletionRequest(
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = False
+    # vLLM: the chat-templated prompt text at the response's root (and on the role chunks).
+    return_prompt_text: bool = False
 
     # Cross-field checks sit on the later field (it sees the earlier ones in info.data), so the
     # error's location names a field.
     @field_validator("top_logprobs")
     @classmethod
     def _check_top_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
-        if top_logprobs is not None and not info.data.get("logprobs"):
+        # vLLM: only a request for some (0 is the default) needs logprobs.
+        if top_logprobs and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs to be true")
         return top_logprobs
 
@@ -488,12 +510,21 @@ class ChatCompletionRequest(
         """Top-N per token, or None for no logprobs (the chosen token is always returned)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def response_role(self) -> str:
+        """vLLM: the assistant answers after a generation prompt; without one the model continues
+        the last message, whose role the response carries."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
-class TokenizeRequest(_ChatFields):
+
+class TokenizeRequest(unsupported.refusing(unsupported.TOKENIZE, _ChatFields, "_TokenizeFields")):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, validate_default=True)
-    add_special_tokens: bool = True
+    # vLLM's defaults: True for a prompt, False for a conversation (its template adds them).
+    add_special_tokens: bool | None = None
+    # vLLM: also the token string of each id (the tokenizer's convert_ids_to_tokens).
+    return_token_strs: bool = False
 
     @field_validator("messages")
     @classmethod
@@ -501,6 +532,12 @@ class TokenizeRequest(_ChatFields):
         if (info.data.get("prompt") is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
         return messages
+
+    @property
+    def adds_special_tokens(self) -> bool:
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
 
 
 class DetokenizeRequest(_Request):

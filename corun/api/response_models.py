@@ -122,6 +122,8 @@ class ChatCompletionResponse(BaseModel):
     # vLLM's return_token_ids and prompt_logprobs: at a chat response's root (one prompt).
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's return_prompt_text: the chat-templated prompt.
+    prompt_text: str | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -152,6 +154,7 @@ class ChatCompletionChunk(BaseModel):
     # in a stream; here they come as the non-streamed response has them).
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_text: str | None = None
 
 
 class CompletionChunk(BaseModel):
@@ -184,6 +187,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):

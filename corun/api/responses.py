@@ -9,6 +9,7 @@ A builder owns the ``ChoiceState`` of every choice of one HTTP request: choice i
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from corun.api.response_models import (
@@ -48,9 +49,10 @@ class _Builder:
         self.start = time.monotonic()
         self.n = body.n
         self.subs_by_prompt = {sub.prompt_index: sub for sub in subs}
-        decode = state.tokenizer.decode
         self.choices: dict[int, ChoiceState] = {}
         for sub in subs:
+            decode = partial(state.tokenizer.decode,
+                             skip_special_tokens=sub.params.skip_special_tokens)
             for sample in range(self.n):
                 index = sub.prompt_index * self.n + sample
                 self.choices[index] = ChoiceState(
@@ -285,7 +287,7 @@ class ChatBuilder(_Builder):
                 role = ChatStreamChoice(
                     index=choice.index,
                     seed=choice.seed,
-                    delta=DeltaMessage(role="assistant", content=""),
+                    delta=DeltaMessage(role=self.body.response_role, content=""),
                 )
                 # vLLM: every choice's role chunk carries the prompt's ids (and here its
                 # logprobs) at the root, and counts no completion tokens yet.
@@ -296,6 +298,7 @@ class ChatBuilder(_Builder):
                 chunk = self._chunk([role], usage)
                 chunk.prompt_token_ids = self._prompt_token_ids(choice, True)
                 chunk.prompt_logprobs = self._prompt_logprobs(choice, True)
+                chunk.prompt_text = self._prompt_text()
                 out.append(chunk)
             text, ids, lps = choice.take_delta()
             out.append(
@@ -323,7 +326,7 @@ class ChatBuilder(_Builder):
             choices.append(
                 ChatChoice(
                     index=choice.index,
-                    message=ChatResponseMessage(content=text),
+                    message=ChatResponseMessage(role=self.body.response_role, content=text),
                     logprobs=self._logprobs(ids, lps),
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
@@ -336,4 +339,9 @@ class ChatBuilder(_Builder):
         response = self._response(choices)
         response.prompt_token_ids = self._prompt_token_ids(self.choices[0], True)
         response.prompt_logprobs = self._prompt_logprobs(self.choices[0], True)
+        response.prompt_text = self._prompt_text()
         return response
+
+    def _prompt_text(self) -> str | None:
+        """vLLM's ``prompt_text`` with ``return_prompt_text``: the chat-templated prompt."""
+        return self.subs[0].prompt_text if self.body.return_prompt_text else None

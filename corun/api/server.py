@@ -100,6 +100,8 @@ class ServerState:
     # Sampling defaults for fields a request leaves out (the model's generation_config.json,
     # as vLLM applies it; SamplingParams names).
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    # Output tokens at most for every request (vLLM's --generation-config FOLDER).
+    max_tokens_ceiling: int | None = None
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(
             NUM_PREPROCESS_WORKERS, thread_name_prefix="corun-preprocess"
@@ -180,6 +182,7 @@ def create_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     on_engine_failure: Callable[[BaseException], None] | None = None,
     default_sampling: dict[str, Any] | None = None,
+    max_tokens_ceiling: int | None = None,
 ) -> FastAPI:
     """The FastAPI app over ``engine`` (an ``LLMEngine``, owned by the app's engine thread).
 
@@ -188,7 +191,10 @@ def create_app(
     for (``--model``; requests may name either). ``max_queue_len``: waiting sequences at most.
     ``on_engine_failure(exc)`` runs on the engine thread if the engine dies.
     ``default_sampling``: what a request that leaves a field out samples with
-    (``corun.sampling_params.generation_config_defaults``).
+    (``corun.sampling_params.generation_config_defaults``); its ``max_tokens`` only when the
+    request leaves max_tokens out (vLLM's ``--generation-config auto``).
+    ``max_tokens_ceiling``: output tokens at most for every request (vLLM's
+    ``--generation-config FOLDER`` with max_new_tokens).
     """
     metrics = ServerMetrics(model_name)
     state = ServerState(
@@ -203,6 +209,7 @@ def create_app(
         metrics=metrics,
         api_key=api_key,
         default_sampling=dict(default_sampling or {}),
+        max_tokens_ceiling=max_tokens_ceiling,
     )
 
     @asynccontextmanager
@@ -232,6 +239,7 @@ def create_app(
         return Response(status_code=200 if ok else 503)
 
     @app.get("/ping")
+    @app.post("/ping")
     async def ping() -> Response:
         return await health()
 
@@ -322,10 +330,19 @@ def _tokenize(state: ServerState, raw: bytes) -> TokenizeResponse:
             body.continue_final_message,
             body.chat_template_kwargs,
         )
-        ids = state.tokenizer.encode(text, add_special_tokens=False)
     else:
-        ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+        text = body.prompt
+    ids = state.tokenizer.encode(text, add_special_tokens=body.adds_special_tokens)
+    strs = _token_strs(state.tokenizer, ids) if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
+                            token_strs=strs)
+
+
+def _token_strs(tokenizer: Any, ids: list[int]) -> list[str]:
+    """The vocabulary's string of each id (transformers' ``convert_ids_to_tokens``: byte-level
+    BPE shows a space as ``Ġ``); corun's Tokenizer wraps a ``tokenizers`` one."""
+    vocab = getattr(tokenizer, "tokenizer", tokenizer)
+    return [vocab.id_to_token(t) for t in ids]
 
 
 def _detokenize(state: ServerState, raw: bytes) -> DetokenizeResponse:

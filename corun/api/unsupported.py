@@ -21,7 +21,6 @@ SAMPLING: dict[str, tuple] = {
     "allowed_token_ids": (),
     "bad_words": ([],),
     "truncate_prompt_tokens": (),
-    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "logits_processors": ([],),
     "priority": (0,),
@@ -35,6 +34,13 @@ SAMPLING: dict[str, tuple] = {
     "vllm_xargs": (),
     "kv_transfer_params": (),
     "stream_interval": (1,),
+    # Each changes the tokens, the logprobs or the response when set (vLLM).
+    "logprob_token_ids": (),
+    "watermarking": (False,),
+    "repetition_detection": (),
+    # -1 is vLLM's "unlimited", the same as unset.
+    "thinking_token_budget": (-1,),
+    "ec_transfer_params": (),
 }
 COMPLETIONS: dict[str, tuple] = {**SAMPLING, "suffix": ("",), "prompt_embeds": ()}
 CHAT: dict[str, tuple] = {
@@ -52,6 +58,16 @@ CHAT: dict[str, tuple] = {
     "chat_template": (),
     "documents": (),
     "mm_processor_kwargs": (),
+    "media_io_kwargs": (),
+    # OpenAI's; "medium" is its default.
+    "verbosity": ("medium",),
+}
+# /tokenize of a conversation: what would change the rendering, as in chat completions.
+TOKENIZE: dict[str, tuple] = {
+    "chat_template": (),
+    "tools": ([],),
+    "mm_processor_kwargs": (),
+    "media_io_kwargs": (),
 }
 # Why a field is refused, where the bare "not supported" would leave the client guessing.
 _STRUCTURED = "use response_format, guided_json, guided_regex or guided_choice"
@@ -67,6 +83,12 @@ REASONS: dict[str, str] = {
     "use_beam_search": "beam search is not implemented (sample with n or best_of)",
     "cache_salt": "the prefix cache is shared by every request (a hit gives a miss's bits)",
     "request_id": "the server names each request itself (the response's id)",
+    "logprob_token_ids": "logprobs of chosen token ids are not implemented (use logprobs / "
+                         "top_logprobs for the top-N)",
+    "watermarking": "watermarked sampling is not implemented",
+    "repetition_detection": "repetition detection is not implemented",
+    "thinking_token_budget": "there is no reasoning parser to count thinking tokens with",
+    "chat_template": "the model's chat template renders every conversation",
 }
 # Fields of one chat message.
 MESSAGE: dict[str, tuple] = {"tool_calls": ([],), "function_call": (), "audio": ()}

@@ -111,6 +111,14 @@ def serve_in_thread(engine: Any, tokenizer: Any, **app_kwargs: Any) -> Iterator[
     """The app over ``engine`` served on a free loopback port; yields its base URL. Stopping it
     closes the engine (the app owns it)."""
     app = create_app(engine, tokenizer, model_name="corun-default", mode="corun", **app_kwargs)
+    with serve_app(app) as (url, _):
+        yield url
+
+
+@contextmanager
+def serve_app(app: Any) -> Iterator[tuple[str, uvicorn.Server]]:
+    """``app`` served on a free loopback port; yields its base URL and the uvicorn server (its
+    ``server_state.connections`` are the open connections)."""
     port = _free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
@@ -123,7 +131,7 @@ def serve_in_thread(engine: Any, tokenizer: Any, **app_kwargs: Any) -> Iterator[
             raise RuntimeError("the in-process server did not start")
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         thread.join(START_TIMEOUT_S)

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from corun.api.server import create_app
 from tests.api.conftest import Server
+from tests.api.inprocess import BlockingTokenizer, build_engine, serve_app
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,3 +84,51 @@ def test_disconnect_while_waiting_for_a_whole_response(server: Server, n: int):
         assert (
             client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
         )
+
+
+def _aborted(client: httpx.Client) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.labels.get("finished_reason") == "abort":
+                return sample.value
+    return 0.0
+
+
+def test_a_stream_whose_client_left_before_it_started_is_aborted():
+    """A client that goes away while its streamed request is still being prepared (tokenized,
+    here held there by the tokenizer): the server submits it, and Starlette, seeing the client
+    gone, never starts the stream's body. The request must still be aborted and forgotten, or it
+    generates to the end for nobody and a drain waits for it until the shutdown timeout."""
+    engine, tokenizer = build_engine("--max-num-seqs", "4")
+    blocking = BlockingTokenizer(tokenizer)
+    app = create_app(engine, blocking, model_name="corun-default", mode="corun")
+    state = app.state.corun
+    body = json.dumps({"prompt": f"{blocking.marker} go", "max_tokens": 100,
+                       "ignore_eos": True, "seed": 1, "stream": True}).encode()
+    with serve_app(app) as (url, server):
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            assert blocking.entered.wait(60), "the request never reached the tokenizer"
+        finally:
+            sock.close()
+        # The server has seen the client go before the request leaves the tokenizer.
+        deadline = time.monotonic() + 60
+        while server.server_state.connections:
+            assert time.monotonic() < deadline, "uvicorn never saw the connection close"
+            time.sleep(0.01)
+        blocking.release.set()
+        with httpx.Client(base_url=url, timeout=60) as client:
+            deadline = time.monotonic() + 60
+            while _aborted(client) < 1:
+                assert time.monotonic() < deadline, (
+                    "the request of the client that left was never aborted")
+                time.sleep(0.05)
+            assert _aborted(client) == 1
+            assert state._idle.is_set()  # nothing left for a drain to wait for
+            # And the server carries on.
+            ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert ok.status_code == 200, ok.text
