@@ -142,7 +142,7 @@ class BlockManager:
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
         self.cache_granularity = cache_granularity
-        self.num_prefix_queries = 0  # prompt tokens of admitted sequences
+        self.num_prefix_queries = 0  # prompt tokens of admitted sequences that looked up
         self.num_prefix_hits = 0  # of those, tokens taken from the cache
 
     @property
@@ -191,13 +191,19 @@ class BlockManager:
             seq.block_hashes = prompt_block_hashes(seq.prompt_token_ids, self.block_size)
         return seq.block_hashes
 
+    def looks_up(self, seq: Sequence) -> bool:
+        """Whether admission looks ``seq``'s prompt up in the cache (a prefix-cache query).
+
+        Not with caching off, and not for a request asking for prompt logprobs: it needs every
+        prompt row's hidden state, so it computes its whole prompt (vLLM does the same, and
+        counts no query for it); its blocks are still registered."""
+        return self.is_caching and seq.params.prompt_logprobs is None
+
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks a waiting ``seq`` may start from: its longest cached run of prompt
         blocks, cut to a multiple of ``cache_granularity`` tokens that leaves at least the last
         prompt token to compute (its row is sampled). Takes nothing."""
-        # A request asking for prompt logprobs needs every prompt row's hidden state, so it
-        # computes its whole prompt (vLLM does the same); its blocks are still registered.
-        if not self.is_caching or seq.block_table or seq.params.prompt_logprobs is not None:
+        if not self.looks_up(seq) or seq.block_table:
             return []
         unit = self.cache_granularity
         max_tokens = (seq.num_prompt_tokens - 1) // unit * unit
@@ -226,7 +232,7 @@ class BlockManager:
         seq.num_cached_blocks = len(prefix)
         seq.num_computed_tokens = len(prefix) * self.block_size
         self.grow(seq, num_tokens)
-        if self.is_caching:
+        if self.looks_up(seq):
             self.num_prefix_queries += seq.num_prompt_tokens
             self.num_prefix_hits += seq.num_computed_tokens
 

@@ -127,8 +127,19 @@ class LLM:
         for prompt, p in zip(prompts, params_list, strict=True):
             ids, text = self._to_ids(prompt)
             requests.append((self.engine.validate(ids, p), p, text))
-        order = [self.engine.add_request(ids, p, prompt=text) for ids, p, text in requests]
-        return self._run(order, use_tqdm)
+        order: list[str] = []
+        try:
+            for ids, p, text in requests:
+                # add_request may still refuse one (queue full, n beyond max_queue_len)
+                order.append(self.engine.add_request(ids, p, prompt=text))
+            return self._run(order, use_tqdm)
+        except BaseException:
+            # A call that fails part-way (a refused request, a step that raised, an interrupt)
+            # takes its requests with it, as vLLM's LLM does: left queued they would hold the
+            # queue and be run to the end by the next call, for nobody.
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -149,13 +160,15 @@ class LLM:
 
             bar = tqdm(total=len(order), desc="generate", unit="req", dynamic_ncols=True)
         pending = set(order)
-        while pending:
-            for output in self.engine.step():
-                if output.finished and output.request_id in pending:
-                    done[output.request_id] = output
-                    pending.discard(output.request_id)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        done[output.request_id] = output
+                        pending.discard(output.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[request_id] for request_id in order]

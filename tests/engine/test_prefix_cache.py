@@ -22,6 +22,7 @@ from array import array
 import pytest
 
 from corun.config import EngineConfig
+from corun.engine import LLMEngine
 from corun.kv_cache import BlockAllocator, BlockManager
 from corun.prefix_cache import ROOT_HASH, hash_block, prompt_block_hashes
 from corun.sampling_params import SamplingParams
@@ -305,3 +306,21 @@ def test_reusing_decode_written_blocks_changes_bits_negative_control(monkeypatch
     broken = run_workload(config, requests)
     assert broken.stats["prefix_cache_hits"] > 16, "b did not reuse a's decode-written blocks"
     assert broken.results["a"] == alone["a"] and broken.results["b"] != alone["b"]
+
+
+def test_a_prompt_logprobs_request_is_no_prefix_cache_query():
+    """The hit rate is hits over the prompt tokens *looked up* at admission (vLLM's queries). A
+    request asking for prompt logprobs computes its whole prompt without a look-up, so it is no
+    query: counting its tokens made the rate fall whenever such requests ran (vLLM skips them
+    too)."""
+    config = _config("corun")
+    engine = LLMEngine(config)
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=0, seed=0)
+    engine.add_request(list(SYSTEM), scoring, "score")
+    run_workload(config, [], engine=engine)
+    assert engine.stats()["prefix_cache_queries"] == 0
+    engine.add_request(list(SYSTEM), SamplingParams(max_tokens=1, seed=0), "plain")
+    run_workload(config, [], engine=engine)
+    stats = engine.stats()
+    assert stats["prefix_cache_queries"] == len(SYSTEM)
+    assert stats["prefix_cache_hits"] == 24  # the scoring request's blocks were registered
