@@ -356,10 +356,11 @@ def gemm(
                          f"{cfg.block_m}, got M {m}")
     bias_arg = bias if bias is not None else out  # never read when HAS_BIAS is False
     if stream_k:
+        programs = stream_k_programs(n, k, cfg)
         slots = stream_k_pieces(n, k, cfg)  # the most pieces a column tile is cut into
         workspace = (torch.empty((slots, m, n), dtype=torch.float32, device=device)
                      if slots > 1 else out)
-        grid, split_k, k_blocks_per_split = (cfg.stream_k_programs,), slots, k_blocks
+        grid, split_k, k_blocks_per_split = (programs,), slots, k_blocks
     else:
         k_blocks_per_split = max(1, cdiv(k_blocks, cfg.split_k))
         split_k = max(1, cdiv(k_blocks, k_blocks_per_split))  # no empty splits
@@ -393,7 +394,7 @@ def gemm(
         block_size = 1024
         _splitk_reduce_kernel[(cdiv(m * n, block_size),)](
             workspace, bias_arg, out,
-            m, n, k, split_k, cfg.stream_k_programs,
+            m, n, k, split_k, grid[0],
             m * n, out.stride(0), out.stride(1),
             HAS_BIAS=bias is not None, STREAM_K=stream_k,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_SIZE=block_size,
@@ -402,17 +403,27 @@ def gemm(
     return out
 
 
+def stream_k_programs(n: int, k: int, config: GemmConfig) -> int:
+    """The programs a stream-K launch runs: ``config.stream_k_programs``, or the iteration count
+    (column tiles x K blocks) where that is smaller, so every program holds at least one
+    iteration (a program without one would leave its workspace slot unwritten, and the reduce
+    would sum it). A function of the shape and the config only, like the cuts it sets."""
+    return max(1, min(config.stream_k_programs,
+                      cdiv(n, config.block_n) * cdiv(k, config.block_k)))
+
+
 @functools.lru_cache(maxsize=1024)
 def stream_k_pieces(n: int, k: int, config: GemmConfig) -> int:
     """The most pieces stream-K cuts one column tile's K walk into (the workspace's slots):
-    program p holds iterations [p * total // P, (p + 1) * total // P) of the (column tile,
-    K block) space, and a tile's pieces are the programs its iterations span."""
-    programs = config.stream_k_programs
+    program p of P (``stream_k_programs``) holds iterations [p * total // P, (p + 1) * total //
+    P) of the (column tile, K block) space, and a tile's pieces are the programs its iterations
+    span."""
     k_blocks = cdiv(k, config.block_k)
     tiles = cdiv(n, config.block_n)
     total = tiles * k_blocks
-    if programs < 1 or total == 0:
+    if config.stream_k_programs < 1 or total == 0:
         return 1
+    programs = stream_k_programs(n, k, config)
 
     def program_of(iteration: int) -> int:
         return ((iteration + 1) * programs - 1) // total

@@ -12,7 +12,8 @@ K walk: BLOCK_K and the split boundaries. With ``split_k > 1`` each split writes
 to a workspace [split_k, M, N] and ``_splitk_reduce_kernel`` sums the partials in split order
 0, 1, ..., split_k - 1: no atomics, so a fixed shape always gives the same bits.
 
-Stream-K (``STREAM_K``, one row tile): the grid is exactly ``stream_k_programs`` programs, and
+Stream-K (``STREAM_K``, one row tile): the grid is P = ``stream_k_programs`` programs (at most
+one an iteration, so none is empty: kernels.gemm.stream_k_programs), and
 program p walks iterations [p * T // P, (p + 1) * T // P) of the T = column tiles x K blocks, so
 each streams the same share of the weights whatever the tile count. A column tile whose K walk
 is wholly in one program is stored directly; otherwise each program's piece goes to workspace slot
