@@ -406,22 +406,30 @@ def serving_summary_block(head: dict, records: list[dict]) -> str:
 
 
 def serving_step_summary_block(name: str) -> Callable[[dict, list[dict]], str]:
-    """corun's packed step T under the serving load: each corun server's output tok/s, TPOT p50
-    and ITL p99 against ``default``'s in the same run, at every load."""
+    """corun's servers (the packed step T and the other settings) under the serving load: each
+    one's output tok/s (as a ratio to every peer of the same run: ``default`` and the
+    batch-invariant peers), TTFT p50, TPOT p50 and ITL p99, at every load."""
+    def figures(r: dict) -> str:
+        return (f"TTFT p50 {_fmt(r['median_ttft_ms'], 0)} ms, TPOT p50 "
+                f"{_fmt(r['median_tpot_ms'], 1)} ms, ITL p99 {_fmt(r['p99_itl_ms'], 0)} ms")
+
     def view(head: dict, records: list[dict]) -> str:
         lines = [_source(head, name), ""]
         for load, by in _by_load(records).items():
-            peer = by.get("default")
+            peers = [(label, r) for label, r in by.items() if r["mode"] != "corun"]
             servers = [(label, r) for label, r in by.items() if r["mode"] == "corun"]
-            if peer is None or not servers:
+            if not peers or not servers:
                 continue
-            parts = [f"`{label}` {_fmt(r['output_throughput'], 0)} tok/s "
-                     f"({_fmt(r['output_throughput'] / peer['output_throughput'])}x), TPOT p50 "
-                     f"{_fmt(r['median_tpot_ms'], 1)} ms, ITL p99 {_fmt(r['p99_itl_ms'], 0)} ms"
-                     for label, r in servers]
-            lines.append(f"- **{load}** (`default`: {_fmt(peer['output_throughput'], 0)} tok/s, "
-                         f"TPOT p50 {_fmt(peer['median_tpot_ms'], 1)} ms, ITL p99 "
-                         f"{_fmt(peer['p99_itl_ms'], 0)} ms): " + "; ".join(parts) + ".")
+            said = "; ".join(f"`{label}` {_fmt(r['output_throughput'], 0)} tok/s, {figures(r)}"
+                             for label, r in peers)
+            parts = []
+            for label, r in servers:
+                ratios = ", ".join(
+                    f"{_fmt(r['output_throughput'] / p['output_throughput'])}x `{peer}`"
+                    for peer, p in peers)
+                parts.append(f"`{label}` {_fmt(r['output_throughput'], 0)} tok/s ({ratios}), "
+                             f"{figures(r)}")
+            lines.append(f"- **{load}** ({said}): " + "; ".join(parts) + ".")
         if failures := _failures(records):
             lines.append(failures)
         return "\n".join(lines)

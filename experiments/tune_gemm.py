@@ -284,6 +284,9 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
              "config": best.to_dict(), "us": round(timed[best], 3),
              **({"no_split_config": best_no_split.to_dict(),
                  "no_split_us": round(no_split[best_no_split], 3)} if best_no_split else {}),
+             # The fastest stream-K candidate, picked or not: how close it came.
+             **({"stream_k_us": round(min(t for c, t in timed.items() if c.stream_k_programs), 3)}
+                if any(c.stream_k_programs for c in timed) else {}),
              "cublas_us": round(cublas_us, 3),
              "ratio_vs_cublas": round(cublas_us / timed[best], 4),
              "candidates": len(timed), "candidate_set": CANDIDATE_SET}

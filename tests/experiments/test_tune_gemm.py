@@ -85,6 +85,7 @@ def test_no_split_pick_never_cuts_k(monkeypatch):
     entry = tune_gemm._tune_point(setup, "tiny", 1, 48, 64, w)
     assert GemmConfig.from_dict(entry["config"]) == stream
     assert GemmConfig.from_dict(entry["no_split_config"]) == whole
+    assert entry["stream_k_us"] == 1.0  # the fastest stream-K time, kept whether it won or not
 
 
 def test_pool_choice_is_the_geometric_mean_winner():
