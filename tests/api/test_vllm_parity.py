@@ -17,6 +17,7 @@ from corun.api.protocol import ChatCompletionRequest
 from corun.api.server import _tokenize
 from corun.default_model import ASSETS_DIR
 from corun.tokenizer import Tokenizer
+from tests.api.client import post_ok, stream_chunks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,20 +26,6 @@ CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 # The default model's template, rendered for MESSAGES with the generation prompt.
 CHAT_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-
-
-def _post(client: httpx.Client, path: str, body: dict) -> dict:
-    response = client.post(path, json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def _stream(client: httpx.Client, path: str, body: dict) -> list[dict]:
-    with client.stream("POST", path, json={**body, "stream": True}) as response:
-        assert response.status_code == 200, response.read()
-        data = [line[len("data: "):] for line in response.iter_lines() if line]
-    assert data[-1] == "[DONE]"
-    return [json.loads(d) for d in data[:-1]]
 
 
 def _assert_refused(response: httpx.Response, field: str) -> None:
@@ -61,12 +48,12 @@ def test_tokenize_returns_token_strings_when_asked(client: httpx.Client):
     """vLLM's return_token_strs: the tokenizer's token of each id (convert_ids_to_tokens)."""
     vocab = Tokenizer.from_dir(ASSETS_DIR).tokenizer
     for body in ({"prompt": "Hi there"}, {"messages": MESSAGES}):
-        plain = _post(client, "/tokenize", body)
+        plain = post_ok(client, "/tokenize", body)
         assert plain.get("token_strs") is None
-        given = _post(client, "/tokenize", {**body, "return_token_strs": True})
+        given = post_ok(client, "/tokenize", {**body, "return_token_strs": True})
         assert given["tokens"] == plain["tokens"]
         assert given["token_strs"] == [vocab.id_to_token(t) for t in given["tokens"]]
-    assert _post(client, "/tokenize", {"prompt": "Hi there", "return_token_strs": True}
+    assert post_ok(client, "/tokenize", {"prompt": "Hi there", "return_token_strs": True}
                  )["token_strs"] == ["H", "i", "Ġ", "t", "h", "e", "r", "e"]
 
 
@@ -130,12 +117,12 @@ def test_chat_role_without_generation_prompt_is_the_last_messages(client: httpx.
     """vLLM: without the generation prompt the model continues the last message, so the response
     (and each choice's role chunk) carries that message's role."""
     body = {"messages": MESSAGES, "max_tokens": 2, "seed": 1, "add_generation_prompt": False}
-    assert _post(client, CHAT, body)["choices"][0]["message"]["role"] == "user"
-    roles = [c["choices"][0]["delta"].get("role") for c in _stream(client, CHAT, body)
+    assert post_ok(client, CHAT, body)["choices"][0]["message"]["role"] == "user"
+    roles = [c["choices"][0]["delta"].get("role") for c in stream_chunks(client, CHAT, body)
              if c["choices"]]
     assert roles[0] == "user" and all(r is None for r in roles[1:])
     # Negative control: with the generation prompt, the assistant answers.
-    assert _post(client, CHAT, {**body, "add_generation_prompt": True}
+    assert post_ok(client, CHAT, {**body, "add_generation_prompt": True}
                  )["choices"][0]["message"]["role"] == "assistant"
 
 
@@ -143,22 +130,22 @@ def test_return_prompt_text_gives_the_rendered_prompt(client: httpx.Client):
     """vLLM's return_prompt_text: the chat-templated prompt at the response's root, and on each
     choice's role chunk of a stream."""
     body = {"messages": MESSAGES, "max_tokens": 2, "seed": 1, "return_prompt_text": True}
-    assert _post(client, CHAT, body)["prompt_text"] == CHAT_PROMPT
-    chunks = [c for c in _stream(client, CHAT, {**body, "n": 2}) if c["choices"]]
+    assert post_ok(client, CHAT, body)["prompt_text"] == CHAT_PROMPT
+    chunks = [c for c in stream_chunks(client, CHAT, {**body, "n": 2}) if c["choices"]]
     roles = [c for c in chunks if c["choices"][0]["delta"].get("role")]
     assert len(roles) == 2 and all(c["prompt_text"] == CHAT_PROMPT for c in roles)
     assert all(c.get("prompt_text") is None for c in chunks if c not in roles)
-    assert _post(client, CHAT, {**body, "return_prompt_text": False}).get("prompt_text") is None
+    assert post_ok(client, CHAT, {**body, "return_prompt_text": False}).get("prompt_text") is None
 
 
 def test_top_logprobs_zero_needs_no_logprobs(client: httpx.Client):
     """vLLM asks for logprobs only when top_logprobs asks for some (> 0, or -1): 0 is the
     default, which clients send as is."""
     body = {"messages": MESSAGES, "max_tokens": 1, "seed": 1, "top_logprobs": 0}
-    assert _post(client, CHAT, body)["choices"][0]["logprobs"] is None
+    assert post_ok(client, CHAT, body)["choices"][0]["logprobs"] is None
     response = client.post(CHAT, json={**body, "top_logprobs": 1})
     assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
-    given = _post(client, CHAT, {**body, "logprobs": True})["choices"][0]["logprobs"]
+    given = post_ok(client, CHAT, {**body, "logprobs": True})["choices"][0]["logprobs"]
     assert given["content"][0]["top_logprobs"] == []
 
 
@@ -197,10 +184,10 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(client: httpx.Client, 
     def text(choice: dict) -> str:
         return choice["text"] if path == COMPLETIONS else choice["message"]["content"]
 
-    assert text(_post(client, path, body)["choices"][0]) == ""
+    assert text(post_ok(client, path, body)["choices"][0]) == ""
     kept = {**body, "skip_special_tokens": False}
-    assert text(_post(client, path, kept)["choices"][0]) == "<|im_start|>" * 2
+    assert text(post_ok(client, path, kept)["choices"][0]) == "<|im_start|>" * 2
     deltas = [c["choices"][0]["text"] if path == COMPLETIONS
               else c["choices"][0]["delta"].get("content") or ""
-              for c in _stream(client, path, kept) if c["choices"]]
+              for c in stream_chunks(client, path, kept) if c["choices"]]
     assert "".join(deltas) == "<|im_start|>" * 2
