@@ -68,6 +68,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string of an id (byte-level BPE shows a space as ``Ġ``), as
+        transformers' ``convert_ids_to_tokens``."""
+        return self.tokenizer.id_to_token(token_id)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) >= RELEASE_GIL_CHARS:
             # tokenizers' encode holds the GIL for the whole call (7.8 s for 3.2 MB of text with

@@ -333,16 +333,9 @@ def _tokenize(state: ServerState, raw: bytes) -> TokenizeResponse:
     else:
         text = body.prompt
     ids = state.tokenizer.encode(text, add_special_tokens=body.adds_special_tokens)
-    strs = _token_strs(state.tokenizer, ids) if body.return_token_strs else None
+    strs = [state.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
                             token_strs=strs)
-
-
-def _token_strs(tokenizer: Any, ids: list[int]) -> list[str]:
-    """The vocabulary's string of each id (transformers' ``convert_ids_to_tokens``: byte-level
-    BPE shows a space as ``Ġ``); corun's Tokenizer wraps a ``tokenizers`` one."""
-    vocab = getattr(tokenizer, "tokenizer", tokenizer)
-    return [vocab.id_to_token(t) for t in ids]
 
 
 def _detokenize(state: ServerState, raw: bytes) -> DetokenizeResponse:
