@@ -353,7 +353,7 @@ class LLMEngine:
         """The first string of ``stop`` found in the text the newest token added (its position
         and the string), as vLLM's ``check_stop_strings``: a match must end past the text of the
         previous step, and past the text of the first ``min_tokens`` tokens."""
-        text = self._decode(seq.output_token_ids, seq.params)
+        text = self._output_text(seq)
         # Characters a later token may still change (an incomplete UTF-8 sequence) are new again.
         checked, seq.stop_checked_chars = seq.stop_checked_chars, len(text.rstrip(REPLACEMENT_CHAR))
         if seq.num_output_tokens <= seq.params.min_tokens:
@@ -372,6 +372,14 @@ class LLMEngine:
             # token completes: that character is the stop token's too.
             before = self._decode(seq.output_token_ids[:-1], seq.params)
             seq.stop_text_len = len(before.rstrip(REPLACEMENT_CHAR))
+
+    def _output_text(self, seq: Sequence) -> str:
+        """The decode of ``seq``'s output tokens, once a step: the stop check and the step's
+        output both read it (the tokens only grow, so their count says whether it is current)."""
+        if seq.decoded_tokens != seq.num_output_tokens:
+            seq.decoded_text = self._decode(seq.output_token_ids, seq.params)
+            seq.decoded_tokens = seq.num_output_tokens
+        return seq.decoded_text
 
     def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
@@ -399,7 +407,7 @@ class LLMEngine:
             text = delta_text = None
             finished = seq.status is SequenceStatus.FINISHED
             if self.tokenizer is not None:
-                text = self._decode(tokens, seq.params)
+                text = self._output_text(seq)
                 if seq.stop_text_len is not None:
                     text = text[: seq.stop_text_len]
                 if not finished:

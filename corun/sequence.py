@@ -64,6 +64,10 @@ class Sequence:
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
     # Output text the stop strings were matched against (a new match must end past it).
     stop_checked_chars: int = 0
+    # The engine's decode of the output tokens, and how many tokens it covers: the stop check
+    # and the step's output read one decode (``LLMEngine._output_text``).
+    decoded_text: str = ""
+    decoded_tokens: int = -1
     # The generated tokens, appended in step with token_ids: outputs hand this list out without
     # copying it every step (a finished sequence's list no longer changes).
     output_ids: list[int] = field(default_factory=list)

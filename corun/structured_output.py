@@ -206,6 +206,8 @@ def _pattern_can_break_string(pattern: str) -> bool:
             return True
         i += 1
     return False
+
+
 # Keywords whose value maps names to schemas, and those whose value is a schema or a list of them.
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else")
