@@ -56,12 +56,12 @@ native_tests() {  # native_tests STAGE SECONDS PYTEST-ARGS...: pytest with a JUn
   # counts and failing ids go into results/native-tests-h200.json (merged with the other stage's)
   local name=$1 limit=$2; shift 2
   local xml="$OUT/results/pytest-$name.xml"
-  local cmd="python3 -m pytest -v --tb=short -p no:cacheprovider --junitxml=$xml $*"
-  run "$name" "$limit" python3 -m pytest -v --tb=short -p no:cacheprovider --junitxml="$xml" "$@"
+  local cmd=(python3 -m pytest -v --tb=short -p no:cacheprovider --junitxml="$xml" "$@")
+  run "$name" "$limit" "${cmd[@]}"
   local rc=$?
   local merge=experiments/results/native-tests-h200.json
   [ -f "$OUT/results/native-tests-h200.json" ] && merge="$OUT/results/native-tests-h200.json"
-  [ -f "$xml" ] && python3 -m experiments.native_tests "$name" "$xml" --pytest-command "$cmd" \
+  [ -f "$xml" ] && python3 -m experiments.native_tests "$name" "$xml" --pytest-command "${cmd[*]}" \
     --merge "$merge"
   return $rc
 }
