@@ -33,6 +33,27 @@ def test_paper_claims_rows_only_where_measured(tmp_path, monkeypatch):
     assert "failed: OutOfMemoryError" in table and "`hy3-l14`, 14 of 80 layers" in table
 
 
+def test_paper_table_groups_models_and_shows_provenance(tmp_path, monkeypatch):
+    """A merged file holds its families in device-call order; the table groups them by model
+    and names when each row ran and how many of its runs were discarded for compiling."""
+    records = [
+        {"model": "hy3", "mode": "default", "output_tok_s": 1.0,
+         "measured_at": "2026-12-04T20:23:45+00:00"},
+        {"model": "deepseek-v3", "mode": "default", "output_tok_s": 2.0,
+         "measured_at": "2026-12-05T05:34:32+00:00", "jit_compiles_timed": 0,
+         "discarded_runs": [{"jit_compiles": 10, "wall_s": 27.7}]},
+        {"model": "deepseek-v3", "mode": "corun", "output_tok_s": 3.0,
+         "throughput_change_pct_vs_default": -4.1},
+    ]
+    table = _render(tmp_path, monkeypatch, "paper-h200", records, "paper-h200")
+    assert table.index("| deepseek-v3 | — | corun |") < table.index("| hy3 |")
+    assert "| deepseek-v3 | — | default | 2026-12-05 05:34 | 2.00 |" in table
+    assert "| 0 | 1 |" in table  # no compile in the timed run, one run discarded before it
+    claims = _render(tmp_path, monkeypatch, "paper-h200", records, "paper-h200-claims")
+    assert ("| output throughput vs default (not deterministic) | — (not the paper's peer) "
+            "| deepseek-v3 -4.1% | -4.1% | — |") in claims
+
+
 def test_paper_claims_without_pairs(tmp_path, monkeypatch):
     text = _render(tmp_path, monkeypatch, "paper-h200",
                    [{"model": "hy3", "mode": "default", "output_tok_s": 1.0}],
