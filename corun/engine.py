@@ -375,9 +375,11 @@ class LLMEngine:
 
     def _output_text(self, seq: Sequence) -> str:
         """The decode of ``seq``'s output tokens, once a step: the stop check and the step's
-        output both read it (the tokens only grow, so their count says whether it is current)."""
+        output both read it (the tokens only grow, so their count says whether it is current).
+        Incremental: a step decodes the few tokens of a window, not the whole output."""
         if seq.decoded_tokens != seq.num_output_tokens:
-            seq.decoded_text = self._decode(seq.output_token_ids, seq.params)
+            seq.decoded_text = seq.detokenized.update(
+                lambda ids: self._decode(ids, seq.params), seq.output_token_ids)
             seq.decoded_tokens = seq.num_output_tokens
         return seq.decoded_text
 

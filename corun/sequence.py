@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from corun.detokenizer import IncrementalText
 from corun.fingerprint import Fingerprint
 from corun.sampling_params import SamplingParams
 
@@ -65,9 +66,11 @@ class Sequence:
     # Output text the stop strings were matched against (a new match must end past it).
     stop_checked_chars: int = 0
     # The engine's decode of the output tokens, and how many tokens it covers: the stop check
-    # and the step's output read one decode (``LLMEngine._output_text``).
+    # and the step's output read one decode (``LLMEngine._output_text``), which decodes only the
+    # tokens of a moving window each step (``detokenized``, corun.detokenizer).
     decoded_text: str = ""
     decoded_tokens: int = -1
+    detokenized: IncrementalText = field(default_factory=IncrementalText)
     # The generated tokens, appended in step with token_ids: outputs hand this list out without
     # copying it every step (a finished sequence's list no longer changes).
     output_ids: list[int] = field(default_factory=list)

@@ -110,7 +110,10 @@ def header(command: str | None = None, **extra: object) -> dict:
     """The first record of every results file."""
     import triton
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:  # platform.processor() is empty on some Linux machines
+        device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     return {
         "header": True,
         "machine": device,

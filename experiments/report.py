@@ -538,6 +538,11 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "kernels-h200": kernels_block,
     "kernels-h200-summary": kernels_summary_block,
     "launch-cost-h200": launch_cost_block,
+    "detokenize-cpu": columns_block("detokenize-cpu", [
+        ("output_tokens", "output tokens a sequence"), ("batch", "sequences"),
+        ("full_us", "full decode a step (us)"), ("incremental_us", "incremental a step (us)"),
+        ("full_over_incremental", "full / incremental"),
+    ]),
     "native-tests-h200": native_tests_block,
     **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
        for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "decode-attention")},

@@ -1,0 +1,53 @@
+"""Incremental detokenization: a sequence's output text grows by decoding the few tokens of a
+moving window each step, not its whole output (vLLM's ``detokenize_incrementally``).
+
+Decoding every output token again each step costs O(n) a step, O(n^2) a request: about 0.12 ms
+for 2,048 tokens on this project's CPU, so 128 sequences of long RL rollouts would spend more
+host time decoding than their GPU step takes. The window keeps two offsets into the ids:
+``prefix_offset`` (context for the decoder, already part of ``text``) and ``read_offset`` (where
+the unsettled tokens begin). Each step decodes ``ids[prefix_offset:read_offset]`` and
+``ids[prefix_offset:]``; the difference is the new text. It settles (joins ``text``, and the
+window moves on) unless it ends in U+FFFD, the decoder's stand-in for a UTF-8 sequence that a
+later token may still complete.
+
+``IncrementalText.update`` returns what ``decode(ids)`` returns, the trailing U+FFFD of an
+incomplete character included (the property tests in tests/engine/test_detokenizer.py check
+this at every step for byte-level BPE, SentencePiece-style Metaspace with byte fallback, and
+special tokens, skipped or not): the engine's stop-string check and output settling read it as
+they read a full decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from corun.outputs import REPLACEMENT_CHAR
+
+
+@dataclass
+class IncrementalText:
+    """One sequence's detokenization state: ``text`` is the decode of ``ids[:read_offset]``."""
+
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def update(self, decode: Callable[[Sequence[int]], str], ids: Sequence[int]) -> str:
+        """The text of ``ids``, which extend the ids of every earlier call on this state."""
+        if len(ids) < self.read_offset:
+            raise ValueError(f"ids: expected at least the {self.read_offset} tokens already "
+                             f"decoded, got {len(ids)}")
+        if len(ids) == self.read_offset:
+            return self.text
+        prefix_text = decode(ids[self.prefix_offset:self.read_offset])
+        window_text = decode(ids[self.prefix_offset:])
+        # A decoder may rewrite the window's start once more tokens follow (a Metaspace
+        # decoder's leading space, say): the new text is then what the window adds past the
+        # old one, as in vLLM.
+        new_text = window_text[len(prefix_text):]
+        if new_text and not new_text.endswith(REPLACEMENT_CHAR):
+            self.text += new_text
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            return self.text
+        return self.text + new_text
