@@ -229,11 +229,15 @@ class Scheduler:
         """Make room for ``num_tokens`` tokens of running ``seq``, preempting later arrivals.
 
         Returns False when ``seq`` cannot run this step: it was itself the latest arrival and got
-        swapped out, or every other holder of blocks is already part of this step.
+        swapped out, or every later holder of blocks is already part of this step.
         """
         while not self.block_manager.can_grow(seq, num_tokens):
-            victims = [s for s in self.running if s.seq_id not in self._protected]
-            if not victims:  # only sequences already in this step hold blocks: wait a step
+            # Only ``seq`` itself or a later arrival gives way: a sequence swapped in this step
+            # is protected (its blocks receive the swap-in copy), so without the bound it would
+            # preempt an earlier, unprotected one in its place.
+            victims = [s for s in self.running
+                       if s.seq_id not in self._protected and s.seq_id >= seq.seq_id]
+            if not victims:  # only this step's sequences or earlier arrivals hold blocks: wait
                 return False
             victim = max(victims, key=lambda s: s.seq_id)
             self._swap_out(victim, out)

@@ -228,3 +228,39 @@ def test_batch_invariant_cuts_chunks_only_at_the_prefill_tile():
     aligned = cuts("batch_invariant")
     assert aligned and all(end % 64 == 0 for end in aligned)
     assert any(end % 64 for end in cuts("default")), "default never cut off the tile: vacuous"
+
+
+@pytest.mark.parametrize("mode", ["corun", "default", "batch_invariant"])
+def test_preemption_takes_only_later_arrivals(mode, monkeypatch):
+    """A sequence that needs blocks preempts itself or a later arrival, never an earlier one.
+    Under corun a prefilling sequence swapped in this step is protected from preemption, and
+    it used to take an earlier, decoding sequence's blocks in its place."""
+    inversions: list[tuple[int, int]] = []
+    reserving: list[Sequence] = []
+    reserve, swap_out = Scheduler.reserve, Scheduler._swap_out
+
+    def watched_reserve(self, seq, num_tokens, out):
+        reserving.append(seq)
+        try:
+            return reserve(self, seq, num_tokens, out)
+        finally:
+            reserving.pop()
+
+    def watched_swap_out(self, victim, out):
+        if reserving and victim.seq_id < reserving[-1].seq_id:
+            inversions.append((victim.seq_id, reserving[-1].seq_id))
+        return swap_out(self, victim, out)
+
+    monkeypatch.setattr(Scheduler, "reserve", watched_reserve)
+    monkeypatch.setattr(Scheduler, "_swap_out", watched_swap_out)
+    preemptions = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        sim = Sim(_config(mode, max_num_seqs=4, max_num_batched_tokens=16),
+                  num_blocks=rng.randint(12, 20))
+        for _ in range(rng.randint(4, 8)):
+            sim.add(rng.randint(6, 24), max_tokens=rng.randint(4, 16))
+        sim.run()  # fails if the scheduler stops making progress
+        preemptions += sim.sched.num_preemptions
+    assert preemptions > 0, "the workloads forced no preemption"
+    assert not inversions, f"(victim, preempting sequence) with the victim earlier: {inversions}"
