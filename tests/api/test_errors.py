@@ -6,7 +6,7 @@ serves a normal request.
 
 from __future__ import annotations
 
-import asyncio
+import threading
 
 import httpx
 import pytest
@@ -111,32 +111,32 @@ def test_api_key(guarded_server: Server):
 
 
 def test_full_queue_answers_503(guarded_server: Server):
-    """One running sequence and a queue of one: a burst of 8 gets 503s, and the others finish."""
-
-    async def burst() -> list[httpx.Response]:
-        headers = {"Authorization": f"Bearer {guarded_server.api_key}"}
-        async with httpx.AsyncClient(
-            base_url=guarded_server.base_url, headers=headers, timeout=60.0
-        ) as client:
-            body = {"prompt": "x", "max_tokens": 24, "ignore_eos": True}
-            return await asyncio.gather(
-                *(client.post("/v1/completions", json=body) for _ in range(8))
-            )
-
-    responses = asyncio.run(burst())
-    statuses = sorted(r.status_code for r in responses)
-    assert set(statuses) == {200, 503}, statuses
-    for response in responses:
-        if response.status_code == 503:
-            assert response.json()["error"]["code"] == "queue_full"
-            assert response.headers["retry-after"].isdigit()
-        else:
-            assert response.json()["usage"]["completion_tokens"] == 24
-    # The refusals did not wedge the server.
+    """A queue of one sequence: with the engine paused and one request waiting in it, the next
+    request gets a 503 (queue_full, Retry-After); after /resume the waiting one finishes and the
+    server takes requests again. Held on /pause and the waiting-requests gauge, not on timing."""
+    guarded_server.wait_for_idle()
+    body = {"prompt": "x", "max_tokens": 24, "ignore_eos": True}
+    results: list[httpx.Response] = []
     with guarded_server.client() as client:
-        assert (
-            client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
-        )
+        assert client.post("/pause").json() == {"status": "paused"}
+        try:
+            worker = threading.Thread(
+                target=lambda: results.append(client.post("/v1/completions", json=body)))
+            worker.start()
+            guarded_server.wait_for_metrics(lambda m: m["corun:num_requests_waiting"] == 1,
+                                            "the first request to wait in the engine")
+            refused = client.post("/v1/completions", json=body)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "queue_full"
+            assert refused.headers["retry-after"].isdigit()
+        finally:
+            assert client.post("/resume").json() == {"status": "resumed"}
+        worker.join(60)
+        assert results and results[0].status_code == 200, results
+        assert results[0].json()["usage"]["completion_tokens"] == 24
+        # The refusal did not wedge the server.
+        assert client.post("/v1/completions",
+                           json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
 def test_a_request_larger_than_the_queue_answers_400(guarded_server: Server):
