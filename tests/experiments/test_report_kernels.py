@@ -53,3 +53,17 @@ def test_ptxas_view_lists_every_launch(tmp_path, monkeypatch):
     assert "| 64 x 32, 8 warps | k | 255 | 320 | 220 | 151552 | yes | 40 | 18 | 0 |  |" in text
     assert "| bad | k | — | — | — | — | no | — | — | — | OutOfResources |" in text
     assert "ptxas Build cuda_12.8; s; shared memory limit 232448 bytes a block." in text
+
+
+def _summary_row(text: str, op: str) -> list[str]:
+    line = next(line for line in text.splitlines() if line.startswith(f"| {op} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_summary_median_of_an_even_count_is_the_mean_of_the_middle_two(tmp_path, monkeypatch):
+    # The targets table (statistics.median) and the summary must give one median for one set of
+    # rows: over ratios 1, 2, 3, 4 that is 2.50 (the upper middle, 3.00, is not the median).
+    rows = [{**TIMING, "M": m, "us": 1.0, "peer_us": r, "ratio": r, "bw_fraction": r / 10}
+            for m, r in ((1, 1.0), (8, 2.0), (32, 3.0), (64, 4.0))]
+    text = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, rows, "kernels-h200-summary")
+    assert _summary_row(text, "gemm")[4:9] == ["1.00", "2.50", "4.00", "0.25", "0.40"]
