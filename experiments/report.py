@@ -178,6 +178,17 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _peers(rows: list[dict]) -> str:
+    """The peer of a group of rows; where the rows were timed against different peers (each
+    row's peer is the fastest of several, or its own config), each one with its row count."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["peer"]] = counts.get(r["peer"], 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{peer} ({n})" for peer, n in sorted(counts.items(), key=lambda c: -c[1]))
+
+
 def kernels_summary_block(head: dict, records: list[dict]) -> str:
     """Per (op, policy): shape count, ratio vs the peer (min / median / max) and the fraction of
     the memory-bandwidth bound (median / max). The full table is in experiments/README.md."""
@@ -193,7 +204,7 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
     for (op, policy), rs in groups.items():
         ratios = [r["ratio"] for r in rs]
         bw = [r.get("bw_fraction") for r in rs if r.get("bw_fraction") is not None]
-        rows.append([op, policy, len(rs), rs[0]["peer"], _fmt(min(ratios)), _fmt(_median(ratios)),
+        rows.append([op, policy, len(rs), _peers(rs), _fmt(min(ratios)), _fmt(_median(ratios)),
                      _fmt(max(ratios)), _bound_fraction(_median(bw)),
                      _bound_fraction(max(bw) if bw else None)])
     checks = [r for r in records if "passed" in r]

@@ -67,3 +67,15 @@ def test_summary_median_of_an_even_count_is_the_mean_of_the_middle_two(tmp_path,
             for m, r in ((1, 1.0), (8, 2.0), (32, 3.0), (64, 4.0))]
     text = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, rows, "kernels-h200-summary")
     assert _summary_row(text, "gemm")[4:9] == ["1.00", "2.50", "4.00", "0.25", "0.40"]
+
+
+def test_summary_names_every_peer_of_a_group_timed_against_several(tmp_path, monkeypatch):
+    # A row op's peer is the fastest of its peers at that shape: a group whose rows were timed
+    # against different peers must not be labelled with its first row's alone.
+    rows = [{**TIMING, "op": "rope", "M": m, "peer": peer}
+            for m, peer in ((1, "liger"), (8, "torch-compile"), (32, "torch-compile"))]
+    text = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, rows, "kernels-h200-summary")
+    assert _summary_row(text, "rope")[3] == "torch-compile (2), liger (1)"
+    one = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, [TIMING],
+                       "kernels-h200-summary")
+    assert _summary_row(one, "gemm")[3] == "cublas"
