@@ -79,3 +79,19 @@ def test_summary_names_every_peer_of_a_group_timed_against_several(tmp_path, mon
     one = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, [TIMING],
                        "kernels-h200-summary")
     assert _summary_row(one, "gemm")[3] == "cublas"
+
+
+def test_rows_above_the_bound_that_cannot_sit_in_l2_are_named_apart(tmp_path, monkeypatch):
+    # 8.8 us of bound is ~38 MB moved: inside the L2 story. 4465 us is ~19 GB: no L2 holds it,
+    # so the note must not explain it by L2 residency.
+    small = {**TIMING, "op": "silu_mul", "bound_us": 8.779, "bw_fraction": 1.35}
+    moe = {**TIMING, "op": "moe_layer", "M": 64, "us": 4329.9, "peer_us": 6231.2, "ratio": 1.44,
+           "bound_us": 4465.471, "bw_fraction": 1.0313}
+    text = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, [small, moe],
+                        "kernels-h200-summary")
+    assert ("Not so for moe_layer corun (1 row, 19.2 GB, up to 1.03 of the bound): they move far "
+            "more than the L2 holds.") in text
+    assert "silu_mul corun (" not in text
+    only_small = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, [small],
+                              "kernels-h200-summary")
+    assert "Not so for" not in only_small and "does not bind there." in only_small
