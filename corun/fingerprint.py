@@ -44,16 +44,28 @@ class LogitsDigest:
         self.weights = torch.stack([2 * v + 1, (v * golden + 1) | 1], dim=1)  # [V, 2]
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if not logits.is_cuda:
+            return self.torch_form(logits)
+        from kernels.logits_digest import logits_digest
+
+        self._check(logits)
+        return logits_digest(logits)
+
+    @staticmethod
+    def _check(logits: torch.Tensor) -> None:
         import torch
 
         if logits.dtype != torch.float32 or logits.dim() != 2:
             raise ValueError(
                 f"logits: expected fp32 [N, V], got {logits.dtype} {tuple(logits.shape)}"
             )
-        if logits.is_cuda:
-            from kernels.logits_digest import logits_digest
 
-            return logits_digest(logits)
+    def torch_form(self, logits: torch.Tensor) -> torch.Tensor:
+        """The digest in torch ops on any device (what the CPU runs; on CUDA, what the kernel
+        replaced: experiments/bench_align_digest.py times the kernel against it)."""
+        import torch
+
+        self._check(logits)
         bits = logits.contiguous().view(torch.int32).to(torch.int64)  # [N, V]
         # Elementwise multiply then integer sum: both wrap mod 2**64 and are order-independent.
         d1 = (bits * self.weights[:, 0]).sum(dim=1)

@@ -4,8 +4,10 @@
   ``moe_align_block_size_reference`` (the ~25-op torch sort), at Qwen3-30B-A3B (E = 128) and
   DeepSeek-V3 (E = 256) routings, k = 8, T from decode to an 8192-token prefill, BLOCK_M 16
   and 64.
-- ``logits_digest`` (kernels/logits_digest.py) vs corun's torch ``LogitsDigest`` (weights built
-  once, as the engine holds them), fp32 [N, 151936].
+- ``logits_digest`` (kernels/logits_digest.py) vs the torch form of corun's ``LogitsDigest``
+  (``LogitsDigest.torch_form``, weights built once, as the engine holds them), fp32 [N, 151936].
+  Not ``LogitsDigest.__call__``: on CUDA that dispatches to this kernel, so timing it would time
+  the kernel against itself (run14 of kernels-h200.json did, before this was fixed).
 Both sides are timed as CUDA-graph replays (harness.bench_us). The checks compare the kernels
 bit for bit with the torch versions at those shapes (with a token mask and out-of-range ids for
 the sort), and a negative control shows the comparison sees a one-token change.
@@ -88,17 +90,26 @@ def collect(quick: bool = False) -> list[dict]:
                     launches_us=_launch_us(run)))
     if not quick:
         records += _align_variants(bench)
-    digest = LogitsDigest(VOCAB, DEVICE)
+    peer_digest = torch_digest_peer(LogitsDigest(VOCAB, DEVICE))
     for rows in DIGEST_ROWS:
         logits = torch.randn(rows, VOCAB, device=DEVICE)
         us = bench(partial(logits_digest, logits))
-        peer = bench(partial(digest, logits))
+        peer = bench(partial(peer_digest, logits))
         bound = memory_bound_us(rows * VOCAB * 4)
         records.append(kernel_record(
             "logits_digest", str(Mode.CORUN), rows, VOCAB, 0, torch.float32, us,
-            "torch LogitsDigest", peer, bound_us=round(bound, 3),
+            PEER_DIGEST_NAME, peer, bound_us=round(bound, 3),
             bw_fraction=round(bound / us, 4)))
     return records
+
+
+PEER_DIGEST_NAME = "torch LogitsDigest.torch_form"
+
+
+def torch_digest_peer(digest: LogitsDigest):
+    """The torch digest the kernel replaced, on any device. ``digest`` itself (``__call__``)
+    runs ``kernels.logits_digest`` on CUDA: as a peer it would be the kernel against itself."""
+    return digest.torch_form
 
 
 def _launch_us(fn, iters: int = 50) -> dict[str, float]:
@@ -174,7 +185,7 @@ def check_invariance_gpu() -> list[dict]:
                           not torch.equal(moe_align(ids, experts, 16)[0],
                                           moe_align(moved, experts, 16)[0]),
                           "passed = swapping two tokens' routings moves pairs"))
-    digest = LogitsDigest(VOCAB, DEVICE)
+    digest = torch_digest_peer(LogitsDigest(VOCAB, DEVICE))
     logits = torch.randn(256, VOCAB, device=DEVICE)
     logits.view(torch.int32)[0, :1000] = torch.randint(
         -(2**31), 2**31 - 1, (1000,), device=DEVICE, dtype=torch.int32)  # NaNs, infs, negatives

@@ -59,6 +59,20 @@ def _op_label(r: dict) -> str:
     return r["op"] + variant + (" (superseded policy)" if r.get("superseded") else "")
 
 
+def _peer_label(r: dict) -> str:
+    return r["peer"] + (" (invalid)" if r.get("peer_invalid") else "")
+
+
+def _invalid_peer_note(rows: list[dict]) -> str:
+    """Why rows marked ``peer_invalid`` in the file show no ratio: the time named as the peer's
+    was not a peer's (each op's reason once)."""
+    reasons = {r["op"]: r["peer_invalid"] for r in rows if r.get("peer_invalid")}
+    if not reasons:
+        return ""
+    return "No peer/ours where the peer is marked invalid in the file: " + "; ".join(
+        f"{op}: {reason}" for op, reason in reasons.items()) + "."
+
+
 def kernels_block(head: dict, records: list[dict]) -> str:
     timings = [r for r in records if "us" in r and not r.get("error")]
     checks = [r for r in records if "passed" in r]
@@ -72,9 +86,9 @@ def kernels_block(head: dict, records: list[dict]) -> str:
             r["K"],
             r["dtype"],
             _fmt(r["us"], 1),
-            r["peer"],
+            _peer_label(r),
             _fmt(r["peer_us"], 1),
-            _fmt(r.get("ratio")),
+            "—" if r.get("peer_invalid") else _fmt(r.get("ratio")),
             _fmt(r.get("bw_fraction")),
         ]
         for r in timings
@@ -99,6 +113,8 @@ def kernels_block(head: dict, records: list[dict]) -> str:
             rows,
         ),
     ]
+    if invalid := _invalid_peer_note(timings):
+        parts += ["", invalid]
     if checks:
         counted = _counted_checks(checks)
         passed = sum(1 for c in counted if c["passed"])
@@ -183,7 +199,7 @@ def _peers(rows: list[dict]) -> str:
     row's peer is the fastest of several, or its own config), each one with its row count."""
     counts: dict[str, int] = {}
     for r in rows:
-        counts[r["peer"]] = counts.get(r["peer"], 0) + 1
+        counts[_peer_label(r)] = counts.get(_peer_label(r), 0) + 1
     if len(counts) == 1:
         return next(iter(counts))
     return ", ".join(f"{peer} ({n})" for peer, n in sorted(counts.items(), key=lambda c: -c[1]))
@@ -192,7 +208,8 @@ def _peers(rows: list[dict]) -> str:
 def kernels_summary_block(head: dict, records: list[dict]) -> str:
     """Per (op, policy): shape count, ratio vs the peer (min / median / max) and the fraction of
     the memory-bandwidth bound (median / max). The full table is in experiments/README.md."""
-    timings = [r for r in records if "us" in r and not r.get("error") and r.get("ratio")]
+    timings = [r for r in records if "us" in r and not r.get("error")
+               and (r.get("ratio") or r.get("peer_invalid"))]
     superseded = [r for r in timings if r.get("superseded")]
     timings = [r for r in timings if not r.get("superseded")]
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -202,11 +219,11 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
         groups.setdefault((op, r["policy"]), []).append(r)
     rows = []
     for (op, policy), rs in groups.items():
-        ratios = [r["ratio"] for r in rs]
+        ratios = [r["ratio"] for r in rs if not r.get("peer_invalid")]
         bw = [r.get("bw_fraction") for r in rs if r.get("bw_fraction") is not None]
-        rows.append([op, policy, len(rs), _peers(rs), _fmt(min(ratios)), _fmt(_median(ratios)),
-                     _fmt(max(ratios)), _bound_fraction(_median(bw)),
-                     _bound_fraction(max(bw) if bw else None)])
+        rows.append([op, policy, len(rs), _peers(rs), _fmt(min(ratios) if ratios else None),
+                     _fmt(_median(ratios)), _fmt(max(ratios) if ratios else None),
+                     _bound_fraction(_median(bw)), _bound_fraction(max(bw) if bw else None)])
     checks = [r for r in records if "passed" in r]
     counted = _counted_checks(checks)
     passed = sum(1 for c in counted if c["passed"])
@@ -231,6 +248,7 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
         f"{methods}.", "", *note,
         _table(["op", "policy", "shapes", "peer", "peer/ours min", "median", "max",
                 "of bw bound (median)", "(max)"], rows), "",
+        *([invalid, ""] if (invalid := _invalid_peer_note(timings)) else []),
         L2_NOTE + _beyond_l2_note(timings), "",
         f"GPU invariance checks at real shapes: {passed} of {len(counted)} as expected"
         + (" (the failing ones are listed in `experiments/README.md`)." if passed < len(counted)

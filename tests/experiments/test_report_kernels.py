@@ -95,3 +95,21 @@ def test_rows_above_the_bound_that_cannot_sit_in_l2_are_named_apart(tmp_path, mo
     only_small = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, [small],
                               "kernels-h200-summary")
     assert "Not so for" not in only_small and "does not bind there." in only_small
+
+
+def test_rows_whose_peer_is_marked_invalid_show_no_ratio(tmp_path, monkeypatch):
+    # run14 timed logits_digest against LogitsDigest.__call__, which is the kernel itself on
+    # CUDA: its 1.00 is no ratio to a peer. The kernel's own time and bound fraction stand.
+    why = "the peer called this kernel"
+    rows = [{**TIMING, "op": "logits_digest", "M": m, "peer": "torch LogitsDigest",
+             "us": 5.0, "peer_us": 5.0, "ratio": 1.0, "bw_fraction": 0.3, "peer_invalid": why}
+            for m in (1, 64)]
+    summary = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, [TIMING, *rows],
+                           "kernels-h200-summary")
+    assert _summary_row(summary, "logits_digest")[2:] == [
+        "2", "torch LogitsDigest (invalid)", "—", "—", "—", "0.30", "0.30"]
+    assert _summary_row(summary, "gemm")[4:7] == ["1.00", "1.00", "1.00"]
+    assert f"No peer/ours where the peer is marked invalid in the file: logits_digest: {why}." \
+        in summary
+    table = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, rows, "kernels-h200")
+    assert "| torch LogitsDigest (invalid) | 5.0 | — | 0.30 |" in table
