@@ -59,6 +59,22 @@ def _op_label(r: dict) -> str:
     return r["op"] + variant + (" (superseded policy)" if r.get("superseded") else "")
 
 
+def _point(r: dict) -> str:
+    """What tells a row from the others of its op, policy and M, N, K: the layer, model or
+    shape it was timed at, the sampling config, a rope tiling, the decode context, the sort's
+    BLOCK_M (without it, e.g., decode attention's contexts rendered as identical rows)."""
+    parts = [str(r[key]) for key in ("layer", "model", "shape") if r.get(key)]
+    if isinstance(r.get("config"), str):
+        parts.append(r["config"])
+    if r["op"] == "rope_variant" and r.get("config"):
+        parts.append(f"tiling {r['config']}")
+    if "context" in r:
+        parts.append(f"ctx {r['context']}")
+    if r["op"].startswith("moe_align") and "block_m" in r:
+        parts.append(f"BLOCK_M {r['block_m']}")
+    return ", ".join(parts) or "—"
+
+
 def _peer_label(r: dict) -> str:
     return r["peer"] + (" (invalid)" if r.get("peer_invalid") else "")
 
@@ -81,6 +97,7 @@ def kernels_block(head: dict, records: list[dict]) -> str:
         [
             _op_label(r),
             r["policy"],
+            _point(r),
             r["M"],
             r["N"],
             r["K"],
@@ -100,6 +117,7 @@ def kernels_block(head: dict, records: list[dict]) -> str:
             [
                 "op",
                 "policy",
+                "point",
                 "M",
                 "N",
                 "K",

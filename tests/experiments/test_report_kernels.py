@@ -113,3 +113,20 @@ def test_rows_whose_peer_is_marked_invalid_show_no_ratio(tmp_path, monkeypatch):
         in summary
     table = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, rows, "kernels-h200")
     assert "| torch LogitsDigest (invalid) | 5.0 | — | 0.30 |" in table
+
+
+def test_full_table_tells_rows_of_one_op_and_shape_apart(tmp_path, monkeypatch):
+    # Decode attention's M, N, K are batch, q heads and head dim: its contexts (and sampling's
+    # configs, the sort's BLOCK_M) only show in the point column.
+    rows = [{**TIMING, "op": "decode_attention", "M": 8, "N": 32, "K": 128, "context": ctx}
+            for ctx in (512, 2048)]
+    rows += [{**TIMING, "op": "sample", "M": 1, "N": 151936, "K": 0, "config": label}
+             for label in ("greedy", "plain")]
+    rows.append({**TIMING, "op": "moe_align", "shape": "deepseek-v3", "block_m": 64})
+    table = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, rows, "kernels-h200")
+    for cells in ("| decode_attention | corun | ctx 512 | 8 | 32 | 128 |",
+                  "| decode_attention | corun | ctx 2048 | 8 | 32 | 128 |",
+                  "| sample | corun | greedy | 1 | 151936 | 0 |",
+                  "| sample | corun | plain | 1 | 151936 | 0 |",
+                  "| moe_align | corun | deepseek-v3, BLOCK_M 64 | 64 | 64 | 64 |"):
+        assert cells in table
