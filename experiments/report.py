@@ -277,10 +277,9 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
 # The bound is HBM traffic at the measured 4.3 TB/s copy rate; a graph replayed back to back keeps
 # operands that fit the 50 MB L2 resident, so small elementwise shapes can run above it.
 L2_BYTES = 50e6
-L2_NOTE = ("A bound fraction marked * is above 1. Where a row moves less than twice the H200's "
-           "50 MB L2 (its operands then fit it, even read and written in place), they stay "
-           "resident between graph replays, so the HBM bound (4.3 TB/s copy rate) does not bind "
-           "there.")
+L2_NOTE = ("A bound fraction marked * is above 1. In the graph-replayed families, operands that "
+           "fit the H200's 50 MB L2 stay resident between replays, so the HBM bound (4.3 TB/s "
+           "copy rate) does not bind there.")
 
 
 def _beyond_l2_note(rows: list[dict]) -> str:
@@ -301,7 +300,8 @@ def _beyond_l2_note(rows: list[dict]) -> str:
     groups = [f"{group} ({len(v)} row{'s' if len(v) > 1 else ''}, {_span([m for m, _ in v], 1)} "
               f"GB, up to {max(f for _, f in v):.2f} of the bound)" for group, v in beyond.items()]
     said = " and ".join([", ".join(groups[:-1]), groups[-1]] if len(groups) > 1 else groups)
-    return (f" Not so for {said}: they move far more than the L2 holds. The bound's 4.3 TB/s is "
+    return (f" Not so for {said}: they move more than twice what the L2 holds, so their "
+            "operands cannot sit in it even if read and written in place. The bound's 4.3 TB/s is "
             "a device-to-device copy's rate counting bytes read plus bytes written, and a stream "
             "that mostly reads runs faster (the datasheet's peak is 4.8 TB/s), so for rows like "
             "these the bound is not a ceiling.")
