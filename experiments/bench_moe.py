@@ -2,7 +2,7 @@
 the memory bound of the touched experts' weights; bitwise invariance at the real shapes.
 
 Models (NAMED_CONFIGS): Qwen3-30B-A3B (128 experts, top-8, H 2048, I 768, softmax router),
-DeepSeek-V3 (256 experts, top-8, 8 groups keep 4, H 2048 -> 7168, I 2048, sigmoid router) and Hy3
+DeepSeek-V3 (256 experts, top-8, 8 groups keep 4, H 7168, I 2048, sigmoid router) and Hy3
 (192 experts, top-8, one group, H 4096, I 1536, sigmoid router), at 64 (decode) and 2048
 (prefill) tokens, bf16. The router GEMM (x @ gate.T) is not timed: logits are
 inputs. ``us`` = our softmax_topk/grouped_topk + fused_moe; peer = the faster of two, both with

@@ -62,6 +62,7 @@ import random
 import statistics
 import time
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -174,10 +175,12 @@ def run_workload(engine: LLMEngine, work: Workload, order: list[int],
 
 
 def _pct(values: list[float], q: float) -> float | None:
+    """The q-quantile, linearly interpolated (numpy's default, as bench_serving and vLLM's
+    serving benchmark take percentiles); before 2026-12-05 it was the value at index int(q n),
+    the upper middle value at p50 of an even count."""
     if not values:
         return None
-    values = sorted(values)
-    return round(values[min(len(values) - 1, int(q * len(values)))], 3)
+    return round(float(np.percentile(values, q * 100)), 3)
 
 
 def latency_stats(outputs: list[RequestOutput]) -> dict:

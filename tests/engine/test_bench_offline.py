@@ -145,3 +145,11 @@ def test_bench_offline_shared_prefix_compares_caching_on_and_off(tmp_path, monke
     for record in records[0::2]:
         assert record["mismatches_vs_nocache"] == 0 and record["mismatches"] == 0
         assert "throughput_vs_nocache" in record and "ttft_p50_vs_nocache" in record
+
+
+def test_offline_percentiles_interpolate_as_numpy():
+    """p50 of an even count is the mean of the middle two (it was the upper one)."""
+    from experiments.bench_offline import _pct
+
+    assert _pct([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
+    assert _pct([1.0, 2.0], 0.99) == 1.99 and _pct([], 0.5) is None

@@ -89,3 +89,4 @@ def test_ablate_view_lists_every_run_of_a_repeated_point(tmp_path, monkeypatch):
                         records)
     assert "| series | value | output tok/s | runs (median of 3) |" in text
     assert "| corun | 256 | 20.00 | 30, 10, 20 |" in text
+
