@@ -130,3 +130,14 @@ def test_full_table_tells_rows_of_one_op_and_shape_apart(tmp_path, monkeypatch):
                   "| sample | corun | plain | 1 | 151936 | 0 |",
                   "| moe_align | corun | deepseek-v3, BLOCK_M 64 | 64 | 64 | 64 |"):
         assert cells in table
+
+
+def test_decode_attention_target_counts_the_rows_that_fit_the_l2(tmp_path, monkeypatch):
+    # Graph replays do not flush the L2: a row that moves less than it may read K/V from there,
+    # and the targets row says how many of its rows are such (bound_us at 4.3 TB/s: 2 us moves
+    # about 8.6 MB, 20 us about 86 MB).
+    rows = [{**TIMING, "op": "decode_attention", "M": 8, "context": ctx, "target": True,
+             "us": 4.0, "bound_us": bound, "bw_fraction": bound / 4.0}
+            for ctx, bound in ((512, 2.0), (8192, 20.0))]
+    text = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, rows, "kernels-h200-targets")
+    assert "1 of these 2 rows move less than the 50 MB L2" in text
