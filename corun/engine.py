@@ -300,7 +300,7 @@ class LLMEngine:
         for i, seq in enumerate(seqs):
             params = seq.params
             if seq.seq_id in result.prompt_logprobs:
-                seq.prompt_logprobs = result.prompt_logprobs[seq.seq_id]
+                seq.prompt_logprobs, seq.prompt_token_ranks = result.prompt_logprobs[seq.seq_id]
             if params.max_tokens == 0:  # scoring the prompt: its prefill was the whole work
                 seq.finish_reason, seq.finish_time = "length", now
                 self.scheduler.finish(seq)
@@ -439,4 +439,5 @@ class LLMEngine:
         )
         return RequestOutput(request.request_id, request.prompt_token_ids, completions,
                              request.finished, request.seed, request.prompt, metrics,
-                             prompt_logprobs=request.seqs[0].prompt_logprobs)
+                             prompt_logprobs=request.seqs[0].prompt_logprobs,
+                             prompt_token_ranks=request.seqs[0].prompt_token_ranks)

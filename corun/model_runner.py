@@ -65,14 +65,14 @@ class StepResult:
     asked for logprobs: ``logprob_ids`` [R, 1 + K] (the sampled token, then the K most likely)
     and ``logprobs`` [R, 1 + K] theirs, K the largest ``logprobs`` N of the step's rows.
     ``prompt_logprobs``: per sequence whose prompt finished its prefill in this part and asked
-    for them, the per-position lists of ``Sequence.prompt_logprobs``."""
+    for them, ``score_prompt``'s (``Sequence.prompt_logprobs``, ``Sequence.prompt_token_ranks``)."""
 
     samples: torch.Tensor
     logits: torch.Tensor
     logprobs: torch.Tensor | None
     num_sampled: int
     logprob_ids: torch.Tensor | None = None
-    prompt_logprobs: dict[int, list] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple[list, list]] = dataclasses.field(default_factory=dict)
 
 
 
@@ -427,7 +427,7 @@ class ModelRunner:
         return StepResult(samples, logits, logprobs, len(seqs), ids, prompt)
 
     def _prompt_logprobs(self, part: StepPart, host: StepHost,
-                         hidden: torch.Tensor) -> dict[int, list]:
+                         hidden: torch.Tensor) -> dict[int, tuple[list, list]]:
         """Keep the hidden rows of each prompt-logprob chunk; score each prompt whose prefill
         this part finished."""
         out = {}
@@ -446,12 +446,15 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def score_prompt(self, hidden: torch.Tensor, prompt_ids: list[int],
-                     top_n: int) -> list[dict[int, float] | None]:
+    def score_prompt(self, hidden: torch.Tensor, prompt_ids: list[int], top_n: int,
+                     ) -> tuple[list[dict[int, float] | None], list[int | None]]:
         """Per prompt position: None for the first, then {token: logprob} of the top-N tokens
         (most likely first) and of the prompt token (last, when not among them), from the
-        final hidden rows [L, H] of the prompt (row i predicts token i + 1)."""
+        final hidden rows [L, H] of the prompt (row i predicts token i + 1); and per position
+        the prompt token's rank, None for the first: 1 + the number of vocabulary entries with a
+        strictly higher logprob (vLLM's ``batched_count_greater_than``), wherever it stands."""
         out: list[dict[int, float] | None] = [None]
+        ranks: list[int | None] = [None]
         tile = PROMPT_LOGPROBS_TILE
         num_rows = len(prompt_ids) - 1
         padded = -(-num_rows // tile) * tile
@@ -462,14 +465,20 @@ class ModelRunner:
             hidden = torch.cat([hidden, hidden.new_zeros(padded - num_rows, hidden.shape[1])])
         for start in range(0, padded, tile):
             logits = self.model.compute_logits(hidden[start:start + tile], self.ops)
-            ids = torch.cat([targets[start:start + tile], top_token_ids(logits, top_n)], dim=1)
+            tile_targets = targets[start:start + tile]
+            ids = torch.cat([tile_targets, top_token_ids(logits, top_n)], dim=1)
             lps = self.sampler.logprobs(logits, ids)
+            # Counted on one full-vocabulary log-softmax, as vLLM counts: the sampler's
+            # logprobs may differ from it in the last bit, which would miscount ties.
+            logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+            rank = (logp > logp.gather(1, tile_targets)).sum(dim=1) + 1
             real = min(tile, num_rows - start)
             for id_row, lp_row in zip(ids[:real].tolist(), lps[:real].tolist(), strict=True):
                 entry = dict(zip(id_row[1:], lp_row[1:], strict=True))  # top-N, most likely first
                 entry.setdefault(id_row[0], lp_row[0])  # then the prompt token, if not among them
                 out.append(entry)
-        return out
+            ranks.extend(rank[:real].tolist())
+        return out, ranks
 
     @torch.inference_mode()
     def execute(self, part: StepPart) -> StepResult:

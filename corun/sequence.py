@@ -54,6 +54,8 @@ class Sequence:
     # params.prompt_logprobs: per prompt position, None first, then the prompt token's and the
     # top-N tokens' logprobs; set when the prompt's prefill finished.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Beside it, per position the prompt token's rank in the whole vocabulary (None first).
+    prompt_token_ranks: list[int | None] | None = None
     # EOS (unless ignore_eos) and the stop ids: masked while fewer than min_tokens were generated.
     min_tokens_masked_ids: frozenset[int] = frozenset()
     fingerprint: Fingerprint = field(default_factory=Fingerprint)

@@ -44,11 +44,12 @@ class CompletionLogprobs(BaseModel):
 
 
 class PromptLogprob(BaseModel):
-    """vLLM's ``Logprob`` of a prompt position: rank 1 is the most likely token; a prompt token
-    outside the top-N has no rank here (null)."""
+    """vLLM's ``Logprob`` of a prompt position: a top-N token's rank is its place among them
+    (1 the most likely); the prompt token's, when it is not among them, is its rank in the whole
+    vocabulary (1 + the number of tokens with a strictly higher logprob)."""
 
     logprob: float
-    rank: int | None = None
+    rank: int
     decoded_token: str | None = None
 
 

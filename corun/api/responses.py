@@ -73,7 +73,8 @@ class _Builder:
             was_finished = choice.finished
             before = choice.num_output_tokens
             prompt_lps = getattr(output, "prompt_logprobs", None)
-            for gap in choice.update(completion, output.seed, prompt_lps):
+            prompt_ranks = getattr(output, "prompt_token_ranks", None)
+            for gap in choice.update(completion, output.seed, prompt_lps, prompt_ranks):
                 metrics.observe_itl(gap)
             if choice.num_output_tokens != before or choice.finished != was_finished:
                 changed.append(choice)
@@ -114,21 +115,23 @@ class _Builder:
         return [self._token_text(t) for t in ids]
 
     def _prompt_logprobs(self, choice: ChoiceState, first: bool) -> list | None:
-        """vLLM's ``prompt_logprobs`` of a choice, when the request asked for them."""
+        """vLLM's ``prompt_logprobs`` of a choice, when the request asked for them: per
+        position the prompt token first, then the top-N; a top-N token's rank is its place
+        among them, even the prompt token's (vLLM writes the top-N over it)."""
         if not first or self.body.prompt_logprobs is None or choice.prompt_logprobs is None:
             return None
         prompt_ids = self.subs_by_prompt[choice.index // self.n].prompt_ids
         out = []
-        for token, entry in zip(prompt_ids, choice.prompt_logprobs, strict=True):
+        for token, entry, token_rank in zip(prompt_ids, choice.prompt_logprobs,
+                                            choice.prompt_token_ranks, strict=True):
             if entry is None:
                 out.append(None)
                 continue
             top = list(entry)[: self.body.prompt_logprobs]
-            out.append({
-                str(t): PromptLogprob(logprob=entry[t], rank=top.index(t) + 1 if t in top else None,
-                                      decoded_token=self._token_text(t))
-                for t in [*top, *([] if token in top else [token])]
-            })
+            ranks = {token: token_rank, **{t: place for place, t in enumerate(top, start=1)}}
+            out.append({str(t): PromptLogprob(logprob=entry[t], rank=rank,
+                                              decoded_token=self._token_text(t))
+                        for t, rank in ranks.items()})
         return out
 
     def _prompt_token_ids(self, choice: ChoiceState, first: bool) -> list[int] | None:

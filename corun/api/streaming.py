@@ -52,6 +52,7 @@ class ChoiceState:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     # The request's prompt logprobs (echo with logprobs): None first, then {token id: logprob}.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None  # beside it: the prompt token's rank
     text: str = ""  # the text so far: cut at a stop once finished, settled while unfinished
     sent_text_len: int = 0  # characters already handed out as deltas
     sent_token_len: int = 0  # token ids already handed out
@@ -71,11 +72,13 @@ class ChoiceState:
     def num_output_tokens(self) -> int:
         return len(self.token_ids)
 
-    def update(self, output: Any, seed: int, prompt_logprobs: list | None = None) -> list[float]:
-        """Take one ``CompletionOutput`` (and its request's prompt logprobs); returns the
-        inter-token gaps it adds (for metrics)."""
+    def update(self, output: Any, seed: int, prompt_logprobs: list | None = None,
+               prompt_token_ranks: list | None = None) -> list[float]:
+        """Take one ``CompletionOutput`` (and its request's prompt logprobs and prompt token
+        ranks); returns the inter-token gaps it adds (for metrics)."""
         if prompt_logprobs is not None:
             self.prompt_logprobs = prompt_logprobs
+            self.prompt_token_ranks = prompt_token_ranks
         now = time.monotonic()
         gaps = []
         # The engine thread appends to these live lists (a token, then its logprob, then its

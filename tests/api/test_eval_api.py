@@ -94,19 +94,28 @@ def test_top_logprobs_are_the_n_most_likely_tokens(served):
 
 
 def test_prompt_logprobs_field(served):
+    """vLLM's shape: per position the prompt token first, then the top-N ranked 1..N; the
+    prompt token's rank is its rank in the whole vocabulary when it is not among them."""
     client, engine, _ = served
-    prompt = [9, 10, 11, 12, 13]
+    prompt = [9, 10, 11, 12, 13, 200, 7, 65]
     choice = _post(client, COMPLETIONS, {"prompt": prompt, "max_tokens": 1,
                                          "prompt_logprobs": 2})["choices"][0]
     entries = choice["prompt_logprobs"]
     ref = _reference_logprobs(engine, prompt)
-    assert entries[0] is None and len(entries) == 5
+    assert entries[0] is None and len(entries) == len(prompt)
+    outside = 0
     for i, entry in enumerate(entries[1:], start=1):
-        ranked = {int(k): v for k, v in entry.items() if v["rank"] is not None}
-        in_rank_order = sorted(ranked, key=lambda t: ranked[t]["rank"])
-        assert in_rank_order == ref[i - 1].topk(2).indices.tolist()
-        want = ref[i - 1, prompt[i]].item()
-        assert entry[str(prompt[i])]["logprob"] == pytest.approx(want, abs=1e-4)
+        token, top = prompt[i], ref[i - 1].topk(2).indices.tolist()
+        assert list(entry)[0] == str(token)
+        assert [entry[str(t)]["rank"] for t in top] == [1, 2]
+        assert list(entry)[1:] == [str(t) for t in top if t != token]
+        want = ref[i - 1, token].item()
+        assert entry[str(token)]["logprob"] == pytest.approx(want, abs=1e-4)
+        if token not in top:
+            outside += 1
+            rank = 1 + int((ref[i - 1] > ref[i - 1, token]).sum())
+            assert entry[str(token)]["rank"] == rank
+    assert outside > 0
 
 
 def test_sampling_extras_over_http(served):

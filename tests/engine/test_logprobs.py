@@ -86,6 +86,39 @@ def test_prompt_logprobs_match_a_direct_forward(llm):
         assert len(entry) == 3 + (token not in top)
 
 
+def _vocab_ranks(logprobs: torch.Tensor, prompt: list[int]) -> list[int | None]:
+    """Per position, 1 + the number of entries of the full row above the prompt token's."""
+    return [None] + [1 + int((logprobs[i - 1] > logprobs[i - 1, prompt[i]]).sum())
+                     for i in range(1, len(prompt))]
+
+
+def test_prompt_token_rank_is_its_rank_in_the_whole_vocabulary(llm):
+    """The prompt token's rank is its rank in the whole vocabulary at every position, also
+    where it is not among the top-N (vLLM's)."""
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    want = _vocab_ranks(torch.log_softmax(_direct_logits(llm, PROMPT, [])[0].double(), -1),
+                        PROMPT)
+    assert out.prompt_token_ranks == want
+    assert max(want[1:]) > 1  # prompt tokens outside the top-1 are checked too
+
+
+def test_prompt_token_rank_counts_only_strictly_higher_logprobs(llm, monkeypatch):
+    """``score_prompt`` ranks the prompt token on its tile's own logits: 1 + the entries with a
+    strictly higher logprob, ties not counted (vLLM's ``batched_count_greater_than``), in every
+    tile (row i predicts token i + 1)."""
+    runner = llm.engine.runner
+    gen = torch.Generator().manual_seed(5)
+    num_rows = 21  # two tiles, the second padded
+    # Small integer logits: many exact ties, and no two distinct values that fp32 rounds together.
+    table = torch.randint(0, 6, (num_rows, runner.vocab_size), generator=gen).float()
+    prompt = torch.randint(0, runner.vocab_size, (num_rows + 1,), generator=gen).tolist()
+    hidden = torch.arange(num_rows, dtype=torch.float32).view(-1, 1).expand(num_rows, 8)
+    monkeypatch.setattr(runner.model, "compute_logits", lambda h, ops: table[h[:, 0].long()])
+    _, ranks = runner.score_prompt(hidden, prompt, top_n=2)
+    assert ranks == _vocab_ranks(torch.log_softmax(table.double(), -1), prompt)
+
+
 def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(llm):
     scored, generated = llm.generate(
         [PROMPT, PROMPT],
