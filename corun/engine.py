@@ -97,6 +97,10 @@ class LLMEngine:
         eos = [*(self.runner.model_config.eos_token_id or ()),
                *(getattr(tokenizer, "eos_token_ids", None) or ())]
         self.eos_token_ids = frozenset(int(t) for t in eos)
+        # vLLM: the tokenizer's own EOS stops with stop_reason None; every other EOS id is a stop
+        # id (update_from_generation_config adds them to stop_token_ids), its stop_reason the id.
+        own_eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_id = None if own_eos is None else int(own_eos)
         self.vocab_size = self.runner.vocab_size
         # Structured output's token grammars over this tokenizer (built on first use, cached).
         self.grammar = GrammarCompiler(tokenizer, self.eos_token_ids, self.vocab_size)
@@ -171,8 +175,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         now = time.perf_counter() if arrival_time is None else arrival_time
         request = Request(request_id, ids, params, seed, now, prompt)
-        masked = frozenset(params.stop_token_set | (frozenset() if params.ignore_eos
-                                                    else self.eos_token_ids))
+        # vLLM masks every EOS id under min_tokens even with ignore_eos (_all_stop_token_ids).
+        masked = frozenset(params.stop_token_set | self.eos_token_ids)
         for index in range(params.num_samples):
             seq = Sequence(next(self._seq_ids), request_id, index, ids, params, seed, now,
                            min_tokens_masked_ids=masked)
@@ -334,11 +338,12 @@ class LLMEngine:
             if seq.num_tokens >= self.config.max_model_len:
                 seq.finish_reason = "length"
             return seq.finish_reason is not None
-        if token in params.stop_token_set:
-            seq.finish_reason, seq.stop_reason = "stop", token
-            self._cut_stop_token_text(seq)
-        elif not params.ignore_eos and token in self.eos_token_ids:
+        if not params.ignore_eos and token == self.eos_token_id:
             seq.finish_reason = "stop"
+            self._cut_stop_token_text(seq)
+        elif token in params.stop_token_set or (not params.ignore_eos
+                                                and token in self.eos_token_ids):
+            seq.finish_reason, seq.stop_reason = "stop", token
             self._cut_stop_token_text(seq)
         elif stop_match is not None:
             pos, stop = stop_match

@@ -43,7 +43,9 @@ class SamplingParams:
       ``prompt_logprobs``); generation also stops at max_model_len.
     - ``seed``: int in [0, 2**64) or None (drawn at admission and reported back).
     - ``stop``: strings that end generation (needs a tokenizer); ``stop_token_ids``: ids that do;
-      ``ignore_eos``: keep going past EOS (benchmarks).
+      ``ignore_eos``: keep going past EOS (benchmarks). As in vLLM, the tokenizer's own EOS ends
+      a sample with ``stop_reason`` None, the other EOS ids (generation_config.json's) and the
+      stop ids with the id.
     - ``logprobs``: None, or an int N >= 0: per step the sampled token's log-probability and the
       N most likely tokens' (lowest id first on ties), under the softmax of the model's raw logits
       (before temperature, penalties and bias, as vLLM's default ``raw_logprobs``).
@@ -53,7 +55,8 @@ class SamplingParams:
       token already generated, once / once per occurrence; ``repetition_penalty`` > 0: the logit
       of each token of the prompt or the output is divided by it when positive, multiplied when
       not (1 = off); ``logit_bias``: token id -> bias in [-100, 100] added to its logit;
-      ``min_tokens``: EOS and the stop ids are masked until that many tokens were generated;
+      ``min_tokens``: EOS (even with ``ignore_eos``, as vLLM) and the stop ids are masked until
+      that many tokens were generated;
       ``min_p`` in [0, 1]: tokens less likely than ``min_p`` times the most likely one (after
       temperature) are masked. All act on the row's own logits and the request's own tokens.
     - ``best_of`` >= n: sample ``best_of`` sequences and return the ``n`` with the highest

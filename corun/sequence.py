@@ -56,7 +56,8 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # Beside it, per position the prompt token's rank in the whole vocabulary (None first).
     prompt_token_ranks: list[int | None] | None = None
-    # EOS (unless ignore_eos) and the stop ids: masked while fewer than min_tokens were generated.
+    # EOS (even with ignore_eos, as vLLM) and the stop ids: masked while fewer than min_tokens
+    # were generated.
     min_tokens_masked_ids: frozenset[int] = frozenset()
     fingerprint: Fingerprint = field(default_factory=Fingerprint)
     first_token_time: float | None = None

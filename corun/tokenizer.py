@@ -42,8 +42,10 @@ class Tokenizer:
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.add_bos_token = bool(self.config.get("add_bos_token", False)) and self.bos_token
-        eos = [self.token_to_id(self.eos_token)] if self.eos_token else []
-        ids = [t for t in [*eos, *extra_eos_ids] if t is not None]
+        # The tokenizer's own EOS, apart: it ends a sample with no stop_reason, the extra ids
+        # (generation_config.json's) with their id (vLLM's update_from_generation_config).
+        self.eos_token_id = self.token_to_id(self.eos_token) if self.eos_token else None
+        ids = [t for t in [self.eos_token_id, *extra_eos_ids] if t is not None]
         self.eos_token_ids = tuple(dict.fromkeys(ids))
         self._template = None
 

@@ -34,6 +34,7 @@ def test_specials_ids_eos_and_chat_template(tokenizer: Tokenizer):
     for text, token_id in SPECIAL_TOKENS.items():
         assert tokenizer.token_to_id(text) == token_id
     assert set(tokenizer.eos_token_ids) == set(EOS_TOKEN_IDS)
+    assert tokenizer.eos_token_id == SPECIAL_TOKENS["<|im_end|>"]  # its own, tokenizer_config's
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert ids == [257, *b"user\nhi", 258, 10, 257, *b"assistant\n"]
     # Specials are skipped when decoding output text, kept on request.

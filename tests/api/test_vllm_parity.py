@@ -149,6 +149,28 @@ def test_top_logprobs_zero_needs_no_logprobs(client: httpx.Client):
     assert given["content"][0]["top_logprobs"] == []
 
 
+# -- stop_reason of an EOS ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_stop_reason_of_an_eos_is_the_id_unless_it_is_the_tokenizers_own(client: httpx.Client,
+                                                                         path: str):
+    """vLLM: generation_config.json's EOS ids other than the tokenizer's own are stop ids, so
+    <|endoftext|> (256) ends with stop_reason 256; the tokenizer's <|im_end|> (258) with null;
+    ignore_eos goes past both. The bias makes the id the first token."""
+    base = {"prompt": "Hi"} if path == COMPLETIONS else {"messages": MESSAGES}
+    for token, stop_reason in ((256, 256), (258, None)):
+        body = {**base, "max_tokens": 2, "seed": 1, "logit_bias": {str(token): 100},
+                "return_token_ids": True}
+        for choice in (post_ok(client, path, body)["choices"][0],
+                       stream_chunks(client, path, body)[-1]["choices"][0]):
+            assert choice["token_ids"][-1:] == [token]
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_reason)
+        ignored = post_ok(client, path, {**body, "ignore_eos": True})["choices"][0]
+        assert ignored["token_ids"] == [token] * 2
+        assert (ignored["finish_reason"], ignored["stop_reason"]) == ("length", None)
+
+
 # -- fields that would be ignored -----------------------------------------------------------------
 
 # vLLM (and OpenAI) fields that change the tokens, the logprobs or the response when set.

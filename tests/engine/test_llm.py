@@ -15,12 +15,14 @@ from tests.engine.conftest import TINY
 
 
 class IdTokenizer:
-    """Decodes token t as "<t>" so a test can name the stop string of a known token."""
+    """Decodes token t as "<t>" so a test can name the stop string of a known token. ``eos``:
+    every EOS id; ``eos_token_id``: the tokenizer's own one among them."""
 
     eos_token_ids: tuple[int, ...] = ()
 
-    def __init__(self, eos: tuple[int, ...] = ()) -> None:
+    def __init__(self, eos: tuple[int, ...] = (), eos_token_id: int | None = None) -> None:
         self.eos_token_ids = eos
+        self.eos_token_id = eos_token_id
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(f"<{t}>" for t in ids)
@@ -78,14 +80,43 @@ def test_stop_token_ids_eos_and_ignore_eos():
     out = _drain(engine)["stop"]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     assert out.token_ids == free[: first + 1]
-    # The same token as EOS (through the tokenizer's ids) stops too, unless ignore_eos.
-    eos_engine = LLMEngine(EngineConfig(mode="corun", **TINY), tokenizer=IdTokenizer((stop_id,)))
+    # The same token as the tokenizer's EOS stops too, unless ignore_eos.
+    eos_engine = LLMEngine(EngineConfig(mode="corun", **TINY),
+                           tokenizer=IdTokenizer((stop_id,), eos_token_id=stop_id))
     eos_engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0), "eos")
     eos_engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0,
                                                      ignore_eos=True), "ignore")
     finals = _drain(eos_engine)
     assert finals["eos"].token_ids == free[: first + 1] and finals["eos"].stop_reason is None
     assert finals["ignore"].token_ids == free and finals["ignore"].finish_reason == "length"
+
+
+def test_an_eos_id_other_than_the_tokenizers_own_stops_with_its_id():
+    """vLLM: an EOS id other than the tokenizer's own (generation_config.json's) is a stop id:
+    finish_reason "stop", stop_reason the id; the tokenizer's own EOS gives stop_reason None.
+    ignore_eos goes past both, and min_tokens masks both, with ignore_eos too."""
+    config = EngineConfig(mode="corun", **TINY)
+    engine = LLMEngine(config)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0), "free")
+    free = _drain(engine)["free"].token_ids
+    eos = free[2]
+    unused = next(t for t in range(256) if t not in free)  # an own EOS never generated
+    finals = {}
+    for own in (eos, unused):  # the same EOS id as the tokenizer's own, then as an extra one
+        engine = LLMEngine(config, tokenizer=IdTokenizer((own, eos), eos_token_id=own))
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0), "eos")
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0,
+                                                     ignore_eos=True), "ignore")
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0,
+                                                     ignore_eos=True, min_tokens=3), "min")
+        finals[own] = _drain(engine)
+    first = free.index(eos)
+    for own, stop_reason in ((eos, None), (unused, eos)):
+        out = finals[own]
+        assert out["eos"].token_ids == free[: first + 1] and out["eos"].finish_reason == "stop"
+        assert out["eos"].stop_reason == stop_reason
+        assert out["ignore"].token_ids == free and out["ignore"].stop_reason is None
+        assert eos not in out["min"].token_ids[:3] and len(out["min"].token_ids) == 8
 
 
 def test_stop_string_cuts_text_and_max_model_len_stops():
