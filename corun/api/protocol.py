@@ -417,10 +417,12 @@ class ChatMessage(unsupported.refusing(unsupported.MESSAGE, _Request, "_MessageF
     content: Content | None = None
     name: Text | None = None
     # vLLM hands these to the chat template: an assistant message's earlier reasoning (sent as
-    # either name, rendered under both) and a tool message's call id.
+    # either name, rendered under both), a tool message's call id and any message's task marker
+    # (DeepSeek V4's template reads it).
     reasoning: Text | None = None
     reasoning_content: Text | None = None
     tool_call_id: Text | None = None
+    task: Text | None = None
 
     @property
     def text(self) -> str:
@@ -438,6 +440,10 @@ class ChatMessage(unsupported.refusing(unsupported.MESSAGE, _Request, "_MessageF
             fields["reasoning"] = fields["reasoning_content"] = reasoning
         if self.role == "tool" and self.tool_call_id is not None:
             fields["tool_call_id"] = self.tool_call_id
+        if self.task is not None:
+            fields["task"] = self.task
+        if self.role == "developer":  # vLLM gives every developer message its tools (refused)
+            fields["tools"] = None
         return fields
 
 

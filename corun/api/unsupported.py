@@ -90,8 +90,8 @@ REASONS: dict[str, str] = {
     "thinking_token_budget": "there is no reasoning parser to count thinking tokens with",
     "chat_template": "the model's chat template renders every conversation",
 }
-# Fields of one chat message.
-MESSAGE: dict[str, tuple] = {"tool_calls": ([],), "function_call": (), "audio": ()}
+# Fields of one chat message (vLLM hands a developer message's tools to the template).
+MESSAGE: dict[str, tuple] = {"tool_calls": ([],), "function_call": (), "audio": (), "tools": ()}
 # Content part types a message may hold.
 SUPPORTED_CONTENT_PARTS = ("text",)
 

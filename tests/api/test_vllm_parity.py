@@ -113,6 +113,36 @@ def test_message_reasoning_and_tool_call_id_reach_the_template():
     assert text == "[user||||Q][assistant|R1|R1||A][assistant|R2|R2||B][tool|||call-1|T]"
 
 
+def test_message_task_and_developer_tools_reach_the_template_as_vllm_hands_them():
+    """vLLM passes any message's task marker to the template, and every developer message's
+    tools (None here: tools are refused), where the other roles have no tools at all."""
+    template = ("{% for m in messages %}[{{ m['role'] }}|{{ m.get('task', '-') }}|"
+                "{{ 'tools' in m }}|{{ (m['tools'] is none) if 'tools' in m else '' }}]"
+                "{% endfor %}")
+    base = Tokenizer.from_dir(ASSETS_DIR)
+    state = SimpleNamespace(tokenizer=Tokenizer(base.tokenizer, chat_template=template))
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "developer", "content": "D", "task": "search"},
+        {"role": "user", "content": "Q", "task": "chat"},
+        {"role": "assistant", "content": "A"}]})
+    text = preprocess.render_chat(state, body.messages, False, False, None)
+    assert text == "[developer|search|True|True][user|chat|False|][assistant|-|False|]"
+
+
+def test_developer_message_tools_are_refused(client: httpx.Client):
+    """vLLM renders a developer message's tools into the prompt: refused, as tools are."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    messages = [{"role": "developer", "content": "D", "tools": tools}, *MESSAGES]
+    response = client.post(CHAT, json={"messages": messages, "max_tokens": 1})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].tools", error
+    assert error["message"].startswith("messages[0].tools: not supported: tool calling"), error
+    # Negative control: null is what vLLM hands the template when tools are absent.
+    messages[0]["tools"] = None
+    post_ok(client, CHAT, {"messages": messages, "max_tokens": 1})
+
+
 def test_chat_role_without_generation_prompt_is_the_last_messages(client: httpx.Client):
     """vLLM: without the generation prompt the model continues the last message, so the response
     (and each choice's role chunk) carries that message's role."""
