@@ -96,20 +96,25 @@ def test_tokenize_refuses_what_it_would_ignore(client: httpx.Client, field: str,
 # -- chat messages --------------------------------------------------------------------------------
 
 
+def _render_with(template: str, messages: list[dict]) -> str:
+    """``messages`` as the chat endpoint renders them, through ``template``."""
+    base = Tokenizer.from_dir(ASSETS_DIR)
+    state = SimpleNamespace(tokenizer=Tokenizer(base.tokenizer, chat_template=template))
+    body = ChatCompletionRequest.model_validate({"messages": messages})
+    return preprocess.render_chat(state, body.messages, False, False, None)
+
+
 def test_message_reasoning_and_tool_call_id_reach_the_template():
     """vLLM passes an assistant message's reasoning (sent as reasoning or reasoning_content) to
     the template under both names, and a tool message's tool_call_id."""
     template = ("{% for m in messages %}[{{ m['role'] }}|{{ m.get('reasoning_content', '') }}|"
                 "{{ m.get('reasoning', '') }}|{{ m.get('tool_call_id', '') }}|{{ m['content'] }}]"
                 "{% endfor %}")
-    base = Tokenizer.from_dir(ASSETS_DIR)
-    state = SimpleNamespace(tokenizer=Tokenizer(base.tokenizer, chat_template=template))
-    body = ChatCompletionRequest.model_validate({"messages": [
+    text = _render_with(template, [
         {"role": "user", "content": "Q"},
         {"role": "assistant", "content": "A", "reasoning_content": "R1"},
         {"role": "assistant", "content": "B", "reasoning": "R2"},
-        {"role": "tool", "content": "T", "tool_call_id": "call-1"}]})
-    text = preprocess.render_chat(state, body.messages, False, False, None)
+        {"role": "tool", "content": "T", "tool_call_id": "call-1"}])
     assert text == "[user||||Q][assistant|R1|R1||A][assistant|R2|R2||B][tool|||call-1|T]"
 
 
@@ -119,13 +124,10 @@ def test_message_task_and_developer_tools_reach_the_template_as_vllm_hands_them(
     template = ("{% for m in messages %}[{{ m['role'] }}|{{ m.get('task', '-') }}|"
                 "{{ 'tools' in m }}|{{ (m['tools'] is none) if 'tools' in m else '' }}]"
                 "{% endfor %}")
-    base = Tokenizer.from_dir(ASSETS_DIR)
-    state = SimpleNamespace(tokenizer=Tokenizer(base.tokenizer, chat_template=template))
-    body = ChatCompletionRequest.model_validate({"messages": [
+    text = _render_with(template, [
         {"role": "developer", "content": "D", "task": "search"},
         {"role": "user", "content": "Q", "task": "chat"},
-        {"role": "assistant", "content": "A"}]})
-    text = preprocess.render_chat(state, body.messages, False, False, None)
+        {"role": "assistant", "content": "A"}])
     assert text == "[developer|search|True|True][user|chat|False|][assistant|-|False|]"
 
 
