@@ -451,8 +451,9 @@ class ModelRunner:
         """Per prompt position: None for the first, then {token: logprob} of the top-N tokens
         (most likely first) and of the prompt token (last, when not among them), from the
         final hidden rows [L, H] of the prompt (row i predicts token i + 1); and per position
-        the prompt token's rank, None for the first: 1 + the number of vocabulary entries with a
-        strictly higher logprob (vLLM's ``batched_count_greater_than``), wherever it stands."""
+        the prompt token's rank, None for the first: the number of vocabulary entries with a
+        logprob at least its own, itself and ties included (vLLM V1's
+        ``batched_count_greater_than``), wherever it stands."""
         out: list[dict[int, float] | None] = [None]
         ranks: list[int | None] = [None]
         tile = PROMPT_LOGPROBS_TILE
@@ -471,7 +472,9 @@ class ModelRunner:
             # Counted on one full-vocabulary log-softmax, as vLLM counts: the sampler's
             # logprobs may differ from it in the last bit, which would miscount ties.
             logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
-            rank = (logp > logp.gather(1, tile_targets)).sum(dim=1) + 1
+            # vLLM V1's batched_count_greater_than: the entries at or above the prompt token's
+            # logprob, itself and every tie included.
+            rank = (logp >= logp.gather(1, tile_targets)).sum(dim=1)
             real = min(tile, num_rows - start)
             for id_row, lp_row in zip(ids[:real].tolist(), lps[:real].tolist(), strict=True):
                 entry = dict(zip(id_row[1:], lp_row[1:], strict=True))  # top-N, most likely first

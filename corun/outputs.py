@@ -82,8 +82,8 @@ class RequestOutput:
     # params.prompt_logprobs: None for the first prompt token, then per position {token id:
     # logprob} of the top-N tokens and of the prompt token (vLLM's prompt_logprobs).
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    # Beside it, per position the prompt token's rank: 1 + the number of vocabulary entries with
-    # a strictly higher logprob, even when it is not among the top-N (None first).
+    # Beside it, per position the prompt token's rank: the number of vocabulary entries with a
+    # logprob at least its own (ties included, as vLLM V1), even outside the top-N (None first).
     prompt_token_ranks: list[int | None] | None = None
 
     @property

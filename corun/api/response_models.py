@@ -46,7 +46,7 @@ class CompletionLogprobs(BaseModel):
 class PromptLogprob(BaseModel):
     """vLLM's ``Logprob`` of a prompt position: a top-N token's rank is its place among them
     (1 the most likely); the prompt token's, when it is not among them, is its rank in the whole
-    vocabulary (1 + the number of tokens with a strictly higher logprob)."""
+    vocabulary (the number of tokens with a logprob at least its own, ties included)."""
 
     logprob: float
     rank: int

@@ -87,8 +87,8 @@ def test_prompt_logprobs_match_a_direct_forward(llm):
 
 
 def _vocab_ranks(logprobs: torch.Tensor, prompt: list[int]) -> list[int | None]:
-    """Per position, 1 + the number of entries of the full row above the prompt token's."""
-    return [None] + [1 + int((logprobs[i - 1] > logprobs[i - 1, prompt[i]]).sum())
+    """Per position, the number of entries of the full row at or above the prompt token's."""
+    return [None] + [int((logprobs[i - 1] >= logprobs[i - 1, prompt[i]]).sum())
                      for i in range(1, len(prompt))]
 
 
@@ -103,10 +103,11 @@ def test_prompt_token_rank_is_its_rank_in_the_whole_vocabulary(llm):
     assert max(want[1:]) > 1  # prompt tokens outside the top-1 are checked too
 
 
-def test_prompt_token_rank_counts_only_strictly_higher_logprobs(llm, monkeypatch):
-    """``score_prompt`` ranks the prompt token on its tile's own logits: 1 + the entries with a
-    strictly higher logprob, ties not counted (vLLM's ``batched_count_greater_than``), in every
-    tile (row i predicts token i + 1)."""
+def test_prompt_token_rank_counts_ties(llm, monkeypatch):
+    """``score_prompt`` ranks the prompt token on its tile's own logits: the entries with a
+    logprob at least its own, itself and every tie counted (vLLM V1's
+    ``batched_count_greater_than``: ``(x >= values).sum(-1)``), in every tile (row i predicts
+    token i + 1)."""
     runner = llm.engine.runner
     gen = torch.Generator().manual_seed(5)
     num_rows = 21  # two tiles, the second padded
