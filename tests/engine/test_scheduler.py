@@ -10,7 +10,7 @@ import pytest
 from corun.config import EngineConfig
 from corun.sampling_params import SamplingParams
 from corun.scheduler import Scheduler, SchedulerOutput
-from corun.sequence import Sequence
+from corun.sequence import Sequence, SequenceStatus
 
 
 def _config(mode: str, **kw) -> EngineConfig:
@@ -264,3 +264,18 @@ def test_preemption_takes_only_later_arrivals(mode, monkeypatch):
         preemptions += sim.sched.num_preemptions
     assert preemptions > 0, "the workloads forced no preemption"
     assert not inversions, f"(victim, preempting sequence) with the victim earlier: {inversions}"
+
+
+@pytest.mark.parametrize(("free_blocks", "comes_back"), [(3, False), (4, True)])
+def test_a_prefilling_sequence_comes_back_when_its_next_chunk_fits(free_blocks, comes_back):
+    """A swapped sequence 8 tokens into a 20-token prompt (C = 8, blocks of 4) needs 2 blocks
+    for its cache and 2 more for its next chunk: with 3 free it stays swapped (room for one
+    more token only would bring it back to wait, and be swapped out again before it ran)."""
+    sched = Scheduler(_config("corun", prefill_chunk_size=8), free_blocks)
+    seq = Sequence(0, "r0", 0, [7] * 20, SamplingParams(max_tokens=4), seed=1)
+    seq.num_computed_tokens = 8
+    seq.status = SequenceStatus.SWAPPED
+    sched.swapped.append(seq)
+    out = sched.schedule()
+    assert (seq in out.swap_in) is comes_back
+    assert (seq in sched.swapped) is not comes_back
