@@ -13,6 +13,7 @@
 - ``batch_invariant_tuned`` is batch-invariant at real shapes across M: a row of the GEMM, and a
   token of the MoE layer, has the same bits at every batch size from 1 to 8192 (its tiles change
   with M, split-K never happens); ``corun`` (split-K at small M) is the negative control.
+- The penalties' dense per-sequence state keeps the bits of the sparse whole-list form on CUDA.
 """
 
 from __future__ import annotations
@@ -255,3 +256,13 @@ def test_batch_invariant_tuned_moe_tokens_equal_across_t(name):
                          mode=Mode.BATCH_INVARIANT_TUNED)[:1]
             for t in (1, 8, 32, 64, 128, 256, 512, 2048)}
     assert all(torch.equal(o, outs[1]) for o in outs.values())
+
+
+def test_incremental_penalties_keep_the_sparse_bits_on_cuda():
+    """The penalties' dense state (corun.logits_processing.PenaltyState) gives the bits of the
+    sparse whole-list form on CUDA too, at Qwen3's vocabulary (where ``tensor / float`` runs as
+    a multiply by the reciprocal in both forms)."""
+    from tests.engine.test_logits_processing import check_incremental_penalties
+
+    for seed in range(4):
+        check_incremental_penalties(seed, device="cuda", vocab=151936)

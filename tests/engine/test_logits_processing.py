@@ -38,26 +38,25 @@ def _sparse_penalties(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     the indices of the tokens seen (the reference the dense, incremental form must match)."""
     from collections import Counter
 
-    params, out = seq.params, row.clone()
+    params, out, device = seq.params, row.clone(), row.device
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64)
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=device)
         values = out[seen]
         penalty = params.repetition_penalty
         out[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if seq.num_output_tokens:
         counts = sorted(Counter(seq.output_token_ids).items())
-        ids = torch.tensor([t for t, _ in counts], dtype=torch.int64)
-        count = torch.tensor([c for _, c in counts], dtype=torch.float32)
+        ids = torch.tensor([t for t, _ in counts], dtype=torch.int64, device=device)
+        count = torch.tensor([c for _, c in counts], dtype=torch.float32, device=device)
         out[ids] -= params.frequency_penalty * count + params.presence_penalty
     return out
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_incremental_penalties_keep_the_bits_of_the_sparse_form(seed):
+def check_incremental_penalties(seed: int, device: str = "cpu", vocab: int = 97) -> None:
     """Step after step (one token, sometimes several, appended between rows), the dense state
-    that follows the sequence gives every logit the bits the whole-list computation gives."""
+    that follows the sequence gives every logit the bits the whole-list computation gives, on
+    ``device`` (tests/engine/test_gpu_engine.py runs it on CUDA at a real vocabulary)."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = 97
     params = SamplingParams(repetition_penalty=1.0 + torch.rand(1, generator=gen).item(),
                             frequency_penalty=torch.rand(1, generator=gen).item() - 0.3,
                             presence_penalty=0.7 * torch.rand(1, generator=gen).item())
@@ -67,15 +66,21 @@ def test_incremental_penalties_keep_the_bits_of_the_sparse_form(seed):
         row = torch.randn(vocab, generator=gen) * 4
         row[torch.randint(0, vocab, (3,), generator=gen)] = 0.0  # exact zeros: the > 0 edge
         row[torch.randint(0, vocab, (2,), generator=gen)] = -0.0
+        row = row.to(device)
         got, want = process_row(row, seq), _sparse_penalties(row, seq)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0 too
         for token in torch.randint(0, vocab, (int(torch.randint(1, 4, (1,), generator=gen)),),
                                    generator=gen).tolist():
             seq.append_token(token)
-    process_row(torch.zeros(vocab), seq)
+    process_row(torch.zeros(vocab, device=device), seq)
     state = seq.penalty_state
     assert state.num_outputs == seq.num_output_tokens == int(state.counts.sum())
     assert state.seen.nonzero().view(-1).tolist() == sorted(set(seq.token_ids))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_penalties_keep_the_bits_of_the_sparse_form(seed):
+    check_incremental_penalties(seed)
 
 
 def test_penalties_and_bias_match_a_hand_computation():
