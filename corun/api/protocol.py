@@ -378,7 +378,7 @@ class CompletionRequest(
 
 
 class TextContent(_Request):
-    type: Literal["text"]
+    type: Literal["text", "input_text", "output_text"]
     text: Text
 
 

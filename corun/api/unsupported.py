@@ -92,8 +92,9 @@ REASONS: dict[str, str] = {
 }
 # Fields of one chat message (vLLM hands a developer message's tools to the template).
 MESSAGE: dict[str, tuple] = {"tool_calls": ([],), "function_call": (), "audio": (), "tools": ()}
-# Content part types a message may hold.
-SUPPORTED_CONTENT_PARTS = ("text",)
+# Content part types a message may hold: text, and the Responses API's names for it, which vLLM
+# parses as text too (MM_PARSER_MAP).
+SUPPORTED_CONTENT_PARTS = ("text", "input_text", "output_text")
 
 
 def _same(value: Any, off: Any) -> bool:

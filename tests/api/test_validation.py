@@ -221,6 +221,20 @@ def test_unsupported_message_parts_are_refused_by_name(client: httpx.Client):
     assert client.post(CHAT, json={"messages": text, "max_tokens": 1}).status_code == 200
 
 
+def test_responses_style_text_parts_render_as_text(client: httpx.Client):
+    """vLLM parses ``input_text`` and ``output_text`` parts as text: the prompt is the one the
+    same message with ``text`` parts gives."""
+    def prompt_ids(kind: str) -> list[int]:
+        messages = [{"role": "user", "content": [{"type": kind, "text": "see"},
+                                                  {"type": kind, "text": "this"}]}]
+        body = {"messages": messages, "max_tokens": 1, "return_token_ids": True}
+        response = client.post(CHAT, json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["prompt_token_ids"]
+
+    assert prompt_ids("input_text") == prompt_ids("output_text") == prompt_ids("text")
+
+
 def test_chat_template_kwargs_errors_name_it(client: httpx.Client):
     for kwargs in ({"messages": []}, {"add_generation_prompt": False}, {"tokenize": True}):
         response = client.post(CHAT, json={"messages": MESSAGES, "chat_template_kwargs": kwargs})
