@@ -63,6 +63,7 @@ class ChoiceState:
     seed: int | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    _source: Any = field(default=None, repr=False)  # the live token list the lists copy from
 
     @property
     def finished(self) -> bool:
@@ -87,7 +88,10 @@ class ChoiceState:
         lists = [x for x in (output.token_ids, output.logprobs,
                              getattr(output, "top_logprobs", None)) if x is not None]
         count = min(len(x) for x in lists)
-        token_ids = output.token_ids[:count]
+        if output.token_ids is not self._source or count < len(self.token_ids):
+            # Another sample's lists (or fewer tokens): start over from them.
+            self._source = output.token_ids
+            self.token_ids, self.logprobs, self.top_logprobs = [], [], []
         new_tokens = count - len(self.token_ids)
         if new_tokens > 0:
             if self.first_token_time is None:
@@ -95,11 +99,13 @@ class ChoiceState:
             elif self.last_token_time is not None:
                 gaps = [(now - self.last_token_time) / new_tokens] * new_tokens
             self.last_token_time = now
-        self.token_ids = token_ids
+        # The lists only grow: copy what is new, not the whole output again (an update per step
+        # would otherwise copy O(n) for each of n tokens).
+        self.token_ids.extend(output.token_ids[len(self.token_ids):count])
         if output.logprobs is not None:
-            self.logprobs = output.logprobs[:count]
+            self.logprobs.extend(output.logprobs[len(self.logprobs):count])
         if getattr(output, "top_logprobs", None) is not None:
-            self.top_logprobs = output.top_logprobs[:count]
+            self.top_logprobs.extend(output.top_logprobs[len(self.top_logprobs):count])
         self.seed = seed
         if output.finish_reason is not None:
             self.finish_reason = output.finish_reason

@@ -136,3 +136,36 @@ def test_a_choice_reads_a_prefix_every_live_list_holds(tokenizer: Tokenizer):
     mid_append.top_logprobs += [{105: -0.25}, {33: -1.0}]
     choice.update(mid_append, seed=1)
     assert choice.take_delta()[1:] == ([105, 33], [(-0.25, {105: -0.25}), (-1.0, {33: -1.0})])
+
+
+class _SliceRecorder(list):
+    """A live list that records how many elements each slice of it copied."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.copied: list[int] = []
+
+    def __getitem__(self, key):
+        item = super().__getitem__(key)
+        if isinstance(key, slice):
+            self.copied.append(len(item))
+        return item
+
+
+def test_a_choice_copies_only_the_new_tokens_of_a_live_list(tokenizer: Tokenizer):
+    """An update copies what the engine appended since the previous one, not the whole output
+    again (one update a step would otherwise copy O(n) for each of n tokens); a different
+    list (another sample's) starts the choice over from it."""
+    choice = ChoiceState(index=0, prompt_len=1, decode=tokenizer.decode)
+    live = SimpleNamespace(token_ids=_SliceRecorder(), logprobs=_SliceRecorder(), text=None,
+                           finish_reason=None, stop_reason=None, fingerprint=None)
+    for step in range(200):
+        live.token_ids.append(65 + step % 26)
+        live.logprobs.append(-float(step))
+        choice.update(live, seed=1)
+    assert choice.token_ids == list(live.token_ids) and choice.logprobs == list(live.logprobs)
+    assert max(live.token_ids.copied + live.logprobs.copied) == 1
+    other = SimpleNamespace(token_ids=[66, 67], logprobs=[-1.0, -2.0], text=None,
+                            finish_reason=None, stop_reason=None, fingerprint=None)
+    choice.update(other, seed=1)
+    assert choice.token_ids == [66, 67] and choice.logprobs == [-1.0, -2.0]
