@@ -59,6 +59,13 @@ def run_family(name: str, quick: bool) -> tuple[list[dict], list[dict], list[dic
     return timings, checks, errors
 
 
+def plotted(records: list[dict]) -> list[dict]:
+    """The rows the ratio plot draws: those with a ratio, less those whose peer the file marks
+    invalid (a peer that timed our own kernel) or whose policy was superseded."""
+    return [r for r in records
+            if r.get("ratio") and not r.get("peer_invalid") and not r.get("superseded")]
+
+
 def plot_ratios(records: list[dict], path: Path) -> None:
     """One bar per (op, policy, shape): ratio vs the peer (1.0 = parity)."""
     import matplotlib
@@ -66,7 +73,7 @@ def plot_ratios(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in records if r.get("ratio")]
+    rows = plotted(records)
     if not rows:
         return
     ops = sorted({r["op"] for r in rows})
@@ -80,7 +87,9 @@ def plot_ratios(records: list[dict], path: Path) -> None:
             color=["tab:blue" if r["policy"] == "corun" else "tab:gray" for r in sub],
         )
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_title(f"{op}: peer time / ours (higher is better); peer = {sub[0]['peer']}")
+        names = sorted({r["peer"] for r in sub})
+        peers = ", ".join(names) if len(", ".join(names)) <= 60 else f"{len(names)} configs"
+        ax.set_title(f"{op}: peer time / ours (higher is better); peer: {peers}")
         ax.set_xticks(range(len(sub)))
         ax.set_xticklabels(labels, rotation=90, fontsize=6)
     fig.tight_layout()

@@ -141,3 +141,11 @@ def test_decode_attention_target_counts_the_rows_that_fit_the_l2(tmp_path, monke
             for ctx, bound in ((512, 2.0), (8192, 20.0))]
     text = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, rows, "kernels-h200-targets")
     assert "1 of these 2 rows move less than the 50 MB L2" in text
+
+
+def test_ratio_plot_leaves_out_invalid_peers_and_superseded_policies():
+    from experiments.bench_kernels import plotted
+
+    rows = [{**TIMING, "op": "logits_digest", "peer_invalid": "timed itself"},
+            {**TIMING, "superseded": "old policy"}, TIMING]
+    assert plotted(rows) == [TIMING]
