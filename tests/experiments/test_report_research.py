@@ -43,7 +43,7 @@ def test_paper_table_groups_models_and_shows_provenance(tmp_path, monkeypatch):
          "measured_at": "2026-12-05T05:34:32+00:00", "jit_compiles_timed": 0,
          "discarded_runs": [{"jit_compiles": 10, "wall_s": 27.7}]},
         {"model": "deepseek-v3", "mode": "corun", "output_tok_s": 3.0,
-         "throughput_change_pct_vs_default": -4.1},
+         "throughput_change_pct_vs_default": 50.0},
     ]
     table = _render(tmp_path, monkeypatch, "paper-h200", records, "paper-h200")
     assert table.index("| deepseek-v3 | — | corun |") < table.index("| hy3 |")
@@ -51,7 +51,7 @@ def test_paper_table_groups_models_and_shows_provenance(tmp_path, monkeypatch):
     assert "| 0 | 1 |" in table  # no compile in the timed run, one run discarded before it
     claims = _render(tmp_path, monkeypatch, "paper-h200", records, "paper-h200-claims")
     assert ("| output throughput vs default (not deterministic) | — (not the paper's peer) "
-            "| deepseek-v3 -4.1% | -4.1% | — |") in claims
+            "| deepseek-v3 +50.0% | +50.0% | — |") in claims
 
 
 def test_paper_claims_without_pairs(tmp_path, monkeypatch):
@@ -90,3 +90,24 @@ def test_ablate_view_lists_every_run_of_a_repeated_point(tmp_path, monkeypatch):
     assert "| series | value | output tok/s | runs (median of 3) |" in text
     assert "| corun | 256 | 20.00 | 30, 10, 20 |" in text
 
+
+
+def test_paper_claims_are_computed_from_the_raw_figures(tmp_path, monkeypatch):
+    """The per-record change fields are rounded to 0.1, so the claims (and their means) come
+    from the records' own throughput, TTFT and TPOT where the peer's record is in the file."""
+    records = [
+        {"model": "hy3", "mode": "batch_invariant", "output_tok_s": 100.0, "ttft_ms_mean": 30.0},
+        {"model": "hy3", "mode": "corun", "output_tok_s": 100.04, "ttft_ms_mean": 29.99,
+         "throughput_change_pct_vs_batch_invariant": 0.0,
+         "ttft_change_pct_vs_batch_invariant": -0.0},
+        {"model": "qwen3", "mode": "batch_invariant", "output_tok_s": 100.0},
+        {"model": "qwen3", "mode": "corun", "output_tok_s": 100.08,
+         "throughput_change_pct_vs_batch_invariant": 0.1},
+    ]
+    text = _render(tmp_path, monkeypatch, "paper-h200", records, "paper-h200-claims")
+    # 0.04% and 0.08%: a mean of 0.06 (0.05 from the rounded 0.0 and 0.1).
+    assert "| hy3 +0.0%, qwen3 +0.1% | +0.1% |" in text
+    from experiments.report_research import _change_pct
+
+    assert abs(_change_pct(records[1], records[0], "throughput", 0.0) - 0.04) < 1e-9
+    assert _change_pct(records[1], None, "throughput", 7.0) == 7.0
