@@ -282,16 +282,21 @@ L2_NOTE = ("A bound fraction marked * is above 1. In the graph-replayed families
            "copy rate) does not bind there.")
 
 
+def moved_bytes(r: dict) -> float | None:
+    """The bytes a kernel row's bound counts (its bound time at the bound's copy rate)."""
+    from experiments.harness import H200_BANDWIDTH_BYTES_PER_S
+
+    return r["bound_us"] * 1e-6 * H200_BANDWIDTH_BYTES_PER_S if r.get("bound_us") else None
+
+
 def _beyond_l2_note(rows: list[dict]) -> str:
     """The rows above their bound that move more than twice the L2 (so their operands cannot sit
     in it): for them the explanation is the bound's rate, a copy's (bytes read plus bytes
     written), which a stream that mostly reads exceeds."""
-    from experiments.harness import H200_BANDWIDTH_BYTES_PER_S
-
     beyond: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         if (r.get("bw_fraction") or 0) > 1 and r.get("bound_us"):
-            moved = r["bound_us"] * 1e-6 * H200_BANDWIDTH_BYTES_PER_S
+            moved = moved_bytes(r)
             if moved > 2 * L2_BYTES:
                 beyond.setdefault(f"{r['op']} {r['policy']}", []).append(
                     (moved / 1e9, r["bw_fraction"]))

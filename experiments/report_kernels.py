@@ -81,11 +81,9 @@ def _span_row(what: str, target: str, values: list[float], threshold: float,
 def _l2_resident_note(rows: list[dict]) -> str:
     """How many rows move less than the L2 holds: the graph replays do not flush it, so their
     K/V may be read from L2, and their fraction of the HBM bound flatters them."""
-    from experiments.harness import H200_BANDWIDTH_BYTES_PER_S
-    from experiments.report import L2_BYTES
+    from experiments.report import L2_BYTES, moved_bytes
 
-    resident = [r for r in rows if r.get("bound_us")
-                and r["bound_us"] * 1e-6 * H200_BANDWIDTH_BYTES_PER_S < L2_BYTES]
+    resident = [r for r in rows if r.get("bound_us") and moved_bytes(r) < L2_BYTES]
     if not resident:
         return ""
     return (f". {len(resident)} of these {len(rows)} rows move less than the 50 MB L2, which the "
