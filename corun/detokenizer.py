@@ -32,17 +32,25 @@ from corun.outputs import REPLACEMENT_CHAR
 
 @dataclass
 class IncrementalText:
-    """One sequence's detokenization state: ``text`` is the decode of ``ids[:read_offset]``."""
+    """One sequence's detokenization state: ``text`` is the decode of ``ids[:read_offset]``;
+    ``last`` the (token count, text) of the latest update, so that a second call for the same
+    ids (the engine's stop check, then the step's output) decodes nothing."""
 
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    last: tuple[int, str] = (0, "")
 
     def update(self, decode: Callable[[Sequence[int]], str], ids: Sequence[int]) -> str:
         """The text of ``ids``, which extend the ids of every earlier call on this state."""
         if len(ids) < self.read_offset:
             raise ValueError(f"ids: expected at least the {self.read_offset} tokens already "
                              f"decoded, got {len(ids)}")
+        if len(ids) != self.last[0]:
+            self.last = (len(ids), self._decode_new(decode, ids))
+        return self.last[1]
+
+    def _decode_new(self, decode: Callable[[Sequence[int]], str], ids: Sequence[int]) -> str:
         if len(ids) == self.read_offset:
             return self.text
         prefix_text = decode(ids[self.prefix_offset:self.read_offset])

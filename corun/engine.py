@@ -379,14 +379,10 @@ class LLMEngine:
             seq.stop_text_len = len(before.rstrip(REPLACEMENT_CHAR))
 
     def _output_text(self, seq: Sequence) -> str:
-        """The decode of ``seq``'s output tokens, once a step: the stop check and the step's
-        output both read it (the tokens only grow, so their count says whether it is current).
-        Incremental: a step decodes the few tokens of a window, not the whole output."""
-        if seq.decoded_tokens != seq.num_output_tokens:
-            seq.decoded_text = seq.detokenized.update(
-                lambda ids: self._decode(ids, seq.params), seq.output_token_ids)
-            seq.decoded_tokens = seq.num_output_tokens
-        return seq.decoded_text
+        """The decode of ``seq``'s output tokens: the stop check and the step's output both read
+        it, and ``IncrementalText`` decodes once a step, the few tokens of a window."""
+        return seq.detokenized.update(lambda ids: self._decode(ids, seq.params),
+                                      seq.output_token_ids)
 
     def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)

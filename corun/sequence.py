@@ -69,11 +69,8 @@ class Sequence:
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
     # Output text the stop strings were matched against (a new match must end past it).
     stop_checked_chars: int = 0
-    # The engine's decode of the output tokens, and how many tokens it covers: the stop check
-    # and the step's output read one decode (``LLMEngine._output_text``), which decodes only the
-    # tokens of a moving window each step (``detokenized``, corun.detokenizer).
-    decoded_text: str = ""
-    decoded_tokens: int = -1
+    # The engine's decode of the output tokens (``LLMEngine._output_text``): once a step, the
+    # tokens of a moving window (corun.detokenizer).
     detokenized: IncrementalText = field(default_factory=IncrementalText)
     # The penalties' per-vocabulary view of its tokens (corun.logits_processing.PenaltyState),
     # built on the first step that applies a penalty and brought up to date on each one after.
