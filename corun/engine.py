@@ -195,6 +195,7 @@ class LLMEngine:
             return
         for seq in self.scheduler.abort(request_id):
             self.runner.drop_swapped(seq.seq_id)  # its swapped KV and prompt hidden rows
+            self.runner.release(seq.seq_id)
             seq.finish_reason = "abort"
             seq.finish_time = time.perf_counter()
         self._aborted.append(request)
@@ -309,6 +310,7 @@ class LLMEngine:
                 seq.finish_reason, seq.finish_time = "length", now
                 self.scheduler.finish(seq)
                 self.runner.drop_swapped(seq.seq_id)
+                self.runner.release(seq.seq_id)
                 continue
             token, d1, d2 = samples[i]
             seq.append_token(token)
@@ -326,6 +328,7 @@ class LLMEngine:
             if self._check_stop(seq):
                 seq.finish_time = now
                 self.scheduler.finish(seq)
+                self.runner.release(seq.seq_id)
         return seqs
 
     def _check_stop(self, seq: Sequence) -> bool:

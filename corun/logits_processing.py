@@ -4,23 +4,27 @@ min_p.
 Each processed row is a function of that row's raw logits and of its own request's params and
 tokens only (the structured-output mask first, then vLLM's order: ``logit_bias`` and
 ``min_tokens``, then the repetition, frequency and presence penalties, then ``min_p`` against the
-temperature-scaled distribution), applied to a copy
-of the row one row at a time; the row is then sampled by the same sampler with the same
-per-request noise. So a processed request's tokens do not depend on what runs beside it, and the
-rows that ask for nothing are neither touched nor re-sampled (their bits are the step's).
+temperature-scaled distribution), applied to a copy of the rows that ask for processing; those
+rows are then sampled by the same sampler with the same per-request noise. So a processed
+request's tokens do not depend on what runs beside it, and the rows that ask for nothing are
+neither touched nor re-sampled (their bits are the step's).
+
+The processors run on all the rows that ask for them at once, one launch per distinct parameter
+value, not one per row (``process_rows``): at B = 128 with a repetition penalty on every row (a
+Qwen2.5 checkpoint's generation config sets one for every request), the row-at-a-time form
+dispatched 2,305 ops a step and the batched one 17 (experiments/bench_logits_processing.py).
 
 The raw logits stay as they were: the logits digest and the reported logprobs are of the model's
 output (vLLM's default ``raw_logprobs``).
 
-The penalties read a sequence's tokens through ``PenaltyState``, dense per-vocabulary tensors on
-the logits' device that follow the sequence: a step adds only the tokens appended since the last
-one, so a row's work does not grow with the output. Re-reading every token each step (the form
-before) cost 0.17 / 1.0 / 4.1 ms a row at 256 / 2,048 / 8,192 output tokens, vocabulary 152k, on
-this project's CPU; the dense form costs 0.5-0.6 ms a row there at every length, its passes over
-the vocabulary (a GPU's are not measured yet). The state holds 5 bytes a vocabulary entry for
-each sequence that asks for a penalty (0.76 MB at 152k). Elementwise over the vocabulary, the
-dense form gives each entry the same arithmetic as the sparse one
-(tests/engine/test_logits_processing.py checks the bits against it).
+The penalties read a sequence's tokens through ``PenaltyPool``: dense per-vocabulary rows on the
+logits' device that follow the sequence, where a step adds only the tokens appended since the
+last one, so a row's work does not grow with the output (re-reading every token each step cost
+0.17 / 1.0 / 4.1 ms a row at 256 / 2,048 / 8,192 output tokens, vocabulary 152k, on this
+project's CPU). The pool holds 5 bytes a vocabulary entry for each live sequence that asks for a
+penalty (0.76 MB at 152k). Elementwise over the vocabulary, the dense form gives each entry the
+same arithmetic as the sparse one (tests/engine/test_logits_processing.py checks the bits against
+a row-at-a-time, whole-token-list reference).
 """
 
 from __future__ import annotations
@@ -35,71 +39,205 @@ from corun.sequence import Sequence
 
 
 @dataclass
-class PenaltyState:
-    """What the penalties need of one sequence's tokens, kept up to date step by step:
-    ``seen`` [V] bool, the tokens of its prompt and output (repetition penalty), and
-    ``counts`` [V] fp32, how often each token appears in its output (frequency and presence),
-    covering the first ``num_outputs`` output tokens."""
-
-    seen: torch.Tensor
-    counts: torch.Tensor
-    num_outputs: int = 0
-
-    @classmethod
-    def of(cls, seq: Sequence, vocab: int, device: torch.device) -> PenaltyState:
-        """``seq``'s state on ``device``, brought up to its current output (built on first use,
-        from the prompt once)."""
-        state = seq.penalty_state
-        if state is None or state.counts.device != device or state.counts.shape[0] != vocab:
-            state = cls(torch.zeros(vocab, dtype=torch.bool, device=device),
-                        torch.zeros(vocab, dtype=torch.float32, device=device))
-            state.seen[torch.tensor(seq.prompt_token_ids, dtype=torch.int64, device=device)] = True
-            seq.penalty_state = state
-        new = seq.output_token_ids[state.num_outputs:]
-        if new:
-            ids = torch.tensor(new, dtype=torch.int64, device=device)
-            state.counts.index_put_((ids,), torch.ones(len(new), device=device), accumulate=True)
-            state.seen[ids] = True
-            state.num_outputs += len(new)
-        return state
+class _PenaltyRow:
+    row: int  # this sequence's row of the pool's tensors
+    num_outputs: int = 0  # output tokens counted so far
 
 
-def process_row(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """The processed copy of ``row`` ([V] fp32, raw logits of ``seq``'s next token)."""
-    params = seq.params
-    out = row.to(torch.float32).clone()
+class PenaltyPool:
+    """What the penalties need of every live sequence that asks for one, a row each of two
+    [capacity, V] tensors on the logits' device: ``prompt_seen`` marks its prompt's tokens and
+    ``counts`` counts its output tokens (so the repetition penalty's "seen" is ``prompt_seen |
+    counts > 0``). A step adds only the tokens appended since the last one, for every sequence in
+    one scatter. A sequence's row is freed when it finishes (``release``, from the engine) and
+    reused; the pool doubles when it runs out of rows."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.vocab = 0
+        self.prompt_seen = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+        self.counts = torch.zeros(0, 0, dtype=torch.float32, device=self.device)
+        self._rows: dict[int, _PenaltyRow] = {}
+        self._free: list[int] = []
+
+    @property
+    def num_live(self) -> int:
+        return len(self._rows)
+
+    def release(self, seq_id: int) -> None:
+        """Free a finished sequence's row (unknown ids are ignored)."""
+        entry = self._rows.pop(seq_id, None)
+        if entry is not None:
+            self._free.append(entry.row)
+
+    def _grow(self, vocab: int, needed: int) -> None:
+        if vocab != self.vocab:
+            if self._rows:
+                raise ValueError(f"logits: vocabulary {vocab} where the pool holds {self.vocab}")
+            self.vocab, self._free = vocab, []
+            self.prompt_seen = self.prompt_seen.new_zeros(0, vocab)
+            self.counts = self.counts.new_zeros(0, vocab)
+        old = self.counts.shape[0]
+        if len(self._free) >= needed:
+            return
+        capacity = max(2 * old, old + needed - len(self._free), 8)
+        self.prompt_seen = torch.cat([self.prompt_seen,
+                                      self.prompt_seen.new_zeros(capacity - old, vocab)])
+        self.counts = torch.cat([self.counts, self.counts.new_zeros(capacity - old, vocab)])
+        self._free.extend(range(capacity - 1, old - 1, -1))  # lowest row first off the end
+
+    def rows_of(self, seqs: list[Sequence], vocab: int) -> torch.Tensor:
+        """The pool rows ([len(seqs)] int64) of ``seqs``, each brought up to its current output
+        (a new row from its prompt once)."""
+        self._grow(vocab, sum(seq.seq_id not in self._rows for seq in seqs))
+        fresh: list[int] = []
+        prompt_flat: list[int] = []
+        output_flat: list[int] = []
+        rows: list[int] = []
+        for seq in seqs:
+            entry = self._rows.get(seq.seq_id)
+            if entry is None:
+                entry = self._rows[seq.seq_id] = _PenaltyRow(self._free.pop())
+                fresh.append(entry.row)
+                base = entry.row * vocab
+                prompt_flat.extend(base + t for t in seq.prompt_token_ids)
+            new = seq.output_token_ids[entry.num_outputs:]
+            if new:
+                base = entry.row * vocab
+                output_flat.extend(base + t for t in new)
+                entry.num_outputs += len(new)
+            rows.append(entry.row)
+        device = self.device
+        if fresh:  # a reused row still holds its last owner's tokens
+            fresh_rows = torch.tensor(fresh, dtype=torch.int64, device=device)
+            self.prompt_seen.index_fill_(0, fresh_rows, False)
+            self.counts.index_fill_(0, fresh_rows, 0.0)
+        if prompt_flat:
+            self.prompt_seen.view(-1)[torch.tensor(prompt_flat, dtype=torch.int64,
+                                                   device=device)] = True
+        if output_flat:
+            ids = torch.tensor(output_flat, dtype=torch.int64, device=device)
+            # Whole counts in fp32: exact in any order of the accumulation.
+            self.counts.view(-1).index_put_((ids,), torch.ones(len(ids), device=device),
+                                            accumulate=True)
+        return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _groups(values: list) -> dict:
+    """Indices of ``values`` by value (first-seen order)."""
+    groups: dict = {}
+    for i, value in enumerate(values):
+        groups.setdefault(value, []).append(i)
+    return groups
+
+
+def _update_rows(out: torch.Tensor, index: list[int], fn) -> None:
+    """``out[index] = fn(out[index])`` (the whole tensor in place when ``index`` is every row)."""
+    if len(index) == out.shape[0]:
+        out.copy_(fn(out))
+        return
+    rows = torch.tensor(index, dtype=torch.int64, device=out.device)
+    out[rows] = fn(out[rows])
+
+
+# On the CPU, rows are processed in blocks of about 4 MB of fp32 (6 rows at V = 152k, every row
+# at a tiny model's vocabulary): there, all the rows in one block ran slower than row by row at
+# every B >= 8 (results/logits-processing-cpu.json), each op's temporary of B x V floats being
+# mapped and page-faulted afresh (with glibc's mmap threshold raised, one block of 128 rows ran
+# as fast as row by row). A GPU's caching allocator has no such cost, and its launches are what
+# batching saves.
+CPU_BLOCK_BYTES = 4 << 20
+
+
+def process_rows(logits: torch.Tensor, seqs: list[Sequence], pool: PenaltyPool) -> torch.Tensor:
+    """The processed copy ([R, V] fp32) of ``logits`` ([R, V], row i the raw logits of
+    ``seqs[i]``'s next token).
+
+    Every processor is an elementwise function of one row and that row's own request, applied
+    to all the rows that ask for it at once: rows that share a parameter value are one launch
+    with that value as the same Python scalar a row alone would get, so a row's bits are those
+    of processing it by itself (the scalar matters on CUDA, where ``tensor / float`` multiplies by
+    the float's reciprocal and ``tensor / tensor`` divides)."""
+    block = max(1, CPU_BLOCK_BYTES // (4 * logits.shape[1]))
+    if logits.device.type == "cpu" and len(seqs) > block:
+        return torch.cat([_process_block(logits[i:i + block], seqs[i:i + block], pool)
+                          for i in range(0, len(seqs), block)])
+    return _process_block(logits, seqs, pool)
+
+
+def _process_block(logits: torch.Tensor, seqs: list[Sequence], pool: PenaltyPool) -> torch.Tensor:
+    out = logits.to(torch.float32, copy=True)
+    num_rows, vocab = out.shape
     device = out.device
-    vocab = out.shape[0]
-    if seq.guide is not None:  # the grammar's disallowed tokens can never come back
-        allowed = seq.guide.allowed_mask(vocab).to(device)
-        out = out.masked_fill(~allowed, float("-inf"))
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=device)
-        bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
-        out[ids] += bias  # keys are unique: no two writes to one token
-    if seq.num_output_tokens < params.min_tokens and seq.min_tokens_masked_ids:
-        ids = torch.tensor(sorted(seq.min_tokens_masked_ids), dtype=torch.int64, device=device)
-        out[ids[ids < vocab]] = float("-inf")
-    frequency_or_presence = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-    if params.repetition_penalty != 1.0 or frequency_or_presence:
-        state = PenaltyState.of(seq, vocab, device)
-    if params.repetition_penalty != 1.0:
-        penalty = params.repetition_penalty
-        out = torch.where(state.seen, torch.where(out > 0, out / penalty, out * penalty), out)
-    if frequency_or_presence and seq.num_output_tokens:
-        present = state.counts > 0
-        out = torch.where(
-            present, out - (params.frequency_penalty * state.counts + params.presence_penalty),
-            out)
-    if params.min_p > 0.0 and not params.is_greedy:
+    params = [seq.params for seq in seqs]
+    guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
+    if guided:  # the grammar's disallowed tokens can never come back
+        allowed = torch.stack([seqs[i].guide.allowed_mask(vocab) for i in guided]).to(device)
+        _update_rows(out, guided, lambda x: x.masked_fill(~allowed, float("-inf")))
+    bias_ids, bias_values = [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:  # keys are unique: no two writes to one entry
+            # The engine refuses ids past the vocabulary at admission; on the flat view one
+            # would land in the next row, so none is let through here either.
+            items = [(t, b) for t, b in p.logit_bias.items() if t < vocab]
+            bias_ids.extend(i * vocab + t for t, _ in items)
+            bias_values.extend(b for _, b in items)
+    flat = out.view(-1)
+    if bias_ids:
+        ids = torch.tensor(bias_ids, dtype=torch.int64, device=device)
+        flat[ids] += torch.tensor(bias_values, dtype=torch.float32, device=device)
+    masked = [i * vocab + t for i, seq in enumerate(seqs)
+              if seq.num_output_tokens < seq.params.min_tokens
+              for t in sorted(seq.min_tokens_masked_ids) if t < vocab]
+    if masked:
+        flat[torch.tensor(masked, dtype=torch.int64, device=device)] = float("-inf")
+    penalized = [i for i, p in enumerate(params)
+                 if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                 or p.presence_penalty != 0.0]
+    if penalized:
+        pool_rows = pool.rows_of([seqs[i] for i in penalized], vocab)
+        counts = pool.counts.index_select(0, pool_rows)  # [P, V], row j is seqs[penalized[j]]
+        seen = pool.prompt_seen.index_select(0, pool_rows) | (counts > 0)
+        repetition = _groups([params[i].repetition_penalty for i in penalized])
+        for penalty, members in repetition.items():
+            if penalty == 1.0:
+                continue
+            mask = _select(seen, members)
+            _update_rows(out, [penalized[j] for j in members],
+                         lambda x, m=mask, p=penalty: torch.where(
+                             m, torch.where(x > 0, x / p, x * p), x))
+        additive = _groups([(params[i].frequency_penalty, params[i].presence_penalty)
+                            for i in penalized])
+        for (frequency, presence), members in additive.items():
+            if frequency == 0.0 and presence == 0.0:
+                continue
+            count = _select(counts, members)
+            _update_rows(out, [penalized[j] for j in members],
+                         lambda x, c=count, f=frequency, pr=presence: torch.where(
+                             c > 0, x - (f * c + pr), x))
+    floors = _groups([(p.temperature, p.min_p) if p.min_p > 0.0 and not p.is_greedy else None
+                      for p in params])
+    for key, members in floors.items():
+        if key is None:
+            continue
+        temperature, min_p = key
         # p_i < min_p * p_max  <=>  (l_i - l_max) / T < log(min_p)
-        floor = out.max() + params.temperature * math.log(params.min_p)
-        out = torch.where(out < floor, torch.full_like(out, float("-inf")), out)
+        offset = temperature * math.log(min_p)
+        _update_rows(out, members, lambda x, o=offset: torch.where(
+            x < x.amax(dim=-1, keepdim=True) + o, torch.full_like(x, float("-inf")), x))
     return out
 
 
+def _select(tensor: torch.Tensor, members: list[int]) -> torch.Tensor:
+    """Rows ``members`` of ``tensor`` (the tensor itself when that is every row)."""
+    if len(members) == tensor.shape[0]:
+        return tensor
+    return tensor.index_select(0, torch.tensor(members, dtype=torch.int64,
+                                               device=tensor.device))
+
+
 def resample_processed(sampler: Sampler, logits: torch.Tensor, samples: torch.Tensor,
-                       seqs: list[Sequence]) -> torch.Tensor:
+                       seqs: list[Sequence], pool: PenaltyPool) -> torch.Tensor:
     """``samples`` ([R, 3]: token, digest) with the token of every row whose request processes
     its logits re-drawn from the processed row (same seed, sample index and position). Returns
     ``samples`` itself when no row asks for processing, else a new tensor."""
@@ -107,8 +245,10 @@ def resample_processed(sampler: Sampler, logits: torch.Tensor, samples: torch.Te
     if not rows:
         return samples
     device = logits.device
-    processed = torch.stack([process_row(logits[i], seqs[i]) for i in rows])
     chosen = [seqs[i] for i in rows]
+    row_index = torch.tensor(rows, dtype=torch.int64, device=device)
+    raw = logits if len(rows) == logits.shape[0] else logits.index_select(0, row_index)
+    processed = process_rows(raw, chosen, pool)
     params = [s.params for s in chosen]
     tensors = SamplingTensors(
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
@@ -124,5 +264,5 @@ def resample_processed(sampler: Sampler, logits: torch.Tensor, samples: torch.Te
         all_greedy=all(p.is_greedy for p in params))
     tokens = sampler.sample(processed, tensors)
     out = samples.clone()
-    out[torch.tensor(rows, dtype=torch.int64, device=device), 0] = tokens.to(out.dtype)
+    out[row_index, 0] = tokens.to(out.dtype)
     return out

@@ -38,7 +38,7 @@ from corun import memory_plan
 from corun.config import DYNAMIC_GRAPH_PREFILL_ROWS, EngineConfig
 from corun.fingerprint import LogitsDigest
 from corun.graph_runner import GraphRunner
-from corun.logits_processing import resample_processed
+from corun.logits_processing import PenaltyPool, resample_processed
 from corun.sampler import Sampler, SamplingTensors, top_token_ids
 from corun.step import (
     StepPart,
@@ -161,6 +161,7 @@ class ModelRunner:
         self._host_kv: dict[int, torch.Tensor] = {}
         # Final hidden rows of prompts being prefilled that want prompt logprobs, per seq id.
         self._prompt_hidden: dict[int, list[torch.Tensor]] = {}
+        self.penalty_pool = PenaltyPool(self.device)
         self.graph_runner: GraphRunner | None = None
         if config.use_cuda_graphs:
             self.graph_runner = GraphRunner(self.device)
@@ -416,7 +417,7 @@ class ModelRunner:
         row: logits processing (a processed row is re-sampled), logprobs, prompt logprobs."""
         seqs = [c.seq for c in part.sampling_chunks]
         if host.any_processing:
-            samples = resample_processed(self.sampler, logits, samples, seqs)
+            samples = resample_processed(self.sampler, logits, samples, seqs, self.penalty_pool)
         logprobs = ids = None
         if host.want_logprobs:
             ids = samples[:, :1]
@@ -558,6 +559,11 @@ class ModelRunner:
         self._host_kv.pop(seq_id, None)
         self._prompt_hidden.pop(seq_id, None)
 
+    def release(self, seq_id: int) -> None:
+        """Free what the sampling side keeps of a finished sequence (its penalty row). Rank 0's
+        alone under tensor parallelism: the workers do not sample."""
+        self.penalty_pool.release(seq_id)
+
     @property
     def num_swapped_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._host_kv.values())
@@ -575,6 +581,7 @@ class ModelRunner:
         self.kv_cache.storage = torch.empty(0, dtype=self.dtype, device=self.device)
         self._host_kv.clear()
         self._prompt_hidden.clear()
+        self.penalty_pool = PenaltyPool(self.device)
         for bufs in (self.decode_buffers, self.prefill_buffers):
             bufs.release()
         if self._owns_model:

@@ -17,7 +17,6 @@ from corun.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from corun.grammar import SequenceGuide
-    from corun.logits_processing import PenaltyState
 
 
 class SequenceStatus(enum.Enum):
@@ -72,9 +71,6 @@ class Sequence:
     # The engine's decode of the output tokens (``LLMEngine._output_text``): once a step, the
     # tokens of a moving window (corun.detokenizer).
     detokenized: IncrementalText = field(default_factory=IncrementalText)
-    # The penalties' per-vocabulary view of its tokens (corun.logits_processing.PenaltyState),
-    # built on the first step that applies a penalty and brought up to date on each one after.
-    penalty_state: PenaltyState | None = None
     # The generated tokens, appended in step with token_ids: outputs hand this list out without
     # copying it every step (a finished sequence's list no longer changes).
     output_ids: list[int] = field(default_factory=list)

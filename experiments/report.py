@@ -624,6 +624,12 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("full_us", "full decode a step (us)"), ("incremental_us", "incremental a step (us)"),
         ("full_over_incremental", "full / incremental"),
     ]),
+    **{name: columns_block(name, [
+        ("workload", "workload"), ("batch", "B"), ("row_at_a_time_ops", "ops, row by row"),
+        ("batched_ops", "ops, batched"), ("one_block_ops", "ops, one block"),
+        ("row_at_a_time_ms", "ms, row by row"), ("batched_ms", "ms, batched"),
+        ("one_block_ms", "ms, one block"),
+    ]) for name in ("logits-processing-cpu", "logits-processing-h200")},
     "native-tests-h200": native_tests_block,
     **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
        for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "decode-attention")},

@@ -5,6 +5,7 @@
 #   tune_moe / tune_mla  experiments/tune_moe.py / tune_mla.py -> kernels/tuned/{moe,mla}_h200.json
 #   kernels  experiments/bench_kernels.py, merged into the committed kernels-h200.json (+ png)
 #   launch   experiments/bench_launch_cost.py -> launch-cost-h200.json (host us per op, GPU us beside)
+#   logits   experiments/bench_logits_processing.py -> logits-processing-h200.json (batched vs row by row)
 #   models   experiments/bench_models.py -> models-h200.json; MODELS_ARGS adds flags (e.g. --decode-batch 128 --name ...)
 #   offline  experiments/bench_offline.py -> offline-h200.json (+ png); OFFLINE_ARGS adds flags
 #   sweep    experiments/sweep_offline.py -> sweep-offline-h200.json (+ png)
@@ -79,6 +80,8 @@ for stage in "$@"; do
     kernels) run kernels ${KERNELS_LIMIT:-330} python3 -m experiments.bench_kernels \
                --merge experiments/results/kernels-h200.json ${KERNELS_ARGS:-} ;;
     launch)  run launch ${LAUNCH_LIMIT:-120} python3 -m experiments.bench_launch_cost ;;
+    logits)  run logits ${LOGITS_LIMIT:-90} python3 -m experiments.bench_logits_processing \
+                 --device cuda --name logits-processing-h200 ;;
     models)  run models ${MODELS_LIMIT:-150} python3 -m experiments.bench_models ${MODELS_ARGS:-} ;;
     offline) run offline ${OFFLINE_LIMIT:-300} python3 -m experiments.bench_offline ${OFFLINE_ARGS:-} ;;
     sweep)   run sweep ${SWEEP_LIMIT:-330} python3 -m experiments.sweep_offline --time-budget-s ${SWEEP_BUDGET:-300} ${SWEEP_ARGS:-} ;;

@@ -258,11 +258,12 @@ def test_batch_invariant_tuned_moe_tokens_equal_across_t(name):
     assert all(torch.equal(o, outs[1]) for o in outs.values())
 
 
-def test_incremental_penalties_keep_the_sparse_bits_on_cuda():
-    """The penalties' dense state (corun.logits_processing.PenaltyState) gives the bits of the
-    sparse whole-list form on CUDA too, at Qwen3's vocabulary (where ``tensor / float`` runs as
-    a multiply by the reciprocal in both forms)."""
-    from tests.engine.test_logits_processing import check_incremental_penalties
+def test_batched_processing_keeps_the_bits_of_one_row_alone_on_cuda():
+    """Logits processing on every row at once, against the pool's dense incremental penalty
+    state (corun.logits_processing), gives each row the bits of that row processed by itself
+    from its whole token lists, on CUDA too at Qwen3's vocabulary (where ``tensor / float``
+    multiplies by the float's reciprocal: a row group shares the one Python scalar)."""
+    from tests.engine.test_logits_processing import check_batched_processing
 
     for seed in range(4):
-        check_incremental_penalties(seed, device="cuda", vocab=151936)
+        check_batched_processing(seed, device="cuda", vocab=151936, num_rows=40, steps=6)

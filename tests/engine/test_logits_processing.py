@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from corun.llm import LLM
-from corun.logits_processing import process_row
+from corun.logits_processing import PenaltyPool, process_rows
 from corun.sampling_params import SamplingParams
 from corun.sequence import Sequence
 from tests.engine.conftest import TINY
@@ -33,61 +33,153 @@ def _seq(params: SamplingParams, prompt: list[int], output: list[int],
     return seq
 
 
-def _sparse_penalties(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """The penalties as they were computed before PenaltyState: from the whole token lists, on
-    the indices of the tokens seen (the reference the dense, incremental form must match)."""
+def _reference_row(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """One row processed by itself, its penalties from the whole token lists on the indices of
+    the tokens seen (the row-at-a-time form the batched, incremental one must match bit for
+    bit)."""
     from collections import Counter
 
-    params, out, device = seq.params, row.clone(), row.device
+    params, out, device = seq.params, row.to(torch.float32).clone(), row.device
+    vocab = out.shape[0]
+    if seq.guide is not None:
+        out = out.masked_fill(~seq.guide.allowed_mask(vocab).to(device), float("-inf"))
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=device)
+        out[ids] += torch.tensor(list(params.logit_bias.values()), device=device)
+    if seq.num_output_tokens < params.min_tokens and seq.min_tokens_masked_ids:
+        ids = torch.tensor(sorted(seq.min_tokens_masked_ids), dtype=torch.int64, device=device)
+        out[ids[ids < vocab]] = float("-inf")
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=device)
         values = out[seen]
         penalty = params.repetition_penalty
         out[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    if seq.num_output_tokens:
+    if seq.num_output_tokens and (params.frequency_penalty or params.presence_penalty):
         counts = sorted(Counter(seq.output_token_ids).items())
         ids = torch.tensor([t for t, _ in counts], dtype=torch.int64, device=device)
         count = torch.tensor([c for _, c in counts], dtype=torch.float32, device=device)
         out[ids] -= params.frequency_penalty * count + params.presence_penalty
+    if params.min_p > 0.0 and not params.is_greedy:
+        floor = out.max() + params.temperature * math.log(params.min_p)
+        out = torch.where(out < floor, torch.full_like(out, float("-inf")), out)
     return out
 
 
-def check_incremental_penalties(seed: int, device: str = "cpu", vocab: int = 97) -> None:
-    """Step after step (one token, sometimes several, appended between rows), the dense state
-    that follows the sequence gives every logit the bits the whole-list computation gives, on
-    ``device`` (tests/engine/test_gpu_engine.py runs it on CUDA at a real vocabulary)."""
+def _process_one(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    return process_rows(row[None], [seq], PenaltyPool(row.device))[0]
+
+
+# Values drawn from small sets, so that rows share them (one launch for the group) and differ.
+REPETITION = (1.0, 1.0, 1.3, 0.8, 2.5)
+FREQUENCY = (0.0, 0.0, 0.4, -0.3)
+PRESENCE = (0.0, 0.7, -1.1)
+MIN_P = (0.0, 0.0, 0.05, 0.3)
+
+
+def _random_params(gen: torch.Generator, vocab: int) -> SamplingParams:
+    def pick(values):
+        return values[int(torch.randint(len(values), (1,), generator=gen))]
+
+    bias = {}
+    if torch.rand(1, generator=gen).item() < 0.3:
+        ids = torch.randperm(vocab, generator=gen)[:3].tolist()
+        bias = {t: pick((-5.0, 2.5, 0.125)) for t in ids}
+    return SamplingParams(repetition_penalty=pick(REPETITION), frequency_penalty=pick(FREQUENCY),
+                          presence_penalty=pick(PRESENCE), min_p=pick(MIN_P),
+                          temperature=pick((0.0, 0.7, 1.0)), logit_bias=bias,
+                          min_tokens=pick((0, 0, 3)), max_tokens=64)
+
+
+def check_batched_processing(seed: int, device: str = "cpu", vocab: int = 97,
+                             num_rows: int = 9, steps: int = 12) -> None:
+    """Step after step, every row of a batch of mixed requests, processed all at once against
+    the pool's incremental state, has the bits of that row processed by itself from its whole
+    token lists; sequences finish (their pool rows are reused) and new ones join. On ``device``
+    (tests/engine/test_gpu_engine.py runs it on CUDA at a real vocabulary)."""
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(repetition_penalty=1.0 + torch.rand(1, generator=gen).item(),
-                            frequency_penalty=torch.rand(1, generator=gen).item() - 0.3,
-                            presence_penalty=0.7 * torch.rand(1, generator=gen).item())
-    prompt = torch.randint(0, vocab, (12,), generator=gen).tolist()
-    seq = _seq(params, prompt, [])
-    for _ in range(30):
-        row = torch.randn(vocab, generator=gen) * 4
-        row[torch.randint(0, vocab, (3,), generator=gen)] = 0.0  # exact zeros: the > 0 edge
-        row[torch.randint(0, vocab, (2,), generator=gen)] = -0.0
-        row = row.to(device)
-        got, want = process_row(row, seq), _sparse_penalties(row, seq)
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0 too
-        for token in torch.randint(0, vocab, (int(torch.randint(1, 4, (1,), generator=gen)),),
-                                   generator=gen).tolist():
-            seq.append_token(token)
-    process_row(torch.zeros(vocab, device=device), seq)
-    state = seq.penalty_state
-    assert state.num_outputs == seq.num_output_tokens == int(state.counts.sum())
-    assert state.seen.nonzero().view(-1).tolist() == sorted(set(seq.token_ids))
+    pool = PenaltyPool(device)
+    next_id = iter(range(10_000))
+
+    def new_seq():
+        prompt = torch.randint(0, vocab, (int(torch.randint(1, 20, (1,), generator=gen)),),
+                               generator=gen).tolist()
+        masked = frozenset(torch.randint(0, vocab + 5, (2,), generator=gen).tolist())
+        return Sequence(next(next_id), "r", 0, prompt, _random_params(gen, vocab), seed=0,
+                        min_tokens_masked_ids=masked)
+
+    seqs = [new_seq() for _ in range(num_rows)]
+    for _ in range(steps):
+        logits = torch.randn(len(seqs), vocab, generator=gen) * 4
+        logits[:, torch.randint(0, vocab, (3,), generator=gen)] = 0.0  # the > 0 edge
+        logits[:, torch.randint(0, vocab, (2,), generator=gen)] = -0.0
+        logits = logits.to(device)
+        got = process_rows(logits, seqs, pool)
+        for i, seq in enumerate(seqs):
+            want = _reference_row(logits[i], seq)
+            assert torch.equal(got[i].view(torch.int32), want.view(torch.int32)), (i, seq.params)
+        assert torch.equal(logits.view(torch.int32), logits.clone().view(torch.int32))
+        for seq in seqs:  # one token, sometimes several
+            for token in torch.randint(0, vocab, (int(torch.randint(1, 4, (1,), generator=gen)),),
+                                       generator=gen).tolist():
+                seq.append_token(token)
+        for i in torch.randperm(len(seqs), generator=gen)[:2].tolist():  # two finish
+            pool.release(seqs[i].seq_id)
+            seqs[i] = new_seq()
+    penalized = [s for s in seqs if s.params.repetition_penalty != 1.0
+                 or s.params.frequency_penalty or s.params.presence_penalty]
+    assert pool.num_live <= len(penalized) + 2 * steps
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_incremental_penalties_keep_the_bits_of_the_sparse_form(seed):
-    check_incremental_penalties(seed)
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_processing_keeps_the_bits_of_one_row_alone(seed):
+    check_batched_processing(seed)
+
+
+def test_processing_launches_as_many_ops_for_many_rows_as_for_few():
+    """Rows that share their params cost one launch per processor, not one per row: the aten ops
+    of a step (counted by a dispatch mode) do not grow with the batch."""
+    from experiments.bench_logits_processing import count_aten_ops
+
+    params = SamplingParams(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1,
+                            min_p=0.05, temperature=0.8, logit_bias={3: 1.0}, min_tokens=2)
+
+    def ops(num_rows: int) -> int:
+        pool = PenaltyPool("cpu")
+        seqs = [Sequence(i, "r", 0, [1, 2, 3], params, seed=0,
+                         min_tokens_masked_ids=frozenset({5})) for i in range(num_rows)]
+        for seq in seqs:
+            seq.append_token(7)
+        process_rows(torch.randn(num_rows, 50), seqs, pool)  # the rows' first step
+        for seq in seqs:
+            seq.append_token(8)
+        with count_aten_ops() as counter:
+            process_rows(torch.randn(num_rows, 50), seqs, pool)
+        return counter.count
+
+    assert ops(128) == ops(2) <= 40
+
+
+def test_the_pool_reuses_the_rows_of_finished_sequences():
+    pool = PenaltyPool("cpu")
+    params = SamplingParams(presence_penalty=1.0)
+    first = [Sequence(i, "r", 0, [i], params, seed=0) for i in range(8)]
+    for seq in first:
+        seq.append_token(9)
+    process_rows(torch.zeros(8, 16), first, pool)
+    capacity = pool.counts.shape[0]
+    for seq in first:
+        pool.release(seq.seq_id)
+    later = [Sequence(100 + i, "r", 0, [0], params, seed=0) for i in range(8)]
+    out = process_rows(torch.zeros(8, 16), later, pool)
+    assert pool.counts.shape[0] == capacity and pool.num_live == 8
+    assert torch.equal(out, torch.zeros(8, 16))  # nothing of the earlier owners' tokens
 
 
 def test_penalties_and_bias_match_a_hand_computation():
     row = torch.tensor([1.0, -2.0, 3.0, 0.5, -0.5, 2.0])
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5,
                             logit_bias={5: -1.5})
-    out = process_row(row, _seq(params, prompt=[0, 1], output=[2, 2, 3]))
+    out = _process_one(row, _seq(params, prompt=[0, 1], output=[2, 2, 3]))
     # bias on 5; repetition on 0, 1, 2, 3 (prompt and output); frequency/presence on 2 (x2), 3.
     want = [1.0 / 2, -2.0 * 2, 3.0 / 2 - 0.25 * 2 - 0.5, 0.5 / 2 - 0.25 - 0.5, -0.5, 2.0 - 1.5]
     assert out.tolist() == pytest.approx(want)
@@ -97,16 +189,16 @@ def test_penalties_and_bias_match_a_hand_computation():
 def test_min_tokens_masks_stop_ids_then_lets_them_through():
     row = torch.zeros(4)
     params = SamplingParams(min_tokens=2, max_tokens=4)
-    early = process_row(row, _seq(params, [0], [1], masked=frozenset({2, 3})))
+    early = _process_one(row, _seq(params, [0], [1], masked=frozenset({2, 3})))
     assert early.tolist() == [0.0, 0.0, -math.inf, -math.inf]
-    late = process_row(row, _seq(params, [0], [1, 1], masked=frozenset({2, 3})))
+    late = _process_one(row, _seq(params, [0], [1, 1], masked=frozenset({2, 3})))
     assert late.tolist() == [0.0] * 4
 
 
 def test_min_p_masks_tokens_below_its_share_of_the_top_one():
     row = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     params = SamplingParams(min_p=0.2, temperature=1.0)
-    out = process_row(row, _seq(params, [0], []))
+    out = _process_one(row, _seq(params, [0], []))
     assert torch.isinf(out).tolist() == [False, False, False, True]  # 0.05 < 0.2 * 0.5
 
 
@@ -163,3 +255,20 @@ def test_processed_requests_do_not_depend_on_co_runners(llm):
     assert mixed.token_ids == alone.token_ids
     assert mixed.outputs[0].fingerprint == alone.outputs[0].fingerprint
     assert mixed.outputs[0].top_logprobs == alone.outputs[0].top_logprobs
+
+
+def test_finished_and_aborted_sequences_give_their_penalty_rows_back(llm):
+    engine = llm.engine
+    pool = engine.runner.penalty_pool
+    llm.generate([PROMPT, PROMPT[:3]], [SamplingParams(presence_penalty=0.5, max_tokens=4),
+                                        SamplingParams(repetition_penalty=1.2, max_tokens=0)],
+                 use_tqdm=False)
+    assert pool.num_live == 0
+    request_id = engine.add_request(PROMPT, SamplingParams(frequency_penalty=0.5, n=2,
+                                                           max_tokens=50))
+    while pool.num_live == 0:
+        engine.step()
+    engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert pool.num_live == 0

@@ -17,7 +17,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from corun.default_model import EOS_TOKEN_IDS, SPECIAL_TOKENS, VOCAB_SIZE, bytes_to_unicode
 from corun.grammar import GrammarCompiler, token_bytes
 from corun.llm import LLM
-from corun.logits_processing import process_row
+from corun.logits_processing import PenaltyPool, process_rows
 from corun.sampling_params import SamplingParams
 from corun.sequence import Sequence
 from corun.structured_output import StructuredOutput, json_object_regex
@@ -191,7 +191,7 @@ def test_the_mask_comes_before_every_other_processor():
     params = SamplingParams(structured=structured, logit_bias={ord("z"): 100.0, ord("c"): 2.0})
     seq = Sequence(0, "r", 0, [1, 2], params, seed=0)
     seq.guide = compiler.guide(structured)
-    out = process_row(torch.zeros(VOCAB_SIZE), seq)
+    out = process_rows(torch.zeros(1, VOCAB_SIZE), [seq], PenaltyPool("cpu"))[0]
     finite = torch.isfinite(out).nonzero().view(-1).tolist()
     assert finite == [ord("a"), ord("c")]
     assert out[ord("c")].item() == 2.0 and out[ord("z")].item() == -math.inf
