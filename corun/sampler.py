@@ -20,7 +20,8 @@ from kernels.reference import sample_reference
 
 
 def seed_to_int64(seed: int) -> int:
-    """A 64-bit unsigned seed as the int64 with the same bits (the Philox key words survive)."""
+    """A seed in [-2**63, 2**64) as the int64 with its 64-bit two's-complement bits (the Philox
+    key words survive; a negative seed is already that int64)."""
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 

@@ -20,6 +20,9 @@ from typing import Any
 from corun.structured_output import StructuredOutput
 
 MAX_SEED = 2**64  # seeds are 64-bit unsigned keys of the Philox generator
+# vLLM takes any int64 too (its protocol's seed bound): a negative seed is the key with the same
+# two's-complement bits, so seed -1 samples as 2**64 - 1 does.
+MIN_SEED = -(2**63)
 
 
 def _is_int(value: object) -> bool:
@@ -41,7 +44,8 @@ class SamplingParams:
     - ``top_p`` in (0, 1] (1 = off); ``top_k``: 0 or -1 = off, else keep the k most likely.
     - ``max_tokens``: output tokens at most (>= 0; 0 scores the prompt and generates nothing, with
       ``prompt_logprobs``); generation also stops at max_model_len.
-    - ``seed``: int in [0, 2**64) or None (drawn at admission and reported back).
+    - ``seed``: int in [-2**63, 2**64) or None (drawn at admission and reported back); a
+      negative seed keys Philox with its 64-bit two's complement.
     - ``stop``: strings that end generation (needs a tokenizer); ``stop_token_ids``: ids that do;
       ``ignore_eos``: keep going past EOS (benchmarks). As in vLLM, the tokenizer's own EOS ends
       a sample with ``stop_reason`` None, the other EOS ids (generation_config.json's) and the
@@ -103,8 +107,10 @@ class SamplingParams:
             raise ValueError(f"top_k: expected an int >= -1 (0 or -1 = off), got {self.top_k!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
             raise ValueError(f"max_tokens: expected an int >= 0, got {self.max_tokens!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
-            raise ValueError(f"seed: expected an int in [0, 2**64) or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not MIN_SEED <= self.seed < MAX_SEED):
+            raise ValueError(f"seed: expected an int in [-2**63, 2**64) or None, "
+                             f"got {self.seed!r}")
         stop = self.stop
         if stop is not None:
             items = [stop] if isinstance(stop, str) else stop

@@ -42,7 +42,9 @@ MAX_LOGPROBS = 20
 # Beyond this, n is a denial-of-service knob more than a sampling parameter.
 MAX_N = 128
 # The engine's Philox keys are 64-bit unsigned; a drawn seed can be >= 2**63 and must replay.
+# Negative seeds down to int64's are taken as vLLM takes them (corun.sampling_params.MIN_SEED).
 MAX_SEED = 2**64 - 1
+MIN_SEED = -(2**63)
 # The sampler holds top_k in an int32 tensor; token counts are int32 on the device too.
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
@@ -216,7 +218,7 @@ class _SamplingFields(_Request):
     # 0 or -1 disable top-k, as in vLLM; k >= the vocabulary size keeps every token.
     top_k: int = Field(default=0, ge=-1, le=MAX_INT32)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     stop: StopStrings | None = None
     stop_token_ids: TokenIds | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False

@@ -42,7 +42,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "x", "top_k": -2}, "top_k"),
     (COMPLETIONS, {"prompt": "x", "n": 0}, "n"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": -1}, "max_tokens"),
-    (COMPLETIONS, {"prompt": "x", "seed": -1}, "seed"),
+    (COMPLETIONS, {"prompt": "x", "seed": -(2**63) - 1}, "seed"),
     (COMPLETIONS, {"prompt": "x", "seed": 2**64}, "seed"),
     (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs"),
     (COMPLETIONS, {"prompt": "x", "stop": [""]}, "stop"),

@@ -65,6 +65,13 @@ def test_same_seed_same_output_other_seed_differs(client: httpx.Client):
     assert other["fingerprint"] != first["fingerprint"]
     # Seeds are 64-bit unsigned (the engine may draw one >= 2**63): the largest one is accepted.
     assert _complete(client, seed=2**64 - 1, max_tokens=1)["choices"][0]["seed"] == 2**64 - 1
+    # vLLM takes any int64: a negative seed is the key of the same 64 bits, reported as given.
+    sample = dict(max_tokens=6, temperature=1.0, return_token_ids=True)
+    negative = _complete(client, seed=-1, **sample)["choices"][0]
+    top = _complete(client, seed=2**64 - 1, **sample)["choices"][0]
+    other = _complete(client, seed=-2, **sample)["choices"][0]
+    assert negative["seed"] == -1 and len(negative["token_ids"]) == 6
+    assert negative["token_ids"] == top["token_ids"] != other["token_ids"]
 
 
 def test_drawn_seed_is_reported_and_replays(client: httpx.Client):

@@ -9,7 +9,7 @@ from corun.sampling_params import SamplingParams
 @pytest.mark.parametrize(
     "field, value",
     [("n", 0), ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0),
-     ("top_p", 1.5), ("top_k", -2), ("max_tokens", -1), ("seed", -1), ("seed", 2**64),
+     ("top_p", 1.5), ("top_k", -2), ("max_tokens", -1), ("seed", -(2**63) - 1), ("seed", 2**64),
      ("seed", 1.5), ("stop", [""]), ("stop_token_ids", [-3]), ("logprobs", -1),
      ("prompt_logprobs", -1), ("presence_penalty", 2.5), ("frequency_penalty", -3),
      ("frequency_penalty", float("nan")), ("repetition_penalty", 0.0), ("logit_bias", {-1: 1.0}),
