@@ -61,6 +61,9 @@ class Request:
     seed: int
     arrival_time: float
     prompt: str | None = None
+    # Report only the finished output (vLLM's RequestOutputKind.FINAL_ONLY, as LLM.generate
+    # asks): the steps before build no output for it.
+    final_only: bool = False
     seqs: list[Sequence] = field(default_factory=list)
 
     @property
@@ -154,8 +157,10 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, prompt: str | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. Raises before queueing anything if it is invalid."""
+                    arrival_time: float | None = None, final_only: bool = False) -> str:
+        """Queue a request; returns its id. Raises before queueing anything if it is invalid.
+        With ``final_only``, ``step()`` returns its output once, when it finishes (the engine then
+        neither detokenizes nor builds an output for it on the steps before)."""
         params = SamplingParams() if params is None else params
         ids = self.validate(prompt_token_ids, params)
         if request_id is None:
@@ -174,7 +179,7 @@ class LLMEngine:
         # Drawn from the OS, never from a global generator whose state other requests move.
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         now = time.perf_counter() if arrival_time is None else arrival_time
-        request = Request(request_id, ids, params, seed, now, prompt)
+        request = Request(request_id, ids, params, seed, now, prompt, final_only=final_only)
         # vLLM masks every EOS id under min_tokens even with ignore_eos (_all_stop_token_ids).
         masked = frozenset(params.stop_token_set | self.eos_token_ids)
         for index in range(params.num_samples):
@@ -256,7 +261,8 @@ class LLMEngine:
                 touched[seq.request_id] = self.requests[seq.request_id]
             if self.profile_steps:
                 self._record_step(out, self._sync_time() - start)
-        outputs = [self._make_output(r) for r in touched.values()]
+        outputs = [self._make_output(r) for r in touched.values()
+                   if r.finished or not r.final_only]
         for request in touched.values():
             if request.finished:
                 del self.requests[request.request_id]

@@ -131,7 +131,7 @@ class LLM:
         try:
             for ids, p, text in requests:
                 # add_request may still refuse one (queue full, n beyond max_queue_len)
-                order.append(self.engine.add_request(ids, p, prompt=text))
+                order.append(self.engine.add_request(ids, p, prompt=text, final_only=True))
             return self._run(order, use_tqdm)
         except BaseException:
             # A call that fails part-way (a refused request, a step that raised, an interrupt)

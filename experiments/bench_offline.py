@@ -161,7 +161,10 @@ def run_workload(engine: LLMEngine, work: Workload, order: list[int],
     if engine.device_is_cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    ids = {engine.add_request(work.prompts[i], work.params[i], f"r{i}", arrival_time=start): i
+    # Final outputs only, as LLM.generate asks (and vLLM's offline LLM), from the fifth session
+    # of 2026-12-05 on; the runs before built every request's output (detokenized) every step.
+    ids = {engine.add_request(work.prompts[i], work.params[i], f"r{i}", arrival_time=start,
+                              final_only=True): i
            for i in order}
     finals: dict[int, RequestOutput] = {}
     bar = tqdm(total=len(order), desc=desc, unit="req", disable=desc is None, leave=False)

@@ -630,6 +630,12 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("row_at_a_time_ms", "ms, row by row"), ("batched_ms", "ms, batched"),
         ("one_block_ms", "ms, one block"),
     ]) for name in ("logits-processing-cpu", "logits-processing-h200")},
+    "engine-host-cpu": columns_block("engine-host-cpu", [
+        ("batch", "B"), ("output_tokens", "output tokens"), ("stop_strings", "stop strings"),
+        ("final_only", "final only"), ("schedule_ms", "schedule ms"), ("commit_ms", "commit ms"),
+        ("outputs_ms", "outputs ms"), ("host_ms", "host ms a step (all but the forward)"),
+        ("decode_steps", "decode steps"),
+    ]),
     "native-tests-h200": native_tests_block,
     **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
        for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "decode-attention")},

@@ -170,6 +170,33 @@ def test_deltas_add_up_and_logprobs_are_log_probabilities():
     assert all(math.isfinite(x) and x <= 0 for x in final.logprobs)
 
 
+def test_a_final_only_request_reports_once_what_a_cumulative_one_reports_last():
+    """``final_only`` (LLM.generate's, vLLM's FINAL_ONLY): one output, at the finish, equal to
+    the last output of the same request reported every step; aborted ones report too."""
+    from corun.tokenizer import tokenizer_for_model
+
+    tokenizer, _ = tokenizer_for_model("corun-default")
+    engine = LLMEngine(EngineConfig(mode="corun", **dict(TINY, model="corun-default")), tokenizer)
+    params = SamplingParams(max_tokens=9, seed=4, stop=["zz"], logprobs=1)
+    engine.add_request([5, 6, 7], params, "every", final_only=False)
+    engine.add_request([5, 6, 7], params, "final", final_only=True)
+    engine.add_request([8, 9], SamplingParams(max_tokens=30, seed=5), "aborted", final_only=True)
+    seen: dict[str, list] = {"every": [], "final": [], "aborted": []}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+        steps += 1
+        if steps == 3:
+            engine.abort_request("aborted")
+    assert len(seen["every"]) > 1 and len(seen["final"]) == 1 and len(seen["aborted"]) == 1
+    every, final = seen["every"][-1].outputs[0], seen["final"][0].outputs[0]
+    assert seen["final"][0].finished and seen["aborted"][0].outputs[0].finish_reason == "abort"
+    assert (final.token_ids, final.text, final.fingerprint, final.logprobs) == (
+        every.token_ids, every.text, every.fingerprint, every.logprobs)
+    assert final.delta_token_ids == final.token_ids and final.delta_text == final.text
+
+
 def test_chat_applies_the_template():
     llm = LLM("corun-default", mode="corun", device="cpu", dtype="float32", max_num_seqs=2,
               max_model_len=128, prefill_chunk_size=16, block_size=16)
