@@ -34,6 +34,7 @@ from corun.scheduler import Scheduler, SchedulerOutput
 from corun.sequence import Sequence, SequenceStatus
 from corun.step import StepPart
 from corun.system_fingerprint import system_fingerprint
+from corun.tokenizer import decoder_types
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,14 @@ class LLMEngine:
         self.system_fingerprint = system_fingerprint(config, self.eos_token_ids,
                                                      self.runner.dynamic_step_tokens)
         self.requests: dict[str, Request] = {}
-        self._seq_ids = itertools.count()
+        # The runner's counter, not the engine's: what the runner keeps per sequence id (swapped
+        # KV, prompt hidden rows, penalty rows) stays apart across engines that share it.
+        self._seq_ids = self.runner.seq_ids
+        # A byte-fallback decoder's full decode can take back a byte the incremental text
+        # settled (corun.detokenizer): a final-only request's text then still follows the steps,
+        # so that it is the text a streamed one ends with.
+        self._text_every_step = (tokenizer is not None
+                                 and "ByteFallback" in decoder_types(tokenizer))
         self._request_ids = itertools.count()
         self._aborted: list[Request] = []
         self.num_steps = 0
@@ -261,8 +269,13 @@ class LLMEngine:
                 touched[seq.request_id] = self.requests[seq.request_id]
             if self.profile_steps:
                 self._record_step(out, self._sync_time() - start)
-        outputs = [self._make_output(r) for r in touched.values()
-                   if r.finished or not r.final_only]
+        outputs = []
+        for request in touched.values():
+            if request.finished or not request.final_only:
+                outputs.append(self._make_output(request))
+            elif self._text_every_step:
+                for seq in self._reported_seqs(request):  # the seqs _make_output decodes
+                    self._output_text(seq)
         for request in touched.values():
             if request.finished:
                 del self.requests[request.request_id]

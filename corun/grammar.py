@@ -3,7 +3,7 @@
 A request's ``StructuredOutput`` regex with the engine's tokenizer compiles to an outlines-core
 ``Index`` (a DFA over token ids; expensive, so ``GrammarCompiler`` caches it per regex). Each
 sequence keeps its own ``SequenceGuide`` over that index: before sampling, every token the guide
-does not allow gets ``-inf`` (the first step of ``corun.logits_processing.process_row``); after
+does not allow gets ``-inf`` (the first step of ``corun.logits_processing.process_rows``); after
 the token is committed the guide advances by it (``LLMEngine._commit_part``). The guide's state is
 a function of the sequence's own tokens only, so the mask, like every other per-request processor,
 is independent of whatever runs beside the request.
@@ -16,7 +16,6 @@ once the match cannot grow, EOS is the only token left, so generation ends with 
 from __future__ import annotations
 
 import functools
-import json
 import re
 import threading
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from corun.structured_output import StructuredOutput, outlines_core
+from corun.tokenizer import decoder_types
 
 # -- the tokenizer's vocabulary as bytes ----------------------------------------------------------
 
@@ -31,16 +31,6 @@ def _byte_decoder() -> dict[str, int]:
     from corun.default_model import bytes_to_unicode
 
     return {symbol: byte for byte, symbol in bytes_to_unicode().items()}
-
-
-def _decoder_types(node: Any) -> set[str]:
-    """Every decoder type named in a tokenizer.json ``decoder`` entry (Sequences walked)."""
-    if not isinstance(node, dict):
-        return set()
-    out = {node.get("type")}
-    for child in node.get("decoders", []) or []:
-        out |= _decoder_types(child)
-    return out
 
 
 _SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -55,8 +45,7 @@ def token_bytes(tokenizer: Any, vocab_size: int, exclude: frozenset[int]) -> dic
     if hf is None or not hasattr(hf, "get_vocab"):
         raise ValueError("needs a tokenizer (a tokenizers.Tokenizer) to build the grammar's "
                          "vocabulary")
-    decoder = json.loads(hf.to_str()).get("decoder")
-    types = _decoder_types(decoder)
+    types = decoder_types(tokenizer)
     added = hf.get_added_tokens_decoder()
     special = {i for i, token in added.items() if token.special}
     byte_level = "ByteLevel" in types

@@ -12,7 +12,8 @@ neither touched nor re-sampled (their bits are the step's).
 The processors run on all the rows that ask for them at once, one launch per distinct parameter
 value, not one per row (``process_rows``): at B = 128 with a repetition penalty on every row (a
 Qwen2.5 checkpoint's generation config sets one for every request), the row-at-a-time form
-dispatched 2,305 ops a step and the batched one 17 (experiments/bench_logits_processing.py).
+dispatched 2,305 ops a step, the GPU's blocks of rows (``BLOCK_BYTES``) 55
+(experiments/bench_logits_processing.py, counted on the CPU).
 
 The raw logits stay as they were: the logits digest and the reported logprobs are of the model's
 output (vLLM's default ``raw_logprobs``).
@@ -140,16 +141,20 @@ def _update_rows(out: torch.Tensor, index: list[int], fn) -> None:
     out[rows] = fn(out[rows])
 
 
-# On the CPU, rows are processed in blocks of about 4 MB of fp32 (6 rows at V = 152k, every row
-# at a tiny model's vocabulary): there, all the rows in one block ran slower than row by row at
+# Rows are processed in blocks of about BLOCK_BYTES of fp32 rows, so that a step's temporaries
+# (about six [rows, V] fp32 tensors) stay small beside the KV cache, which is sized from what the
+# forward needs, not from this: on a GPU 32 MB (55 rows at V = 152k: three blocks at B = 128,
+# 55 ops with a repetition penalty on every row, against 2,305 row by row). On the CPU 4 MB (6 rows at V = 152k, every row
+# at a tiny model's vocabulary): there all the rows in one block ran slower than row by row at
 # every B >= 8 (results/logits-processing-cpu.json), each op's temporary of B x V floats being
 # mapped and page-faulted afresh (with glibc's mmap threshold raised, one block of 128 rows ran
-# as fast as row by row). A GPU's caching allocator has no such cost, and its launches are what
-# batching saves.
+# as fast as row by row).
+BLOCK_BYTES = 32 << 20
 CPU_BLOCK_BYTES = 4 << 20
 
 
-def process_rows(logits: torch.Tensor, seqs: list[Sequence], pool: PenaltyPool) -> torch.Tensor:
+def process_rows(logits: torch.Tensor, seqs: list[Sequence], pool: PenaltyPool,
+                 block_bytes: int | None = None) -> torch.Tensor:
     """The processed copy ([R, V] fp32) of ``logits`` ([R, V], row i the raw logits of
     ``seqs[i]``'s next token).
 
@@ -157,9 +162,12 @@ def process_rows(logits: torch.Tensor, seqs: list[Sequence], pool: PenaltyPool) 
     to all the rows that ask for it at once: rows that share a parameter value are one launch
     with that value as the same Python scalar a row alone would get, so a row's bits are those
     of processing it by itself (the scalar matters on CUDA, where ``tensor / float`` multiplies by
-    the float's reciprocal and ``tensor / tensor`` divides)."""
-    block = max(1, CPU_BLOCK_BYTES // (4 * logits.shape[1]))
-    if logits.device.type == "cpu" and len(seqs) > block:
+    the float's reciprocal and ``tensor / tensor`` divides). ``block_bytes`` defaults to the
+    device's (BLOCK_BYTES, CPU_BLOCK_BYTES on the CPU)."""
+    if block_bytes is None:
+        block_bytes = CPU_BLOCK_BYTES if logits.device.type == "cpu" else BLOCK_BYTES
+    block = max(1, block_bytes // (4 * logits.shape[1]))
+    if len(seqs) > block:
         return torch.cat([_process_block(logits[i:i + block], seqs[i:i + block], pool)
                           for i in range(0, len(seqs), block)])
     return _process_block(logits, seqs, pool)

@@ -30,6 +30,7 @@ reads through the block table, computes the same bits afterwards.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -162,6 +163,9 @@ class ModelRunner:
         # Final hidden rows of prompts being prefilled that want prompt logprobs, per seq id.
         self._prompt_hidden: dict[int, list[torch.Tensor]] = {}
         self.penalty_pool = PenaltyPool(self.device)
+        # Sequence ids for every engine on this runner (LLMEngine takes them from here): the
+        # per-sequence state above is keyed by them.
+        self.seq_ids = itertools.count()
         self.graph_runner: GraphRunner | None = None
         if config.use_cuda_graphs:
             self.graph_runner = GraphRunner(self.device)

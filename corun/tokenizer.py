@@ -31,6 +31,23 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def decoder_types(tokenizer: Any) -> set[str]:
+    """Every decoder type named in the ``decoder`` of ``tokenizer``'s tokenizer.json
+    (``tokenizer.tokenizer``, a tokenizers.Tokenizer; Sequences walked), e.g. {"ByteLevel"} or
+    {"Sequence", "Replace", "ByteFallback", "Fuse", "Strip"}; empty for anything else."""
+    hf = getattr(tokenizer, "tokenizer", None)
+    if hf is None or not hasattr(hf, "to_str"):
+        return set()
+    types: set[str] = set()
+    pending = [json.loads(hf.to_str()).get("decoder")]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            types.add(node.get("type"))
+            pending.extend(node.get("decoders", []) or [])
+    return types
+
+
 class Tokenizer:
     """encode / decode / apply_chat_template / eos_token_ids over one HF tokenizer."""
 

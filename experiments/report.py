@@ -626,8 +626,9 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     ]),
     **{name: columns_block(name, [
         ("workload", "workload"), ("batch", "B"), ("row_at_a_time_ops", "ops, row by row"),
-        ("batched_ops", "ops, batched"), ("one_block_ops", "ops, one block"),
-        ("row_at_a_time_ms", "ms, row by row"), ("batched_ms", "ms, batched"),
+        ("batched_ops", "ops, batched"), ("gpu_blocks_ops", "ops, GPU blocks"),
+        ("one_block_ops", "ops, one block"), ("row_at_a_time_ms", "ms, row by row"),
+        ("batched_ms", "ms, batched"), ("gpu_blocks_ms", "ms, GPU blocks"),
         ("one_block_ms", "ms, one block"),
     ]) for name in ("logits-processing-cpu", "logits-processing-h200")},
     "engine-host-cpu": columns_block("engine-host-cpu", [

@@ -197,6 +197,27 @@ def test_a_final_only_request_reports_once_what_a_cumulative_one_reports_last():
     assert final.delta_token_ids == final.token_ids and final.delta_text == final.text
 
 
+def test_a_final_only_request_ends_with_the_streamed_text_under_byte_fallback():
+    """Llama's byte-fallback decoder turns an invalid UTF-8 run (<0x00><0x80>) into U+FFFD
+    whole, where the text that followed the steps keeps the settled NUL (corun.detokenizer): a
+    final-only request still follows the steps, so LLM.generate and a stream end alike."""
+    from corun.tokenizer import Tokenizer
+    from tests.engine.test_detokenizer import sentencepiece_like
+
+    tokenizer = Tokenizer(sentencepiece_like(True))
+    engine = LLMEngine(EngineConfig(mode="corun", **dict(TINY, model="corun-default")), tokenizer)
+    # The bias forces token 1 (<0x00>) then 129 (<0x80>): the penalty halves 1's after it.
+    params = SamplingParams(temperature=0, max_tokens=2, logit_bias={1: 100.0, 129: 80.0},
+                            repetition_penalty=2.0)
+    engine.add_request([5, 6, 7], params, "every", final_only=False)
+    engine.add_request([5, 6, 7], params, "final", final_only=True)
+    finals = _drain(engine)
+    every, final = finals["every"].outputs[0], finals["final"].outputs[0]
+    assert every.token_ids == final.token_ids == [1, 129]
+    assert tokenizer.decode([1, 129]) == "\ufffd\ufffd"  # the whole decode differs
+    assert final.text == every.text == "\x00\ufffd"
+
+
 def test_chat_applies_the_template():
     llm = LLM("corun-default", mode="corun", device="cpu", dtype="float32", max_num_seqs=2,
               max_model_len=128, prefill_chunk_size=16, block_size=16)

@@ -135,6 +135,14 @@ def test_batched_processing_keeps_the_bits_of_one_row_alone(seed):
     check_batched_processing(seed)
 
 
+@pytest.mark.parametrize("rows_per_block", [1, 4])
+def test_blocks_of_rows_keep_the_bits_of_one_row_alone(rows_per_block, monkeypatch):
+    import corun.logits_processing as logits_processing
+
+    monkeypatch.setattr(logits_processing, "CPU_BLOCK_BYTES", rows_per_block * 4 * 97)
+    check_batched_processing(7, num_rows=11)
+
+
 def test_processing_launches_as_many_ops_for_many_rows_as_for_few():
     """Rows that share their params cost one launch per processor, not one per row: the aten ops
     of a step (counted by a dispatch mode) do not grow with the batch."""
@@ -272,3 +280,30 @@ def test_finished_and_aborted_sequences_give_their_penalty_rows_back(llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert pool.num_live == 0
+
+
+def test_engines_that_share_a_runner_keep_their_penalty_rows_apart():
+    """Sequence ids come from the runner, so an engine dropped with a penalized request in
+    flight leaves no row that the next engine's first sequence would take for its own."""
+    from corun.config import EngineConfig
+    from corun.engine import LLMEngine
+    from corun.model_runner import ModelRunner
+
+    config = EngineConfig(mode="corun", **TINY)
+    runner = ModelRunner(config)
+    params = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=100.0)
+
+    def run(engine: LLMEngine, prompt: list[int]) -> list[int]:
+        engine.add_request(prompt, params, "x")
+        finals = []
+        while engine.has_unfinished_requests():
+            finals.extend(o for o in engine.step() if o.finished)
+        return finals[0].outputs[0].token_ids
+
+    alone = run(LLMEngine(config, model_runner=runner), [9, 10, 11])
+    dropped = LLMEngine(config, model_runner=runner)
+    dropped.add_request(alone[:6], params, "left")
+    for _ in range(4):
+        dropped.step()
+    assert runner.penalty_pool.num_live == 1
+    assert run(LLMEngine(config, model_runner=runner), [9, 10, 11]) == alone
