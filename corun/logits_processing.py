@@ -51,10 +51,12 @@ class PenaltyPool:
     ``counts`` counts its output tokens (so the repetition penalty's "seen" is ``prompt_seen |
     counts > 0``). A step adds only the tokens appended since the last one, for every sequence in
     one scatter. A sequence's row is freed when it finishes (``release``, from the engine) and
-    reused; the pool doubles when it runs out of rows."""
+    reused. The first use allocates ``initial_rows`` rows (the runner's max_num_seqs, which its
+    memory profile counts); the pool doubles when it runs out (preempted sequences keep theirs)."""
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, initial_rows: int = 8) -> None:
         self.device = torch.device(device)
+        self.initial_rows = initial_rows
         self.vocab = 0
         self.prompt_seen = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
         self.counts = torch.zeros(0, 0, dtype=torch.float32, device=self.device)
@@ -81,7 +83,7 @@ class PenaltyPool:
         old = self.counts.shape[0]
         if len(self._free) >= needed:
             return
-        capacity = max(2 * old, old + needed - len(self._free), 8)
+        capacity = max(2 * old, old + needed - len(self._free), self.initial_rows)
         self.prompt_seen = torch.cat([self.prompt_seen,
                                       self.prompt_seen.new_zeros(capacity - old, vocab)])
         self.counts = torch.cat([self.counts, self.counts.new_zeros(capacity - old, vocab)])
@@ -141,14 +143,14 @@ def _update_rows(out: torch.Tensor, index: list[int], fn) -> None:
     out[rows] = fn(out[rows])
 
 
-# Rows are processed in blocks of about BLOCK_BYTES of fp32 rows, so that a step's temporaries
-# (about six [rows, V] fp32 tensors) stay small beside the KV cache, which is sized from what the
-# forward needs, not from this: on a GPU 32 MB (55 rows at V = 152k: three blocks at B = 128,
-# 55 ops with a repetition penalty on every row, against 2,305 row by row). On the CPU 4 MB (6 rows at V = 152k, every row
-# at a tiny model's vocabulary): there all the rows in one block ran slower than row by row at
-# every B >= 8 (results/logits-processing-cpu.json), each op's temporary of B x V floats being
-# mapped and page-faulted afresh (with glibc's mmap threshold raised, one block of 128 rows ran
-# as fast as row by row).
+# Rows are processed in blocks of about BLOCK_BYTES of fp32 rows: on a GPU 32 MB, 55 rows at
+# V = 152k, so a step's temporaries (a few [rows, V] fp32 tensors; the runner's memory profile
+# counts them, profile_peak_bytes) stay small beside the KV cache while B = 128 rows with a
+# repetition penalty take 55 ops, against 2,305 row by row. On the CPU 4 MB (6 rows at V = 152k,
+# every row at a tiny model's vocabulary): there all the rows in one block ran slower than row
+# by row at every B >= 8 (results/logits-processing-cpu.json), each op's temporary of B x V
+# floats being mapped and page-faulted afresh (with glibc's mmap threshold raised, one block of
+# 128 rows ran as fast as row by row).
 BLOCK_BYTES = 32 << 20
 CPU_BLOCK_BYTES = 4 << 20
 
@@ -242,6 +244,37 @@ def _select(tensor: torch.Tensor, members: list[int]) -> torch.Tensor:
         return tensor
     return tensor.index_select(0, torch.tensor(members, dtype=torch.int64,
                                                device=tensor.device))
+
+
+def run_largest_step(sampler: Sampler, vocab: int, max_rows: int,
+                     device: torch.device) -> PenaltyPool:
+    """Process and re-sample ``max_rows`` rows that each ask for every processor with one shared
+    value (the largest blocks), over a fresh pool of as many rows; returns the pool."""
+    from corun.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.1, frequency_penalty=0.1,
+                            presence_penalty=0.1, min_p=0.01, logit_bias={0: 1.0}, max_tokens=1)
+    seqs = [Sequence(-1 - i, "profile", 0, [0], params, seed=0) for i in range(max_rows)]
+    for seq in seqs:
+        seq.append_token(1)
+    logits = torch.zeros(max_rows, vocab, device=device)
+    samples = torch.zeros(max_rows, 3, dtype=torch.int64, device=device)
+    pool = PenaltyPool(device, max_rows)
+    resample_processed(sampler, logits, samples, seqs, pool)
+    return pool
+
+
+def profile_peak_bytes(sampler: Sampler, vocab: int, max_rows: int,
+                       device: torch.device) -> int:
+    """CUDA bytes the largest step of logits processing allocates (``run_largest_step``): the
+    runner keeps them out of the KV cache's budget, as vLLM profiles its sampler with
+    penalties."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    run_largest_step(sampler, vocab, max_rows, device)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
 
 
 def resample_processed(sampler: Sampler, logits: torch.Tensor, samples: torch.Tensor,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corun import memory_plan
+from corun import logits_processing, memory_plan
 from corun.config import DYNAMIC_GRAPH_PREFILL_ROWS, EngineConfig
 from corun.fingerprint import LogitsDigest
 from corun.graph_runner import GraphRunner
@@ -162,7 +162,7 @@ class ModelRunner:
         self._host_kv: dict[int, torch.Tensor] = {}
         # Final hidden rows of prompts being prefilled that want prompt logprobs, per seq id.
         self._prompt_hidden: dict[int, list[torch.Tensor]] = {}
-        self.penalty_pool = PenaltyPool(self.device)
+        self.penalty_pool = PenaltyPool(self.device, config.max_num_seqs)
         # Sequence ids for every engine on this runner (LLMEngine takes them from here): the
         # per-sequence state above is keyed by them.
         self.seq_ids = itertools.count()
@@ -324,7 +324,9 @@ class ModelRunner:
     def _profile_peak_bytes(self, spec) -> int:
         """Activation peak of the largest prefill step and of the largest decode step (their sum
         under ``overlap_prefill_decode``, where both are in flight), plus the largest captured
-        dynamic bucket's, each run once on padding over a one-block scratch cache."""
+        dynamic bucket's, each run once on padding over a one-block scratch cache, plus what
+        logits processing may hold (its penalty pool at max_num_seqs rows and a step's
+        temporaries: ``logits_processing.profile_peak_bytes``)."""
         scratch = KVCache(spec, 1, self.config.block_size, self.dtype, self.device)
         peaks = {}
         for key, bound, batch in self._profile_steps(scratch):
@@ -338,7 +340,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         steps = [peaks[k] for k in ("decode", "prefill") if k in peaks]
         total = sum(steps) if self.config.overlap_prefill_decode else max(steps)
-        return total + peaks.get("graph", 0) + self._graph_output_bytes()
+        processing = logits_processing.profile_peak_bytes(
+            self.sampler, self.vocab_size, self.config.max_num_seqs, self.device)
+        torch.cuda.empty_cache()
+        return total + peaks.get("graph", 0) + self._graph_output_bytes() + processing
 
     def _graph_output_bytes(self) -> int:
         """What the captured graphs' outputs hold for as long as the graphs live: each graph
@@ -585,7 +590,7 @@ class ModelRunner:
         self.kv_cache.storage = torch.empty(0, dtype=self.dtype, device=self.device)
         self._host_kv.clear()
         self._prompt_hidden.clear()
-        self.penalty_pool = PenaltyPool(self.device)
+        self.penalty_pool = PenaltyPool(self.device, self.config.max_num_seqs)
         for bufs in (self.decode_buffers, self.prefill_buffers):
             bufs.release()
         if self._owns_model:

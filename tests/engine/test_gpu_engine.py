@@ -268,3 +268,15 @@ def test_batched_processing_keeps_the_bits_of_one_row_alone_on_cuda():
     for seed in range(4):
         # 70 rows: two blocks of corun.logits_processing.BLOCK_BYTES (55 rows at this vocabulary)
         check_batched_processing(seed, device="cuda", vocab=151936, num_rows=70, steps=6)
+
+
+def test_the_memory_profile_counts_logits_processing():
+    """What the runner's memory profile adds for logits processing
+    (corun.logits_processing.profile_peak_bytes) holds at least a penalty pool of max_num_seqs
+    rows at the vocabulary (every engine built in this file runs the profile too)."""
+    from corun.logits_processing import profile_peak_bytes
+    from corun.sampler import Sampler
+
+    rows, vocab = 64, 151936
+    sampler = Sampler("triton", torch.device("cuda"))
+    assert profile_peak_bytes(sampler, vocab, rows, torch.device("cuda")) >= rows * vocab * 5

@@ -307,3 +307,14 @@ def test_engines_that_share_a_runner_keep_their_penalty_rows_apart():
         dropped.step()
     assert runner.penalty_pool.num_live == 1
     assert run(LLMEngine(config, model_runner=runner), [9, 10, 11]) == alone
+
+
+def test_the_profiled_step_processes_every_row_over_a_pool_of_as_many():
+    """The workload the runner's memory profile measures on a GPU (profile_peak_bytes) runs on
+    any device: every row penalized, one pool row each, the pool no larger."""
+    from corun.logits_processing import run_largest_step
+    from corun.sampler import Sampler
+
+    pool = run_largest_step(Sampler("torch", torch.device("cpu")), 50, 12, torch.device("cpu"))
+    assert pool.num_live == 12 and pool.counts.shape == (12, 50)
+    assert pool.counts[:, 1].tolist() == [1.0] * 12 and pool.prompt_seen[:, 0].all()
