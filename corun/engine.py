@@ -333,6 +333,7 @@ class LLMEngine:
                 continue
             token, d1, d2 = samples[i]
             seq.append_token(token)
+            seq.token_times.append(now)
             if seq.guide is not None:
                 seq.guide.advance(token)
             seq.fingerprint.update(token, (d1, d2))
@@ -451,7 +452,7 @@ class LLMEngine:
                 fingerprint=seq.fingerprint.hexdigest() if finished else None,
                 logprobs=seq.logprobs if seq.params.logprobs is not None else None,
                 top_logprobs=seq.top_logprobs if seq.params.logprobs is not None else None,
-                num_preemptions=seq.num_preemptions,
+                num_preemptions=seq.num_preemptions, token_times=seq.token_times,
             ))
         firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
         finishes = [s.finish_time for s in request.seqs]

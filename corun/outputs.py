@@ -41,6 +41,8 @@ class CompletionOutput:
     # Per step, {token id: logprob} of the params.logprobs most likely tokens, most likely first.
     top_logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
+    # time.perf_counter() at each token's commit (the live list, as token_ids).
+    token_times: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -74,6 +74,9 @@ class Sequence:
     # The generated tokens, appended in step with token_ids: outputs hand this list out without
     # copying it every step (a finished sequence's list no longer changes).
     output_ids: list[int] = field(default_factory=list)
+    # time.perf_counter() when each output token was committed (the server's inter-token
+    # latencies of a request it sees only finished: corun.api.responses).
+    token_times: list[float] = field(default_factory=list)
     # Prefix cache: chained hashes of the full prompt blocks (computed on first lookup), and how
     # many leading blocks of block_table are cached ones (taken on a hit or registered after
     # their prefill; ``corun.kv_cache``).

@@ -72,6 +72,7 @@ class _Pending:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    final_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,9 +164,11 @@ class EngineLoop:
         self,
         requests: list[tuple[str, list[int], SamplingParams]],
         queue: asyncio.Queue,
+        final_only: bool = False,
     ) -> None:
         """Queue ``(request_id, prompt_token_ids, params)`` requests, all or none; items
-        ``(request_id, RequestOutput | EngineError)`` arrive on ``queue``.
+        ``(request_id, RequestOutput | EngineError)`` arrive on ``queue``: every step's, or with
+        ``final_only`` (a response that is not streamed) only the finished one.
 
         Call from the event loop that reads ``queue``. Raises QueueFullError when the requests'
         sequences would take the waiting ones past ``max_queue_len`` (nothing is queued then),
@@ -185,7 +188,8 @@ class EngineLoop:
                 )
             for request_id, prompt_token_ids, params in requests:
                 self._sinks[request_id] = sink
-                self._pending_adds.append(_Pending(request_id, prompt_token_ids, params, now))
+                self._pending_adds.append(_Pending(request_id, prompt_token_ids, params, now,
+                                                   final_only))
             self._pending_seqs += num_seqs
             self._cond.notify_all()
 
@@ -269,6 +273,7 @@ class EngineLoop:
                 entry.params,
                 request_id=entry.request_id,
                 arrival_time=entry.arrival_time,
+                final_only=entry.final_only,
             )
             return
         except ValueError as exc:  # validated before, but the engine has the last word

@@ -8,6 +8,7 @@ A builder owns the ``ChoiceState`` of every choice of one HTTP request: choice i
 
 from __future__ import annotations
 
+import itertools
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,9 @@ class _Builder:
                     include_stop_str=sub.params.include_stop_str_in_output,
                 )
         self._first_chunk_sent: set[int] = set()
+        # Set for a response that is not streamed: the engine then hands over finished outputs
+        # only (corun.api.server), and the timings come from its commit times.
+        self.final_only = False
 
     def update(self, sub: Submission, output: Any) -> list[ChoiceState]:
         """Fold one RequestOutput in; returns the choices it changed."""
@@ -74,13 +78,21 @@ class _Builder:
             before = choice.num_output_tokens
             prompt_lps = getattr(output, "prompt_logprobs", None)
             prompt_ranks = getattr(output, "prompt_token_ranks", None)
-            for gap in choice.update(completion, output.seed, prompt_lps, prompt_ranks):
+            gaps = choice.update(completion, output.seed, prompt_lps, prompt_ranks)
+            times = getattr(completion, "token_times", None) or []
+            if self.final_only:  # seen once, finished: the gaps between the engine's commits
+                gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+            for gap in gaps:
                 metrics.observe_itl(gap)
             if choice.num_output_tokens != before or choice.finished != was_finished:
                 changed.append(choice)
             if choice.finished and not was_finished:
                 ttft = None
-                if choice.first_token_time is not None:
+                if self.final_only:
+                    arrival = getattr(getattr(output, "metrics", None), "arrival_time", None)
+                    if times and arrival is not None:  # both the engine's perf_counter
+                        ttft = times[0] - arrival
+                elif choice.first_token_time is not None:
                     ttft = choice.first_token_time - self.start
                 metrics.observe_finished(
                     choice.finish_reason,

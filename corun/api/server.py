@@ -381,8 +381,12 @@ async def _respond(
         raise APIError(400, f"{field}: this request's {num_seqs} sequences (prompts x n, or "
                        f"best_of) exceed the server's queue of {limit} (--max-queue-len)", field)
     queue: asyncio.Queue = asyncio.Queue()
+    # A whole response needs only the finished outputs (vLLM's FINAL_ONLY): the engine builds
+    # and hands over nothing for it on the steps before.
+    build.final_only = not stream
     try:
-        state.engine_loop.submit([(s.request_id, s.prompt_ids, s.params) for s in subs], queue)
+        state.engine_loop.submit([(s.request_id, s.prompt_ids, s.params) for s in subs], queue,
+                                 final_only=not stream)
     except QueueFullError as exc:
         raise APIError(503, str(exc), None, code="queue_full") from None
     except EngineDeadError as exc:
