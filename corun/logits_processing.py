@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corun.sampler import Sampler, SamplingTensors, seed_to_int64
+from corun.sampler import Sampler, SamplingTensors, seed_to_int64, top_token_ids
 from corun.sequence import Sequence
 
 
@@ -246,33 +246,43 @@ def _select(tensor: torch.Tensor, members: list[int]) -> torch.Tensor:
                                                device=tensor.device))
 
 
-def run_largest_step(sampler: Sampler, vocab: int, max_rows: int,
-                     device: torch.device) -> PenaltyPool:
-    """Process and re-sample ``max_rows`` rows that each ask for every processor with one shared
-    value (the largest blocks), over a fresh pool of as many rows; returns the pool."""
+def run_largest_step(sampler: Sampler, vocab: int, max_rows: int, device: torch.device,
+                     max_logprobs: int = 0) -> PenaltyPool:
+    """The largest per-request work after a step's forward, on ``max_rows`` rows: each asks for
+    every processor, over a fresh pool of as many rows, and is re-sampled; then the top
+    ``max_logprobs`` ids and their logprobs. The last row of every block has values of its own,
+    so each block also copies its other rows out (what a mixed block allocates). Returns the
+    pool."""
     from corun.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=1.0, repetition_penalty=1.1, frequency_penalty=0.1,
+    shared = SamplingParams(temperature=1.0, repetition_penalty=1.1, frequency_penalty=0.1,
                             presence_penalty=0.1, min_p=0.01, logit_bias={0: 1.0}, max_tokens=1)
-    seqs = [Sequence(-1 - i, "profile", 0, [0], params, seed=0) for i in range(max_rows)]
+    odd = SamplingParams(temperature=0.5, repetition_penalty=1.2, frequency_penalty=0.2,
+                         presence_penalty=0.2, min_p=0.02, logit_bias={0: 1.0}, max_tokens=1)
+    block = max(1, BLOCK_BYTES // (4 * vocab))
+    seqs = [Sequence(-1 - i, "profile", 0, [0], odd if i % block == block - 1 else shared, seed=0)
+            for i in range(max_rows)]
     for seq in seqs:
         seq.append_token(1)
     logits = torch.zeros(max_rows, vocab, device=device)
     samples = torch.zeros(max_rows, 3, dtype=torch.int64, device=device)
     pool = PenaltyPool(device, max_rows)
     resample_processed(sampler, logits, samples, seqs, pool)
+    if max_logprobs:
+        ids = torch.cat([samples[:, :1], top_token_ids(logits, max_logprobs)], dim=1)
+        sampler.logprobs(logits, ids)
     return pool
 
 
-def profile_peak_bytes(sampler: Sampler, vocab: int, max_rows: int,
-                       device: torch.device) -> int:
-    """CUDA bytes the largest step of logits processing allocates (``run_largest_step``): the
-    runner keeps them out of the KV cache's budget, as vLLM profiles its sampler with
-    penalties."""
+def profile_peak_bytes(sampler: Sampler, vocab: int, max_rows: int, device: torch.device,
+                       max_logprobs: int = 0) -> int:
+    """CUDA bytes the largest per-request work after a step's forward allocates
+    (``run_largest_step``): the runner keeps them out of the KV cache's budget, as vLLM profiles
+    its sampler with penalties and logprobs."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    run_largest_step(sampler, vocab, max_rows, device)
+    run_largest_step(sampler, vocab, max_rows, device, max_logprobs)
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base
 

@@ -324,9 +324,9 @@ class ModelRunner:
     def _profile_peak_bytes(self, spec) -> int:
         """Activation peak of the largest prefill step and of the largest decode step (their sum
         under ``overlap_prefill_decode``, where both are in flight), plus the largest captured
-        dynamic bucket's, each run once on padding over a one-block scratch cache, plus what
-        logits processing may hold (its penalty pool at max_num_seqs rows and a step's
-        temporaries: ``logits_processing.profile_peak_bytes``)."""
+        dynamic bucket's, each run once on padding over a one-block scratch cache, plus the
+        per-request work after the forward (logits processing with its penalty pool at
+        max_num_seqs rows, top-N logprobs: ``logits_processing.profile_peak_bytes``)."""
         scratch = KVCache(spec, 1, self.config.block_size, self.dtype, self.device)
         peaks = {}
         for key, bound, batch in self._profile_steps(scratch):
@@ -341,7 +341,8 @@ class ModelRunner:
         steps = [peaks[k] for k in ("decode", "prefill") if k in peaks]
         total = sum(steps) if self.config.overlap_prefill_decode else max(steps)
         processing = logits_processing.profile_peak_bytes(
-            self.sampler, self.vocab_size, self.config.max_num_seqs, self.device)
+            self.sampler, self.vocab_size, self.config.max_num_seqs, self.device,
+            self.config.max_logprobs)
         torch.cuda.empty_cache()
         return total + peaks.get("graph", 0) + self._graph_output_bytes() + processing
 

@@ -72,6 +72,11 @@ class Sampler:
         return logp.gather(1, token_ids.view(-1, 1).long()).view(-1)
 
 
+# top_token_ids builds its int64 keys a block of rows at a time: all 128 rows at V = 152k at once
+# held up to three [128, V] int64 temporaries (156 MB each) beside the KV cache.
+TOP_IDS_BLOCK_BYTES = 32 << 20
+
+
 def top_token_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The ids of each row's ``k`` largest logits, most likely first, lowest id first on ties:
     [N, k] int64.
@@ -79,11 +84,16 @@ def top_token_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     Exact and per row: each logit becomes a unique int64 key (its fp32 bits in an order-preserving
     signed form, shifted up, and the reversed vocab index below), so the top-k set and its order are
     defined by the row's bits alone whatever algorithm ``topk`` runs and whatever rows sit beside
-    it (on float values ``topk`` may order ties differently between runs or batch sizes).
+    it (on float values ``topk`` may order ties differently between runs or batch sizes), and the
+    rows may go through in blocks (``TOP_IDS_BLOCK_BYTES`` of keys each).
     """
     if k <= 0:
         return torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
     vocab = logits.shape[1]
+    block = max(1, TOP_IDS_BLOCK_BYTES // (8 * vocab))
+    if logits.shape[0] > block:
+        return torch.cat([top_token_ids(logits[i:i + block], k)
+                          for i in range(0, logits.shape[0], block)])
     # + 0.0 turns -0.0 into +0.0: equal logits must get equal value keys.
     bits = (logits.to(torch.float32) + 0.0).contiguous().view(torch.int32)
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)

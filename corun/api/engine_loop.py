@@ -35,6 +35,7 @@ request's shapes depend only on itself (DESIGN.md), so the loop needs no orderin
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -108,6 +109,10 @@ class EngineLoop:
         self._pending_seqs = 0  # sequences in _pending_adds
         self._pending_aborts: deque[str] = deque()
         self._sinks: dict[str, _Sink] = {}
+        # Requests in the engine that report only their finished output (engine thread only):
+        # their inter-token gaps are recorded here when it comes, aborted or not (a client that
+        # left no longer reads it).
+        self._final_only: set[str] = set()
         self._num_waiting = 0  # the engine's waiting sequences after the last step
         self._stopped = False
         self._paused = False
@@ -275,6 +280,8 @@ class EngineLoop:
                 arrival_time=entry.arrival_time,
                 final_only=entry.final_only,
             )
+            if entry.final_only:
+                self._final_only.add(entry.request_id)
             return
         except ValueError as exc:  # validated before, but the engine has the last word
             failure, status = exc, 400
@@ -290,11 +297,24 @@ class EngineLoop:
         request_id = output.request_id
         try:
             finished = output.finished
+            if finished and request_id in self._final_only:
+                self._final_only.discard(request_id)
+                self._observe_gaps(output)
             self._deliver(request_id, output)
             if finished:
                 self.release(request_id)
         except Exception as exc:  # noqa: BLE001 - one request's output, not the engine's
             self._fail_request(request_id, exc)
+
+    def _observe_gaps(self, output: Any) -> None:
+        """The inter-token gaps of a final-only request's samples: between the engine's commit
+        times of their tokens (a stream's are recorded as the server receives its steps)."""
+        if self._metrics is None:
+            return
+        for completion in output.outputs:
+            times = getattr(completion, "token_times", None) or []
+            for earlier, later in itertools.pairwise(times):
+                self._metrics.observe_itl(later - earlier)
 
     def _run(self) -> None:
         try:

@@ -8,7 +8,6 @@ A builder owns the ``ChoiceState`` of every choice of one HTTP request: choice i
 
 from __future__ import annotations
 
-import itertools
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -78,16 +77,15 @@ class _Builder:
             before = choice.num_output_tokens
             prompt_lps = getattr(output, "prompt_logprobs", None)
             prompt_ranks = getattr(output, "prompt_token_ranks", None)
-            gaps = choice.update(completion, output.seed, prompt_lps, prompt_ranks)
-            times = getattr(completion, "token_times", None) or []
-            if self.final_only:  # seen once, finished: the gaps between the engine's commits
-                gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
-            for gap in gaps:
+            # A final-only output's gaps are the engine loop's to record (EngineLoop._route):
+            # it sees the output even when the client has left.
+            for gap in choice.update(completion, output.seed, prompt_lps, prompt_ranks):
                 metrics.observe_itl(gap)
             if choice.num_output_tokens != before or choice.finished != was_finished:
                 changed.append(choice)
             if choice.finished and not was_finished:
                 ttft = None
+                times = getattr(completion, "token_times", None)
                 if self.final_only:
                     arrival = getattr(getattr(output, "metrics", None), "arrival_time", None)
                     if times and arrival is not None:  # both the engine's perf_counter

@@ -315,6 +315,7 @@ def test_the_profiled_step_processes_every_row_over_a_pool_of_as_many():
     from corun.logits_processing import run_largest_step
     from corun.sampler import Sampler
 
-    pool = run_largest_step(Sampler("torch", torch.device("cpu")), 50, 12, torch.device("cpu"))
+    pool = run_largest_step(Sampler("torch", torch.device("cpu")), 50, 12, torch.device("cpu"),
+                            max_logprobs=5)
     assert pool.num_live == 12 and pool.counts.shape == (12, 50)
     assert pool.counts[:, 1].tolist() == [1.0] * 12 and pool.prompt_seen[:, 0].all()

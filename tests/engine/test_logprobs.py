@@ -38,6 +38,16 @@ def test_top_token_ids_breaks_ties_by_lowest_id_and_orders_by_value():
     assert alone.tolist() == [[4, 0]]
 
 
+def test_top_token_ids_in_blocks_of_rows_equal_the_whole(monkeypatch):
+    import corun.sampler as sampler
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 40, generator=gen).round(decimals=1)  # ties
+    whole = top_token_ids(logits, 7)
+    monkeypatch.setattr(sampler, "TOP_IDS_BLOCK_BYTES", 2 * 8 * 40)  # blocks of 2 rows
+    assert torch.equal(sampler.top_token_ids(logits, 7), whole)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_sampler_logprobs_of_many_ids_share_the_row_log_softmax(backend):
     """[N, K] ids: every column has the bits of the [N] call on that column (one log-softmax
