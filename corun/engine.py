@@ -96,10 +96,13 @@ class LLMEngine:
                 model_runner = ModelRunner(config)
         self.runner = model_runner
         self.scheduler = Scheduler(config, self.runner.num_kv_blocks)
-        # EOS: the model config's ids and the tokenizer's (Qwen3 ends chat turns on <|im_end|>
-        # and documents on <|endoftext|>; either stops generation).
-        eos = [*(self.runner.model_config.eos_token_id or ()),
-               *(getattr(tokenizer, "eos_token_ids", None) or ())]
+        # EOS: the tokenizer's ids (its own and generation_config.json's: Qwen3 ends chat turns
+        # on <|im_end|> and documents on <|endoftext|>; either stops generation), and the model
+        # config's where no generation_config.json says otherwise (vLLM then builds its
+        # generation config from config.json).
+        model_eos = () if getattr(tokenizer, "has_generation_config", False) \
+            else (self.runner.model_config.eos_token_id or ())
+        eos = [*model_eos, *(getattr(tokenizer, "eos_token_ids", None) or ())]
         self.eos_token_ids = frozenset(int(t) for t in eos)
         # vLLM: the tokenizer's own EOS stops with stop_reason None; every other EOS id is a stop
         # id (update_from_generation_config adds them to stop_token_ids), its stop_reason the id.

@@ -52,8 +52,12 @@ class Tokenizer:
     """encode / decode / apply_chat_template / eos_token_ids over one HF tokenizer."""
 
     def __init__(self, tokenizer: HFTokenizer, config: dict | None = None,
-                 chat_template: str | None = None, extra_eos_ids: Sequence[int] = ()) -> None:
+                 chat_template: str | None = None, extra_eos_ids: Sequence[int] = (),
+                 has_generation_config: bool = False) -> None:
         self.tokenizer = tokenizer
+        # Whether the checkpoint has a generation_config.json: then its EOS ids stand and the
+        # model config's are not added (vLLM reads config.json's only when there is none).
+        self.has_generation_config = has_generation_config
         self.config = config or {}
         self.chat_template = chat_template or self.config.get("chat_template")
         self.bos_token = _token_text(self.config.get("bos_token"))
@@ -75,10 +79,12 @@ class Tokenizer:
         config = _read_json(path / "tokenizer_config.json")
         template_file = path / "chat_template.jinja"
         template = template_file.read_text() if template_file.is_file() else None
-        generation = _read_json(path / "generation_config.json")
+        generation_file = path / "generation_config.json"
+        generation = _read_json(generation_file)
         eos = generation.get("eos_token_id", [])
         eos = [eos] if isinstance(eos, int) else list(eos or [])
-        return cls(HFTokenizer.from_file(str(tokenizer_file)), config, template, eos)
+        return cls(HFTokenizer.from_file(str(tokenizer_file)), config, template, eos,
+                   has_generation_config=generation_file.is_file())
 
     @property
     def vocab_size(self) -> int:

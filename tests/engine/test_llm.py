@@ -20,9 +20,11 @@ class IdTokenizer:
 
     eos_token_ids: tuple[int, ...] = ()
 
-    def __init__(self, eos: tuple[int, ...] = (), eos_token_id: int | None = None) -> None:
+    def __init__(self, eos: tuple[int, ...] = (), eos_token_id: int | None = None,
+                 has_generation_config: bool = False) -> None:
         self.eos_token_ids = eos
         self.eos_token_id = eos_token_id
+        self.has_generation_config = has_generation_config
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(f"<{t}>" for t in ids)
@@ -117,6 +119,20 @@ def test_an_eos_id_other_than_the_tokenizers_own_stops_with_its_id():
         assert out["eos"].stop_reason == stop_reason
         assert out["ignore"].token_ids == free and out["ignore"].stop_reason is None
         assert eos not in out["min"].token_ids[:3] and len(out["min"].token_ids) == 8
+
+
+def test_the_model_configs_eos_stops_only_without_a_generation_config():
+    """vLLM builds its generation config from config.json only when the checkpoint has no
+    generation_config.json: tiny-qwen3's config EOS (1) stops a sample then, not otherwise."""
+    config = EngineConfig(mode="corun", **TINY)
+    params = SamplingParams(max_tokens=4, temperature=0, logit_bias={1: 100.0})
+    outs = {}
+    for found in (False, True):
+        engine = LLMEngine(config, tokenizer=IdTokenizer((7,), 7, has_generation_config=found))
+        engine.add_request([5, 6], params, "r")
+        outs[found] = _drain(engine)["r"].outputs[0]
+    assert (outs[False].token_ids, outs[False].finish_reason) == ([1], "stop")
+    assert (outs[True].token_ids, outs[True].finish_reason) == ([1] * 4, "length")
 
 
 def test_stop_string_cuts_text_and_max_model_len_stops():
