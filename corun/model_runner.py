@@ -40,6 +40,7 @@ from corun.config import DYNAMIC_GRAPH_PREFILL_ROWS, EngineConfig
 from corun.fingerprint import LogitsDigest
 from corun.graph_runner import GraphRunner
 from corun.logits_processing import PenaltyPool, resample_processed
+from corun.prompt_logprobs import PromptScorer
 from corun.sampler import Sampler, SamplingTensors, top_token_ids
 from corun.step import (
     StepPart,
@@ -53,11 +54,6 @@ from kernels.mode import Mode
 from models.forward_batch import ForwardBatch, KVCache, OpsConfig
 from models.parallel import SINGLE, ParallelContext
 
-# Prompt logprobs run the LM head over a prompt's rows in tiles of this many rows, tile t holding
-# prompt positions [16 t, 16 t + 16) (the last one zero-padded): the GEMM's shape and a row's
-# place in it depend on the prompt alone, never on how it was chunked or on other requests.
-PROMPT_LOGPROBS_TILE = 16
-
 
 @dataclass
 class StepResult:
@@ -66,7 +62,8 @@ class StepResult:
     asked for logprobs: ``logprob_ids`` [R, 1 + K] (the sampled token, then the K most likely)
     and ``logprobs`` [R, 1 + K] theirs, K the largest ``logprobs`` N of the step's rows.
     ``prompt_logprobs``: per sequence whose prompt finished its prefill in this part and asked
-    for them, ``score_prompt``'s (``Sequence.prompt_logprobs``, ``Sequence.prompt_token_ranks``)."""
+    for them, ``PromptScorer.score``'s (``Sequence.prompt_logprobs``,
+    ``Sequence.prompt_token_ranks``)."""
 
     samples: torch.Tensor
     logits: torch.Tensor
@@ -160,8 +157,8 @@ class ModelRunner:
         # Blocks are dim 2 of the MHA storage [L, 2, NB, ...] and dim 1 of the MLA one [L, NB, ...].
         self._block_dim = 2 if spec.kind == "mha" else 1
         self._host_kv: dict[int, torch.Tensor] = {}
-        # Final hidden rows of prompts being prefilled that want prompt logprobs, per seq id.
-        self._prompt_hidden: dict[int, list[torch.Tensor]] = {}
+        self.prompt_scorer = PromptScorer(
+            lambda hidden: self.model.compute_logits(hidden, self.ops), self.sampler)
         self.penalty_pool = PenaltyPool(self.device, config.max_num_seqs)
         # Sequence ids for every engine on this runner (LLMEngine takes them from here): the
         # per-sequence state above is keyed by them.
@@ -434,65 +431,8 @@ class ModelRunner:
             if host.max_top_logprobs:
                 ids = torch.cat([ids, top_token_ids(logits, host.max_top_logprobs)], dim=1)
             logprobs = self.sampler.logprobs(logits, ids)
-        prompt = self._prompt_logprobs(part, host, hidden) if host.prefill_rows else {}
+        prompt = self.prompt_scorer.collect(part, host, hidden) if host.prefill_rows else {}
         return StepResult(samples, logits, logprobs, len(seqs), ids, prompt)
-
-    def _prompt_logprobs(self, part: StepPart, host: StepHost,
-                         hidden: torch.Tensor) -> dict[int, tuple[list, list]]:
-        """Keep the hidden rows of each prompt-logprob chunk; score each prompt whose prefill
-        this part finished."""
-        out = {}
-        for chunk in part.chunks:
-            seq = chunk.seq
-            rows = host.prefill_rows.get((seq.seq_id, chunk.start))
-            if rows is None:
-                continue
-            if chunk.start == 0:  # a prefill that starts (again, after a preemption)
-                self._prompt_hidden[seq.seq_id] = []
-            self._prompt_hidden[seq.seq_id].append(hidden[rows[0]:rows[1]].clone())
-            if chunk.end >= seq.num_prompt_tokens:
-                prompt_hidden = torch.cat(self._prompt_hidden.pop(seq.seq_id))
-                out[seq.seq_id] = self.score_prompt(prompt_hidden, seq.prompt_token_ids,
-                                                    seq.params.prompt_logprobs)
-        return out
-
-    @torch.inference_mode()
-    def score_prompt(self, hidden: torch.Tensor, prompt_ids: list[int], top_n: int,
-                     ) -> tuple[list[dict[int, float] | None], list[int | None]]:
-        """Per prompt position: None for the first, then {token: logprob} of the top-N tokens
-        (most likely first) and of the prompt token (last, when not among them), from the
-        final hidden rows [L, H] of the prompt (row i predicts token i + 1); and per position
-        the prompt token's rank, None for the first: the number of vocabulary entries with a
-        logprob at least its own, itself and ties included (vLLM V1's
-        ``batched_count_greater_than``), wherever it stands."""
-        out: list[dict[int, float] | None] = [None]
-        ranks: list[int | None] = [None]
-        tile = PROMPT_LOGPROBS_TILE
-        num_rows = len(prompt_ids) - 1
-        padded = -(-num_rows // tile) * tile
-        targets = torch.tensor(prompt_ids[1:] + [0] * (padded - num_rows), dtype=torch.int64,
-                               device=hidden.device).view(-1, 1)
-        hidden = hidden[:num_rows]
-        if padded > num_rows:
-            hidden = torch.cat([hidden, hidden.new_zeros(padded - num_rows, hidden.shape[1])])
-        for start in range(0, padded, tile):
-            logits = self.model.compute_logits(hidden[start:start + tile], self.ops)
-            tile_targets = targets[start:start + tile]
-            ids = torch.cat([tile_targets, top_token_ids(logits, top_n)], dim=1)
-            lps = self.sampler.logprobs(logits, ids)
-            # Counted on one full-vocabulary log-softmax, as vLLM counts: the sampler's
-            # logprobs may differ from it in the last bit, which would miscount ties.
-            logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
-            # vLLM V1's batched_count_greater_than: the entries at or above the prompt token's
-            # logprob, itself and every tie included.
-            rank = (logp >= logp.gather(1, tile_targets)).sum(dim=1)
-            real = min(tile, num_rows - start)
-            for id_row, lp_row in zip(ids[:real].tolist(), lps[:real].tolist(), strict=True):
-                entry = dict(zip(id_row[1:], lp_row[1:], strict=True))  # top-N, most likely first
-                entry.setdefault(id_row[0], lp_row[0])  # then the prompt token, if not among them
-                out.append(entry)
-            ranks.extend(rank[:real].tolist())
-        return out, ranks
 
     @torch.inference_mode()
     def execute(self, part: StepPart) -> StepResult:
@@ -567,7 +507,7 @@ class ModelRunner:
     def drop_swapped(self, seq_id: int) -> None:
         """Forget a finished or aborted sequence's host state (swapped KV, prompt hidden rows)."""
         self._host_kv.pop(seq_id, None)
-        self._prompt_hidden.pop(seq_id, None)
+        self.prompt_scorer.drop(seq_id)
 
     def release(self, seq_id: int) -> None:
         """Free what the sampling side keeps of a finished sequence (its penalty row). Rank 0's
@@ -590,7 +530,7 @@ class ModelRunner:
             self.graph_runner = None
         self.kv_cache.storage = torch.empty(0, dtype=self.dtype, device=self.device)
         self._host_kv.clear()
-        self._prompt_hidden.clear()
+        self.prompt_scorer.clear()
         self.penalty_pool = PenaltyPool(self.device, self.config.max_num_seqs)
         for bufs in (self.decode_buffers, self.prefill_buffers):
             bufs.release()

@@ -114,7 +114,7 @@ def test_prompt_token_rank_is_its_rank_in_the_whole_vocabulary(llm):
 
 
 def test_prompt_token_rank_counts_ties(llm, monkeypatch):
-    """``score_prompt`` ranks the prompt token on its tile's own logits: the entries with a
+    """``PromptScorer.score`` ranks the prompt token on its tile's own logits: the entries with a
     logprob at least its own, itself and every tie counted (vLLM V1's
     ``batched_count_greater_than``: ``(x >= values).sum(-1)``), in every tile (row i predicts
     token i + 1)."""
@@ -126,7 +126,7 @@ def test_prompt_token_rank_counts_ties(llm, monkeypatch):
     prompt = torch.randint(0, runner.vocab_size, (num_rows + 1,), generator=gen).tolist()
     hidden = torch.arange(num_rows, dtype=torch.float32).view(-1, 1).expand(num_rows, 8)
     monkeypatch.setattr(runner.model, "compute_logits", lambda h, ops: table[h[:, 0].long()])
-    _, ranks = runner.score_prompt(hidden, prompt, top_n=2)
+    _, ranks = runner.prompt_scorer.score(hidden, prompt, top_n=2)
     assert ranks == _vocab_ranks(torch.log_softmax(table.double(), -1), prompt)
 
 
