@@ -1,9 +1,12 @@
-"""HTTP helpers the API tests share: a JSON POST expected to succeed, and a streamed one read to
-its ``[DONE]``."""
+"""HTTP helpers the API tests share: a JSON POST expected to succeed, a streamed one read to its
+``[DONE]``, and a POST over a bare socket that the test closes to leave."""
 
 from __future__ import annotations
 
 import json
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 
@@ -23,3 +26,19 @@ def stream_chunks(client: httpx.Client, path: str, body: dict) -> list[dict]:
         data = [line[len("data: "):] for line in response.iter_lines() if line]
     assert data[-1] == "[DONE]"
     return [json.loads(d) for d in data[:-1]]
+
+
+@contextmanager
+def raw_completion(base_url: str, body: dict) -> Iterator[socket.socket]:
+    """POST ``body`` to ``/v1/completions`` over a bare socket, closed when the block exits: the
+    client goes away then, and no HTTP library reads or retries anything before."""
+    host, port = base_url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        yield sock
+    finally:
+        sock.close()

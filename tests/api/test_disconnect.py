@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 
 import httpx
@@ -11,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from corun.api.server import create_app
+from tests.api.client import raw_completion
 from tests.api.conftest import Server
 from tests.api.inprocess import BlockingTokenizer, build_engine, serve_app
 
@@ -55,22 +54,14 @@ def test_disconnect_while_waiting_for_a_whole_response(server: Server, n: int):
     waiting = "corun:num_requests_waiting"
     before = server.wait_for_idle()
     aborted_before = before.get(aborted, 0.0)
-    body = json.dumps({**LONG, "n": n}).encode()
-    host, port = server.base_url.removeprefix("http://").split(":")
     with server.client() as client:
         assert client.post("/pause").json() == {"status": "paused"}
         try:
-            sock = socket.create_connection((host, int(port)), timeout=30)
-            try:
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                             b"Content-Type: application/json\r\n"
-                             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            with raw_completion(server.base_url, {**LONG, "n": n}):
                 # Negative control: the request reached the engine and is held there, so the
                 # abort counter below can only move because the client left.
                 server.wait_for_metrics(lambda m: m[waiting] >= 1,
                                         "the request to wait in the engine")
-            finally:
-                sock.close()
             server.wait_for_metrics(lambda m: m.get(aborted, 0.0) > aborted_before, "the abort")
             assert server.metrics()[waiting] == 0
         finally:
@@ -103,18 +94,11 @@ def test_a_stream_whose_client_left_before_it_started_is_aborted():
     blocking = BlockingTokenizer(tokenizer)
     app = create_app(engine, blocking, model_name="corun-default", mode="corun")
     state = app.state.corun
-    body = json.dumps({"prompt": f"{blocking.marker} go", "max_tokens": 100,
-                       "ignore_eos": True, "seed": 1, "stream": True}).encode()
+    body = {"prompt": f"{blocking.marker} go", "max_tokens": 100, "ignore_eos": True, "seed": 1,
+            "stream": True}
     with serve_app(app) as (url, server):
-        host, port = url.removeprefix("http://").split(":")
-        sock = socket.create_connection((host, int(port)), timeout=30)
-        try:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\n"
-                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        with raw_completion(url, body):
             assert blocking.entered.wait(60), "the request never reached the tokenizer"
-        finally:
-            sock.close()
         # The server has seen the client go before the request leaves the tokenizer.
         deadline = time.monotonic() + 60
         while server.server_state.connections:

@@ -5,7 +5,6 @@ from the engine's commit times of its tokens, as many gaps as a stream of it rec
 from __future__ import annotations
 
 import collections
-import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.api.client import raw_completion, stream_chunks
 from tests.api.inprocess import build_engine, serve_in_thread
 
 
@@ -62,11 +62,9 @@ def test_a_whole_response_gets_one_engine_output_and_the_stream_every_step():
         whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60.0).json()
         after_whole = _samples(url)
         seen_whole = counting.counts()
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
-                          timeout=60.0) as response:
-            chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines()
-                      if line.startswith("data: {")]
-            streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        with httpx.Client(base_url=url, timeout=60.0) as client:
+            chunks = stream_chunks(client, "/v1/completions", body)
+        streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
         after_stream = _samples(url)
         seen = counting.counts()
     assert len(whole["choices"][0]["token_ids"]) == 6
@@ -116,25 +114,15 @@ def _wait_for(url: str, ready, what: str) -> collections.Counter:
 def test_a_whole_response_whose_client_left_still_records_its_gaps():
     """The engine loop records a final-only request's inter-token gaps from its last output,
     which an aborted request still gets though nobody reads it: 3 tokens, 2 gaps."""
-    import socket
-
     engine, tokenizer = build_engine()
     holding = HoldingEngine(engine)
-    body = json.dumps({"prompt": "tell me everything", "max_tokens": 100, "ignore_eos": True,
-                       "seed": 1}).encode()
+    body = {"prompt": "tell me everything", "max_tokens": 100, "ignore_eos": True, "seed": 1}
     itl = "corun:time_per_output_token_seconds_count"
     aborted = "corun:request_success_total[abort]"
     with serve_in_thread(holding, tokenizer) as url:
         before = _samples(url)
-        host, port = url.removeprefix("http://").split(":")
-        sock = socket.create_connection((host, int(port)), timeout=30)
-        try:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\n"
-                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        with raw_completion(url, body):
             assert holding.reached.wait(60)
-        finally:
-            sock.close()
         try:  # the server notices the client left (it counts the abort), then the engine goes on
             _wait_for(url, lambda c: c[aborted] > before[aborted], "the abort")
         finally:
