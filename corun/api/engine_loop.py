@@ -67,6 +67,11 @@ class _Sink:
     queue: asyncio.Queue
 
 
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 @dataclass
 class _Pending:
     request_id: str
@@ -293,18 +298,32 @@ class EngineLoop:
             self._num_waiting -= entry.params.num_samples
         self._fail_request(entry.request_id, failure, status)
 
-    def _route(self, output: Any) -> None:
+    def _route(self, output: Any, batch: dict[asyncio.AbstractEventLoop, list]) -> None:
+        """Add ``output`` to ``batch`` (per event loop, its queues' items in step order)."""
         request_id = output.request_id
         try:
             finished = output.finished
             if finished and request_id in self._final_only:
                 self._final_only.discard(request_id)
                 self._observe_gaps(output)
-            self._deliver(request_id, output)
+            sink = self._sinks.get(request_id)
+            if sink is not None:
+                batch.setdefault(sink.loop, []).append((sink.queue, (request_id, output)))
             if finished:
                 self.release(request_id)
         except Exception as exc:  # noqa: BLE001 - one request's output, not the engine's
             self._fail_request(request_id, exc)
+
+    @staticmethod
+    def _flush(batch: dict[asyncio.AbstractEventLoop, list]) -> None:
+        """Hand a step's outputs over: one wake-up of each event loop a step, not one an output
+        (every thread-safe call writes to the loop's self-pipe, on this thread, under the GIL
+        the event loop needs too)."""
+        for loop, items in batch.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop closed at shutdown: nobody is listening
+                pass
 
     def _observe_gaps(self, output: Any) -> None:
         """The inter-token gaps of a final-only request's samples: between the engine's commit
@@ -332,8 +351,10 @@ class EngineLoop:
                 # Before routing: a client that gets its last token and sends the next request
                 # at once must see the queue as this step left it.
                 self._refresh_stats()
+                batch: dict[asyncio.AbstractEventLoop, list] = {}
                 for output in outputs:
-                    self._route(output)
+                    self._route(output, batch)
+                self._flush(batch)
         except BaseException as exc:  # noqa: BLE001 - report to every waiting client, then die
             logger.exception("engine loop died")
             with self._cond:
