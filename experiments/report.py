@@ -345,14 +345,18 @@ def ptxas_block(name: str) -> Callable[[dict, list[dict]], str]:
     return render
 
 
-def native_tests_block(head: dict, records: list[dict]) -> str:
+def native_tests_block(name: str) -> Callable[[dict, list[dict]], str]:
     """experiments/native_tests.py: each driver stage's latest native pytest run."""
+    return lambda head, records: _native_tests_table(name, head, records)
+
+
+def _native_tests_table(name: str, head: dict, records: list[dict]) -> str:
     rows = [[r["stage"], r.get("date", "?"), r["tests"], r["passed"], r["failed"], r["errors"],
              r["skipped"], ", ".join(f"`{t}`" for t in r.get("failed_ids", []) + r.get(
                  "error_ids", [])) or "—"] for r in records]
     commands = "; ".join(f"{r['stage']}: `{r['command']}`" for r in records)
     return "\n".join([
-        _source(head, "native-tests-h200"), "", f"pytest commands: {commands}.", "",
+        _source(head, name), "", f"pytest commands: {commands}.", "",
         _table(["stage", "date", "tests", "passed", "failed", "errors", "skipped",
                 "failed or erroring tests"], rows),
     ])
@@ -630,14 +634,14 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("one_block_ops", "ops, one block"), ("row_at_a_time_ms", "ms, row by row"),
         ("batched_ms", "ms, batched"), ("gpu_blocks_ms", "ms, GPU blocks"),
         ("one_block_ms", "ms, one block"),
-    ]) for name in ("logits-processing-cpu", "logits-processing-h200")},
+    ]) for name in ("logits-processing-cpu", "logits-processing-h200", "logits-processing-h100")},
     "engine-host-cpu": columns_block("engine-host-cpu", [
         ("batch", "B"), ("output_tokens", "output tokens"), ("stop_strings", "stop strings"),
         ("final_only", "final only"), ("schedule_ms", "schedule ms"), ("commit_ms", "commit ms"),
         ("outputs_ms", "outputs ms"), ("host_ms", "host ms a step (all but the forward)"),
         ("decode_steps", "decode steps"),
     ]),
-    "native-tests-h200": native_tests_block,
+    **{name: native_tests_block(name) for name in ("native-tests-h200", "native-tests-h100")},
     **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
        for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "decode-attention")},
 }
