@@ -177,7 +177,7 @@ def process_rows(logits: torch.Tensor, seqs: list[Sequence], pool: PenaltyPool,
 
 def _process_block(logits: torch.Tensor, seqs: list[Sequence], pool: PenaltyPool) -> torch.Tensor:
     out = logits.to(torch.float32, copy=True)
-    num_rows, vocab = out.shape
+    vocab = out.shape[1]
     device = out.device
     params = [seq.params for seq in seqs]
     guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
@@ -201,9 +201,7 @@ def _process_block(logits: torch.Tensor, seqs: list[Sequence], pool: PenaltyPool
               for t in sorted(seq.min_tokens_masked_ids) if t < vocab]
     if masked:
         flat[torch.tensor(masked, dtype=torch.int64, device=device)] = float("-inf")
-    penalized = [i for i, p in enumerate(params)
-                 if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                 or p.presence_penalty != 0.0]
+    penalized = [i for i, p in enumerate(params) if p.has_penalties]
     if penalized:
         pool_rows = pool.rows_of([seqs[i] for i in penalized], vocab)
         counts = pool.counts.index_select(0, pool_rows)  # [P, V], row j is seqs[penalized[j]]

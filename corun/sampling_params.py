@@ -193,10 +193,16 @@ class SamplingParams:
         return self.logprobs is not None or self.num_samples > self.n
 
     @property
+    def has_penalties(self) -> bool:
+        """A repetition, frequency or presence penalty is set (they read the sequence's
+        tokens: ``corun.logits_processing.PenaltyPool``)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
     def has_logits_processing(self) -> bool:
         """Some field changes the logits before sampling (``corun.logits_processing``)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or bool(self.logit_bias)
+        return (self.has_penalties or bool(self.logit_bias)
                 or self.min_tokens > 0 or (self.min_p > 0.0 and not self.is_greedy)
                 or self.structured is not None)
 
