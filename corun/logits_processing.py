@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from corun.memory_plan import cuda_peak_bytes
 from corun.sampler import Sampler, SamplingTensors, seed_to_int64, top_token_ids
 from corun.sequence import Sequence
 
@@ -277,12 +278,8 @@ def profile_peak_bytes(sampler: Sampler, vocab: int, max_rows: int, device: torc
     """CUDA bytes the largest per-request work after a step's forward allocates
     (``run_largest_step``): the runner keeps them out of the KV cache's budget, as vLLM profiles
     its sampler with penalties and logprobs."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    run_largest_step(sampler, vocab, max_rows, device, max_logprobs)
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
+    return cuda_peak_bytes(
+        lambda: run_largest_step(sampler, vocab, max_rows, device, max_logprobs), device)
 
 
 def resample_processed(sampler: Sampler, logits: torch.Tensor, samples: torch.Tensor,

@@ -11,6 +11,7 @@ free GPU memory instead (the benchmarks' way to give preemption room).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,17 @@ class MemoryPlan:
     @property
     def total_bytes(self) -> int:
         return self.weights_bytes + self.kv_bytes
+
+
+def cuda_peak_bytes(run: Callable[[], object], device: torch.device) -> int:
+    """CUDA bytes ``run()`` allocates at its peak above what was allocated before it: the
+    device synchronized on both sides, so the peak counts the work ``run`` queued."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
 
 
 def model_config_of(name: str):

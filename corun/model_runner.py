@@ -30,6 +30,7 @@ reads through the block table, computes the same bits afterwards.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -327,12 +328,8 @@ class ModelRunner:
         scratch = KVCache(spec, 1, self.config.block_size, self.dtype, self.device)
         peaks = {}
         for key, bound, batch in self._profile_steps(scratch):
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            self._forward(bound, batch)
-            torch.cuda.synchronize(self.device)
-            peaks[key] = torch.cuda.max_memory_allocated(self.device) - base
+            peaks[key] = memory_plan.cuda_peak_bytes(
+                functools.partial(self._forward, bound, batch), self.device)
         del scratch
         torch.cuda.empty_cache()
         steps = [peaks[k] for k in ("decode", "prefill") if k in peaks]

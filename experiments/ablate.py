@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from corun.config import EngineConfig
 from corun.model_runner import ModelRunner
 from experiments import ablate_axes, bench_offline
-from experiments.harness import write_results
+from experiments.harness import card_tag, write_results
 from experiments.sweep_offline import measure_point, release_runner
 from kernels.mode import Mode
 
@@ -216,7 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.dry_run:  # the dry run's sizes, unless given on the command line
         parser.set_defaults(**DRY_RUN_ARGS, time_budget_s=120.0)
         args = parser.parse_args(argv)
-    args.name = args.name or f"ablate-{args.axis}-{'cpu-dry-run' if args.dry_run else 'h200'}"
+    args.name = args.name or f"ablate-{args.axis}-{'cpu-dry-run' if args.dry_run else card_tag()}"
     args.input_len = tuple(args.input_len)
     args.corun_overrides = bench_offline.parse_overrides(args.corun_set)
     return args

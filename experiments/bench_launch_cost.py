@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import importlib
 import pkgutil
-import platform
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.harness import bench_us, kernels_replaced, write_results  # noqa: E402
+from experiments.harness import bench_us, card_tag, kernels_replaced, write_results  # noqa: E402
 from models.config import NAMED_CONFIGS  # noqa: E402
 
 DECODE_B = 128
@@ -252,13 +251,6 @@ def measure(modes: list[str], calls: int = 200, repeats: int = 5) -> list[dict]:
     return records
 
 
-def machine_name() -> str:
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        return "h200" if "H200" in name else name.lower().replace(" ", "-")
-    return (platform.machine() or "cpu").lower()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200, help="calls per timing repeat")
@@ -266,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="results folder (default experiments/results)")
     args = parser.parse_args(argv)
     records = measure(args.modes.split(","), calls=args.calls)
-    path = write_results(f"launch-cost-{machine_name()}", records, args.out,
+    path = write_results(f"launch-cost-{card_tag()}", records, args.out,
                          timing="host perf_counter per call; stub = kernels replaced by no-ops "
                                 "on CPU tensors, native = real CUDA launches; gpu_us = "
                                 "harness.bench_us: CUDA-graph replay medians (L2 not flushed), "

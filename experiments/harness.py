@@ -26,6 +26,19 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 H200_BANDWIDTH_BYTES_PER_S = 4.3e12
 
 
+def card_tag() -> str:
+    """The card results are named after (``native-tests-h100``): ``h200`` / ``h100`` for those
+    NVIDIA cards, another GPU's name in lower case with dashes, else this CPU's architecture.
+    Files keep their card's name so that one card's figures never merge into another's."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for tag in ("H200", "H100"):
+            if tag in name:
+                return tag.lower()
+        return name.lower().replace(" ", "-")
+    return (platform.machine() or "cpu").lower()
+
+
 # Prompt lengths of the benchmarks' warm-up single requests: the GEMM policies' M buckets, each
 # also one token short. Triton compiles a kernel again for an int argument that is (or is not)
 # divisible by 16, and the dynamic modes' mixed steps reach both kinds: on the H200 their timed

@@ -17,9 +17,8 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-from experiments.harness import header, write_results
+from experiments.harness import card_tag, header, write_results
 
-RESULT_NAME = "native-tests-h200"
 MAX_LISTED = 30  # failing ids kept per stage; the count is always whole
 
 
@@ -93,11 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", default=None, metavar="PATH",
                         help="keep this file's records of the other stages")
     parser.add_argument("--out", default=None, help="results folder (default: CORUN_RESULTS_DIR)")
+    parser.add_argument("--name", default=None,
+                        help="results file name (default: native-tests-<card>, e.g. "
+                             "native-tests-h200)")
     args = parser.parse_args(argv)
     if not args.junit_xml.exists():
         raise SystemExit(f"junit_xml: {args.junit_xml} does not exist (the run wrote nothing)")
     new = record(args.stage, args.junit_xml, args.pytest_command)
-    path = write_results(RESULT_NAME, merged(new, args.merge), args.out,
+    path = write_results(args.name or f"native-tests-{card_tag()}", merged(new, args.merge),
+                         args.out,
                          what="native pytest runs on the device, one record per driver stage")
     print(f"{args.stage}: {new['passed']} passed, {new['failed']} failed, {new['errors']} errors, "
           f"{new['skipped']} skipped -> {path}")

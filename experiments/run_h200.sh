@@ -5,7 +5,7 @@
 #   tune_moe / tune_mla  experiments/tune_moe.py / tune_mla.py -> kernels/tuned/{moe,mla}_h200.json
 #   kernels  experiments/bench_kernels.py, merged into the committed kernels-h200.json (+ png)
 #   launch   experiments/bench_launch_cost.py -> launch-cost-h200.json (host us per op, GPU us beside)
-#   logits   experiments/bench_logits_processing.py -> logits-processing-h200.json (batched vs row by row)
+#   logits   experiments/bench_logits_processing.py -> logits-processing-CARD.json (batched vs row by row)
 #   models   experiments/bench_models.py -> models-h200.json; MODELS_ARGS adds flags (e.g. --decode-batch 128 --name ...)
 #   offline  experiments/bench_offline.py -> offline-h200.json (+ png); OFFLINE_ARGS adds flags
 #   sweep    experiments/sweep_offline.py -> sweep-offline-h200.json (+ png)
@@ -41,6 +41,9 @@ if [ -d .whl ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+# The card the files of the tests and the logits benchmark are named after (h200, h100): one
+# card's native runs never merge into another's file.
+CARD=$(python3 -c 'from experiments.harness import card_tag; print(card_tag())')
 
 run() {  # run NAME SECONDS CMD...: time-limited, logged, never stops the script; returns the
   # command's status (124, or 137 after the kill: cut by the limit), so `run ... && cp` copies
@@ -54,14 +57,14 @@ run() {  # run NAME SECONDS CMD...: time-limited, logged, never stops the script
 }
 
 native_tests() {  # native_tests STAGE SECONDS PYTEST-ARGS...: pytest with a JUnit XML, whose
-  # counts and failing ids go into results/native-tests-h200.json (merged with the other stage's)
+  # counts and failing ids go into results/native-tests-$CARD.json (merged with the other stage's)
   local name=$1 limit=$2; shift 2
   local xml="$OUT/results/pytest-$name.xml"
   local cmd=(python3 -m pytest -v --tb=short -p no:cacheprovider --junitxml="$xml" "$@")
   run "$name" "$limit" "${cmd[@]}"
   local rc=$?
-  local merge=experiments/results/native-tests-h200.json
-  [ -f "$OUT/results/native-tests-h200.json" ] && merge="$OUT/results/native-tests-h200.json"
+  local merge=experiments/results/native-tests-$CARD.json
+  [ -f "$OUT/results/native-tests-$CARD.json" ] && merge="$OUT/results/native-tests-$CARD.json"
   [ -f "$xml" ] && python3 -m experiments.native_tests "$name" "$xml" --pytest-command "${cmd[*]}" \
     --merge "$merge"
   return $rc
@@ -81,7 +84,7 @@ for stage in "$@"; do
                --merge experiments/results/kernels-h200.json ${KERNELS_ARGS:-} ;;
     launch)  run launch ${LAUNCH_LIMIT:-120} python3 -m experiments.bench_launch_cost ;;
     logits)  run logits ${LOGITS_LIMIT:-90} python3 -m experiments.bench_logits_processing \
-                 --device cuda --name logits-processing-h200 ;;
+                 --device cuda --name logits-processing-$CARD ;;
     models)  run models ${MODELS_LIMIT:-150} python3 -m experiments.bench_models ${MODELS_ARGS:-} ;;
     offline) run offline ${OFFLINE_LIMIT:-300} python3 -m experiments.bench_offline ${OFFLINE_ARGS:-} ;;
     sweep)   run sweep ${SWEEP_LIMIT:-330} python3 -m experiments.sweep_offline --time-budget-s ${SWEEP_BUDGET:-300} ${SWEEP_ARGS:-} ;;

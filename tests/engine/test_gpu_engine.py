@@ -280,3 +280,16 @@ def test_the_memory_profile_counts_logits_processing():
     rows, vocab = 64, 151936
     sampler = Sampler("triton", torch.device("cuda"))
     assert profile_peak_bytes(sampler, vocab, rows, torch.device("cuda")) >= rows * vocab * 5
+
+
+def test_cuda_peak_bytes_counts_the_run_and_not_what_was_there_before():
+    """corun.memory_plan.cuda_peak_bytes (both memory-profile measurements use it): a 64 MiB
+    temporary counts while a 256 MiB tensor allocated before the run does not."""
+    from corun.memory_plan import cuda_peak_bytes
+
+    device = torch.device("cuda")
+    held = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    peak = cuda_peak_bytes(lambda: torch.ones(64 << 20, dtype=torch.uint8, device=device).sum(),
+                           device)
+    assert 64 << 20 <= peak < 128 << 20
+    del held

@@ -41,7 +41,9 @@ def test_summary_counts_every_outcome_and_names_the_failures(tmp_path):
     assert summary["pytest_wall_s"] == 12.5
 
 
-def test_a_stage_replaces_its_own_record_and_keeps_the_others(tmp_path):
+def test_a_stage_replaces_its_own_record_and_keeps_the_others(tmp_path, monkeypatch):
+    # the file is named after the card the tests ran on (here a pretended H200)
+    monkeypatch.setattr(native_tests, "card_tag", lambda: "h200")
     xml = _write(tmp_path)
     out = tmp_path / "out"
     for stage in ("tests", "gpuengine"):
@@ -68,3 +70,14 @@ def test_block_lists_counts_and_failing_tests(tmp_path, monkeypatch):
                         {"header": True, "machine": "NVIDIA H200"}, [record])
     assert "| tests | 2026-12-05T00:00:00+00:00 | 6 | 2 | 1 | 1 | 2 |" in text
     assert "`tests/kernels/test_gemm.py::test_b`" in text and "tests: `pytest k`" in text
+
+
+@pytest.mark.parametrize(("device_name", "tag"), [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA A100-SXM4-80GB", "nvidia-a100-sxm4-80gb")])
+def test_results_are_named_after_the_card(monkeypatch, device_name, tag):
+    from experiments import harness
+
+    monkeypatch.setattr(harness.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(harness.torch.cuda, "get_device_name", lambda *a: device_name)
+    assert harness.card_tag() == tag
