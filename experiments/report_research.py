@@ -9,7 +9,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from experiments.report import SERVING_COLUMNS, _fmt, _source, _table, columns_block
+from experiments.report import _fmt, _source, _table, columns_block
+from experiments.report_serving import SERVING_COLUMNS
 
 PEERS = ("batch_invariant", "batch_invariant_tuned")
 PEER_NAMES = {"batch_invariant": "batch-invariant (portable)",
@@ -204,7 +205,7 @@ def research_view(name: str) -> Callable[[dict, list[dict]], str] | None:
         return atlas_block
     if name == "invariance-atlas-h200-summary":
         return lambda head, records: atlas_block(head, records, only_variant=True)
-    if name == "ablate-serving-load-h200":
+    if name.startswith("ablate-serving-load-"):  # -h200, -h100: the card it ran on
         table = columns_block(name, SERVING_COLUMNS)
         return lambda head, records: (f"{table(head, records)}\n\n"
                                       + (f"{_provenance(head).strip()}\n\n"
