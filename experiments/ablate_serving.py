@@ -7,9 +7,10 @@ saturation (``inf``: every request at t=0, the server's own throughput limit). W
 output tok/s, TTFT p50 and TPOT p50 against the rate, one line per mode. The budget
 (``--time-budget-s``) is split over the modes and rates by bench_serving and cuts each run's
 request count to fit; server start-ups come on top (about a minute each at the Qwen3-8B shape).
-``--modes default --merge EARLIER`` runs one mode and keeps an earlier file's other modes, at the
-earlier run's budget per mode (its ``--time-budget-s`` over its modes, whatever this run's flag
-says), so every mode's runs send the same number of requests at a rate and their curves compare.
+``--modes default --rates inf --merge EARLIER`` runs one mode at the rates given and keeps every
+other point of an earlier file (a point: a mode at a rate), at the earlier run's budget per point
+(its ``--time-budget-s`` over its modes and rates, whatever this run's flag says), so every point
+sends the same number of requests and the curves compare.
 """
 
 from __future__ import annotations
@@ -28,14 +29,29 @@ DRY_RUN = dict(modes=("corun",), rates="4,inf", server_args="--device cpu --dtyp
                warmup_requests=1)
 
 
-def merged_budget_s(earlier_head: dict, num_modes: int) -> float | None:
-    """This run's budget when it joins an earlier file: the earlier budget per mode times this
-    run's number of modes, or None when the earlier header does not say its budget and modes."""
+def merged_budget_s(earlier_head: dict, num_modes: int, num_rates: int) -> float | None:
+    """This run's budget when it joins an earlier file: the earlier budget per mode and rate
+    times this run's modes and rates (bench_serving splits a budget evenly over them), or None
+    when the earlier header does not say its budget, modes and rates."""
     earlier = earlier_head.get("args", {})
-    budget, earlier_modes = earlier.get("time_budget_s"), earlier.get("modes")
-    if budget in (None, "None") or not earlier_modes:
+    budget, modes, rates = (earlier.get(k) for k in ("time_budget_s", "modes", "request_rate"))
+    if budget in (None, "None") or not modes or not rates:
         return None
-    return float(budget) / len(earlier_modes.split(",")) * num_modes
+    earlier_points = len(modes.split(",")) * len(str(rates).strip("[]").split(","))
+    return float(budget) / earlier_points * num_modes * num_rates
+
+
+def point_key(record: dict) -> tuple:
+    """A serving-load point: one mode at one rate (and concurrency cap)."""
+    return record.get("mode"), str(record.get("request_rate")), record.get("max_concurrency")
+
+
+def merged_records(earlier: list[dict], records: list[dict]) -> tuple[list[dict], int]:
+    """The earlier file's points this run did not measure, then this run's; and how many were
+    kept. A run of one mode at some rates keeps that mode's other rates."""
+    ran = {point_key(r) for r in records}
+    kept = [r for r in earlier if not r.get("header") and point_key(r) not in ran]
+    return kept + records, len(kept)
 
 
 def serving_argv(args: argparse.Namespace, out_dir: Path, name: str | None = None) -> list[str]:
@@ -66,13 +82,14 @@ def serving_load(args: argparse.Namespace) -> None:
                              "pass --name (or CORUN_RESULTS_DIR) for another output file")
         earlier_head, *earlier = json.loads(args.merge.read_text())
         num_modes = len(args.modes or SERVING_MODES)
-        budget = merged_budget_s(earlier_head, num_modes)
+        num_rates = len(args.rates.split(","))
+        budget = merged_budget_s(earlier_head, num_modes, num_rates)
         if budget is None:
-            print(f"--merge: {args.merge.name}'s header has no budget and modes; this run's "
-                  f"{args.time_budget_s:.0f} s may send other request counts", flush=True)
+            print(f"--merge: {args.merge.name}'s header has no budget, modes and rates; this "
+                  f"run's {args.time_budget_s:.0f} s may send other request counts", flush=True)
         elif budget != args.time_budget_s:
-            print(f"--merge: budget {budget:.0f} s ({args.merge.name}'s per mode x "
-                  f"{num_modes}), not {args.time_budget_s:.0f} s", flush=True)
+            print(f"--merge: budget {budget:.0f} s ({args.merge.name}'s per mode and rate x "
+                  f"{num_modes} x {num_rates}), not {args.time_budget_s:.0f} s", flush=True)
             args.time_budget_s = budget
     # A merging run writes its own records under another name as it goes, and the merged file
     # only once it finished: a run cut short never leaves a file of the merged name that lacks
@@ -80,12 +97,10 @@ def serving_load(args: argparse.Namespace) -> None:
     run_path = path if earlier_head is None else out_dir / f"{args.name}-unmerged.json"
     bench_serving.main(serving_argv(args, out_dir, run_path.stem))
     head, *records = json.loads(run_path.read_text())
-    if earlier_head is not None:  # an earlier run's modes that this one did not run
-        ran = {r["mode"] for r in records}
-        kept = [r for r in earlier if not r.get("header") and r.get("mode") not in ran]
-        records = kept + records
+    if earlier_head is not None:  # an earlier run's points that this one did not run
+        records, num_kept = merged_records(earlier, records)
         head["merged"] = {"from": args.merge.name, "date": earlier_head.get("date"),
-                          "command": earlier_head.get("command"), "points_kept": len(kept)}
+                          "command": earlier_head.get("command"), "points_kept": num_kept}
         path.write_text(json.dumps([head, *records], indent=1) + "\n")
     plot(records, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")

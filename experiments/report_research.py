@@ -160,6 +160,8 @@ def _provenance(head: dict) -> str:
     if merged:
         out += (f" {merged['points_kept']} points are kept from an earlier run"
                 f" ({merged.get('date')}, `{merged.get('command')}`).")
+        if merged.get("note"):
+            out += f" Merge: {merged['note']}."
     for recovered in head.get("recovered") or []:
         out += (f" {recovered['points']} points of {', '.join(recovered['modes'])} are read back"
                 f" from `{recovered['log']}`, the log of a run stopped before it saved them"

@@ -173,17 +173,39 @@ def test_serving_load_merge_runs_at_the_earlier_budget_per_mode(tmp_path, monkey
     earlier = tmp_path / "earlier.json"
     four_modes = "corun,batch_invariant_tuned,batch_invariant,default"
     earlier.write_text(json.dumps([{"header": True, "args": {
-        "modes": four_modes, "time_budget_s": "190.0"}}]))
+        "modes": four_modes, "time_budget_s": "190.0",
+        "request_rate": "[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, inf]"}}]))
     ablate.main(["serving-load", "--modes", "default", "--name", "load", "--merge", str(earlier),
                  "--time-budget-s", "200"])
     assert budgets == [pytest.approx(47.5)]
+    # one mode at one rate: the earlier budget of one point
+    ablate.main(["serving-load", "--modes", "default", "--rates", "inf", "--name", "load",
+                 "--merge", str(earlier), "--time-budget-s", "200"])
+    assert budgets[-1] == pytest.approx(190 / 28)
+    budgets.pop()
     # The output file is written after every rate: merging from it would lose it to a cut run.
     with pytest.raises(ValueError, match="writes its merged file there"):
         ablate.main(["serving-load", "--modes", "default", "--name", "earlier", "--merge",
                      str(earlier)])
     assert budgets == [pytest.approx(47.5)]  # refused before any work
-    assert ablate_serving.merged_budget_s({"args": {"time_budget_s": "None", "modes": "a"}}, 1) \
-        is None
+    assert ablate_serving.merged_budget_s(
+        {"args": {"time_budget_s": "None", "modes": "a", "request_rate": "[1.0]"}}, 1, 1) is None
+
+
+def test_serving_load_merge_keeps_the_points_this_run_did_not_measure():
+    """A run of one mode at one rate replaces that point alone: the mode's other rates and
+    every other mode stay (an earlier merge keyed on the mode dropped default's six rates)."""
+    from experiments.ablate_serving import merged_records
+
+    def point(mode, rate, value):
+        return {"mode": mode, "request_rate": rate, "max_concurrency": None, "v": value}
+
+    earlier = [{"header": True}, point("corun", "inf", 1), point("default", 1.0, 2),
+               point("default", "inf", 3)]
+    records, kept = merged_records(earlier, [point("default", "inf", 4)])
+    assert kept == 2
+    assert [(r["mode"], r["request_rate"], r["v"]) for r in records] == [
+        ("corun", "inf", 1), ("default", 1.0, 2), ("default", "inf", 4)]
 
 
 def test_count_jit_compiles_chains_and_restores_the_hook():
