@@ -50,6 +50,17 @@ class StepRecord:
     seconds: float
 
 
+@dataclass(frozen=True)
+class StepSummary:
+    """The last step, read by the server's metrics: its kind, scheduled tokens and wall time
+    from schedule to its samples on the host (no extra synchronisation: reading the samples
+    waits for the step's forward)."""
+
+    kind: str  # as StepRecord's
+    num_real_tokens: int
+    seconds: float
+
+
 class QueueFullError(RuntimeError):
     """``max_queue_len`` requests are already waiting."""
 
@@ -72,6 +83,10 @@ class Request:
         return all(s.is_finished for s in self.seqs)
 
 
+def _step_kind(out: SchedulerOutput) -> str:
+    return "combined" if out.is_combined else "decode" if out.is_decode else "prefill"
+
+
 class LLMEngine:
     """One model, one scheduler, one KV cache. Not thread-safe: one thread calls it."""
 
@@ -82,6 +97,7 @@ class LLMEngine:
         self.config = config
         self.profile_steps = profile_steps
         self.step_records: list[StepRecord] = []
+        self.last_step: StepSummary | None = None  # None after a step that ran no forward
         self.tokenizer = tokenizer
         # A runner may be shared with another engine of the same model (the benchmark reruns a
         # workload under a different max_num_seqs without rebuilding the model and graphs); only
@@ -260,18 +276,22 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         touched: dict[str, Request] = {r.request_id: r for r in self._aborted}
         self._aborted = []
+        scheduled_at = time.perf_counter()
         out = self.scheduler.schedule()
         for seq, blocks in out.swap_out:  # first: the freed blocks may be reused right below
             self.runner.swap_out(seq.seq_id, blocks)
         for seq in out.swap_in:
             self.runner.swap_in(seq.seq_id, seq.block_table)
+        self.last_step = None
         if not out.is_empty:
             self.num_steps += 1
             start = self._sync_time() if self.profile_steps else 0.0
             for seq in self._execute(out):
                 touched[seq.request_id] = self.requests[seq.request_id]
-            if self.profile_steps:
-                self._record_step(out, self._sync_time() - start)
+            end = self._sync_time() if self.profile_steps else time.perf_counter()
+            self.last_step = StepSummary(_step_kind(out), out.num_tokens, end - scheduled_at)
+            if self.profile_steps:  # the forward and commit alone
+                self._record_step(out, end - start)
         outputs = []
         for request in touched.values():
             if request.finished or not request.final_only:
@@ -291,7 +311,7 @@ class LLMEngine:
 
     def _record_step(self, out: SchedulerOutput, seconds: float) -> None:
         decodes = out.decode_chunks
-        kind = "combined" if out.is_combined else "decode" if out.is_decode else "prefill"
+        kind = _step_kind(out)
         padded = sum(self.runner.step_shape(part.shape).num_tokens for part in out.parts)
         self.step_records.append(StepRecord(
             kind=kind, num_tokens=padded, num_real_tokens=out.num_tokens,

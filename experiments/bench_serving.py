@@ -10,6 +10,9 @@ the same arguments sends the same requests.
 Per request: TTFT (first chunk with choices), ITL (every later chunk gap), E2EL (last token chunk)
 and TPOT = (E2EL - TTFT) / (output_len - 1). Reported with vLLM's key names (``mean_ttft_ms``,
 ``p99_itl_ms``, ``request_throughput``, ...) and its printed " Serving Benchmark Result " block.
+Per run, from a corun server's ``/metrics`` read before and after it: the engine's steps by kind
+(``engine_steps``), their mean wall time (``engine_step_ms_mean``) and scheduled tokens a step
+(``iteration_tokens_mean``), which tell prefill time from decode time (``step_breakdown``).
 
 Two ways to run it:
 
@@ -252,6 +255,50 @@ def _peak_concurrency(results: list[RequestResult]) -> int:
     return peak
 
 
+STEP_KINDS = ("prefill", "decode", "combined")
+
+
+def step_counters(base_url: str) -> dict[str, float] | None:
+    """The server's engine-step series (``corun:engine_steps_total`` and
+    ``corun:engine_step_seconds_sum`` by kind, ``corun:iteration_tokens_total_sum``), or None
+    for a server that does not export them (another engine)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = httpx.get(f"{base_url}/metrics", timeout=10.0)
+    except httpx.HTTPError:  # the step figures are a side record: the run goes on without
+        return None
+    if response.status_code != 200:
+        return None
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            kind = sample.labels.get("kind")
+            if sample.name in ("corun:engine_steps_total", "corun:engine_step_seconds_sum"):
+                out[f"{sample.name}[{kind}]"] = sample.value
+            elif sample.name == "corun:iteration_tokens_total_sum":
+                out[sample.name] = sample.value
+    return out or None
+
+
+def step_breakdown(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
+    """One run's engine steps from the counters around it: steps and wall seconds by kind,
+    mean step time, and scheduled tokens a step (empty where the server exports none)."""
+    if not before or not after:
+        return {}
+    steps = {k: int(after[f"corun:engine_steps_total[{k}]"]
+                    - before[f"corun:engine_steps_total[{k}]"]) for k in STEP_KINDS}
+    seconds = {k: after[f"corun:engine_step_seconds_sum[{k}]"]
+               - before[f"corun:engine_step_seconds_sum[{k}]"] for k in STEP_KINDS}
+    total = sum(steps.values())
+    tokens = after["corun:iteration_tokens_total_sum"] - before["corun:iteration_tokens_total_sum"]
+    return {"engine_steps": steps,
+            "engine_step_seconds": {k: round(v, 4) for k, v in seconds.items()},
+            "engine_step_ms_mean": {k: round(seconds[k] / steps[k] * 1e3, 3)
+                                    for k in STEP_KINDS if steps[k]},
+            "iteration_tokens_mean": round(tokens / total, 2) if total else None}
+
+
 def served_model(base_url: str) -> str:
     return httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
 
@@ -301,6 +348,7 @@ def sweep(args: argparse.Namespace, base_url: str, mode: str, budget_s: float | 
             args.vocab_range,
             args.seed + index,
         )
+        counters_before = step_counters(base_url)
         results, duration = asyncio.run(
             run_benchmark(
                 base_url,
@@ -325,6 +373,8 @@ def sweep(args: argparse.Namespace, base_url: str, mode: str, budget_s: float | 
             "random_output_len": args.random_output_len,
             "warmup_s": round(warmup_s, 1),
             **summarize(results, duration),
+            # the run's steps: requests of the run before are finished, the next not yet sent
+            **step_breakdown(counters_before, step_counters(base_url)),
         }
         print(f"\nmode={mode} rate={record['request_rate']} max_concurrency={concurrency}")
         print_result(record)

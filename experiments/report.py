@@ -322,12 +322,24 @@ def _bound_fraction(value: float | None) -> str:
     return _fmt(value) + ("*" if value is not None and value > 1.0 else "")
 
 
-def columns_block(name: str, columns: list[tuple[str, str]]) -> Callable[[dict, list[dict]], str]:
-    """A table of the named fields (key, heading) of every record."""
+def _field(record: dict, key: str) -> object:
+    """A record's field; a dotted key reads into a nested dict (``engine_steps.decode``)."""
+    value: object = record
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def columns_block(name: str, columns: list[tuple[str, str]],
+                  optional: list[tuple[str, str]] = ()) -> Callable[[dict, list[dict]], str]:
+    """A table of the named fields (key, heading) of every record; the ``optional`` ones only
+    where some record has them (fields that later runs added)."""
 
     def render(head: dict, records: list[dict]) -> str:
-        rows = [[_fmt(r.get(key)) for key, _ in columns] for r in records]
-        return _source(head, name) + "\n\n" + _table([h for _, h in columns], rows)
+        shown = [*columns, *(c for c in optional
+                             if any(_field(r, c[0]) is not None for r in records))]
+        rows = [[_fmt(_field(r, key)) for key, _ in shown] for r in records]
+        return _source(head, name) + "\n\n" + _table([h for _, h in shown], rows)
 
     return render
 

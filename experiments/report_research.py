@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Callable
 
 from experiments.report import _fmt, _source, _table, columns_block
-from experiments.report_serving import SERVING_COLUMNS
+from experiments.report_serving import SERVING_COLUMNS, STEP_COLUMNS
 
 PEERS = ("batch_invariant", "batch_invariant_tuned")
 PEER_NAMES = {"batch_invariant": "batch-invariant (portable)",
@@ -208,7 +208,7 @@ def research_view(name: str) -> Callable[[dict, list[dict]], str] | None:
     if name == "invariance-atlas-h200-summary":
         return lambda head, records: atlas_block(head, records, only_variant=True)
     if name.startswith("ablate-serving-load-"):  # -h200, -h100: the card it ran on
-        table = columns_block(name, SERVING_COLUMNS)
+        table = columns_block(name, SERVING_COLUMNS, STEP_COLUMNS)
         return lambda head, records: (f"{table(head, records)}\n\n"
                                       + (f"{_provenance(head).strip()}\n\n"
                                          if _provenance(head) else "")

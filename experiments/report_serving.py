@@ -188,6 +188,14 @@ SERVING_COLUMNS = [
     ("p99_tpot_ms", "TPOT p99 ms"), ("median_itl_ms", "ITL p50 ms"), ("p99_itl_ms", "ITL p99 ms"),
     ("median_e2el_ms", "E2E p50 ms"),
 ]
+# The server's engine steps during each run (bench_serving.step_breakdown, from /metrics).
+STEP_COLUMNS = [
+    ("engine_steps.prefill", "prefill steps"), ("engine_step_ms_mean.prefill", "prefill step ms"),
+    ("engine_steps.decode", "decode steps"), ("engine_step_ms_mean.decode", "decode step ms"),
+    ("engine_steps.combined", "overlapped steps"),
+    ("engine_step_ms_mean.combined", "overlapped step ms"),
+    ("iteration_tokens_mean", "tokens a step"),
+]
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "offline-h200-summary": offline_summary_block,
     "offline-h200": columns_block("offline-h200", [
@@ -205,16 +213,16 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("audit_requests", "of"), ("mismatches_alone", "alone"), ("alone_sample", "of"),
         ("graph_vs_eager_mismatches", "graph vs eager"),
     ]),
-    "serving-h200": columns_block("serving-h200", SERVING_COLUMNS),
+    "serving-h200": columns_block("serving-h200", SERVING_COLUMNS, STEP_COLUMNS),
     **{name: columns_block(name, [("label", "server"), ("extra_server_args", "flags"),
-                                  *SERVING_COLUMNS[1:]])
+                                  *SERVING_COLUMNS[1:]], STEP_COLUMNS)
        for name in ("serving-step-h200", "serving-step-h200-run2", "serving-corun-sweep-h200")},
     **{f"{name}-summary": serving_step_summary_block(name)
        for name in ("serving-step-h200", "serving-step-h200-run2", "serving-corun-sweep-h200")},
     "serving-h200-summary": serving_summary_block,
     "serving-peer-graphs-h200-summary": serving_peer_graphs_block,
     "serving-peer-graphs-h200": columns_block("serving-peer-graphs-h200", [
-        ("label", "server"), ("extra_server_args", "flags"), *SERVING_COLUMNS[1:]]),
+        ("label", "server"), ("extra_server_args", "flags"), *SERVING_COLUMNS[1:]], STEP_COLUMNS),
     **{name: columns_block(name, [
         ("point", "point"), ("output_tok_s", "out tok/s"), ("ttft_ms_p50", "TTFT p50 ms"),
         ("tpot_ms_p50", "TPOT p50 ms"), ("prefill_steps", "prefill steps"),

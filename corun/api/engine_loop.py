@@ -351,6 +351,8 @@ class EngineLoop:
                 # Before routing: a client that gets its last token and sends the next request
                 # at once must see the queue as this step left it.
                 self._refresh_stats()
+                if stepping:
+                    self._observe_step()
                 batch: dict[asyncio.AbstractEventLoop, list] = {}
                 for output in outputs:
                     self._route(output, batch)
@@ -369,6 +371,11 @@ class EngineLoop:
         check = getattr(self._engine, "check_health", None)
         if check is not None:
             check()
+
+    def _observe_step(self) -> None:
+        step = self._engine.last_step  # None: the step ran no forward
+        if self._metrics is not None and step is not None:
+            self._metrics.observe_step(step.kind, step.num_real_tokens, step.seconds)
 
     def _refresh_stats(self) -> None:
         stats = self._engine.stats()

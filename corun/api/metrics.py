@@ -3,10 +3,14 @@
 Each server owns its own ``CollectorRegistry`` (no process-global registry: two servers in one
 test process must not share counters). Counters and histograms are updated from the request
 handlers (asyncio thread); the gauges are set by the engine loop thread after every step, from
-``LLMEngine.stats()``, which is the only thread allowed to read the engine.
+``LLMEngine.stats()``, which is the only thread allowed to read the engine. The engine loop also
+counts each step by kind with its wall time and scheduled tokens (``LLMEngine.last_step``), the
+split between prefill and decode time that request latencies do not show.
 """
 
 from __future__ import annotations
+
+import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: N811
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -77,6 +81,13 @@ E2E_BUCKETS = (
     60.0,
     120.0,
 )
+
+# Engine steps: a fast GPU decode step to a long CPU prefill.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Tokens scheduled a step (vLLM's iteration_tokens_total buckets: powers of two to 16k).
+ITERATION_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(15))
+STEP_KINDS = ("prefill", "decode", "combined")
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
@@ -159,6 +170,35 @@ class ServerMetrics:
             labels,
             registry=r,
         )
+        # Per engine step (the engine loop thread, after each step): where a server's time goes,
+        # prefill against decode, which the request latencies alone do not tell apart.
+        self.steps = Counter(
+            "corun:engine_steps",
+            "Engine steps that ran a forward, by kind (prefill, decode, combined: a decode part "
+            "and a prefill part overlapped).",
+            [*labels, "kind"],
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "corun:engine_step_seconds",
+            "Wall time of one engine step, from its schedule to its samples on the host, by kind.",
+            [*labels, "kind"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.iteration_tokens = Histogram(
+            "corun:iteration_tokens_total",
+            "Tokens scheduled in one engine step (prompt chunks and decode tokens).",
+            labels,
+            buckets=ITERATION_TOKEN_BUCKETS,
+            registry=r,
+        )
+        for kind in STEP_KINDS:  # exported at 0 before the first step, as the token counters
+            self.labels(self.steps, kind=kind)
+            self.labels(self.step_seconds, kind=kind)
+        self.labels(self.iteration_tokens)
+        # A step's three series change together: a scrape sees all of a step or none of it.
+        self._step_lock = threading.Lock()
         self._prefix_seen = (0, 0)  # the engine totals already counted
         # Exported at 0 from the first scrape on (a labelled counter has no sample until its
         # label is first used, so a scrape before any finished request would lack the series).
@@ -208,6 +248,13 @@ class ServerMetrics:
             self.labels(self.ttft).observe(ttft_s)
         self.labels(self.e2e).observe(e2e_s)
 
+    def observe_step(self, kind: str, num_tokens: int, seconds: float) -> None:
+        """One engine step that ran a forward (engine loop thread)."""
+        with self._step_lock:
+            self.labels(self.steps, kind=kind).inc()
+            self.labels(self.step_seconds, kind=kind).observe(seconds)
+            self.labels(self.iteration_tokens).observe(num_tokens)
+
     def observe_itl(self, seconds: float) -> None:
         self.labels(self.tpot).observe(seconds)
 
@@ -219,4 +266,5 @@ class ServerMetrics:
         self.labels(self.errors, status=str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        with self._step_lock:
+            return generate_latest(self.registry)

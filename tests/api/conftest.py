@@ -58,8 +58,9 @@ class Server:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 key = sample.name
-                if "finished_reason" in sample.labels:
-                    key += f"[{sample.labels['finished_reason']}]"
+                for label in ("finished_reason", "kind"):
+                    if label in sample.labels:
+                        key += f"[{sample.labels[label]}]"
                 out[key] = sample.value
         return out
 

@@ -126,3 +126,33 @@ def test_prefix_cache_counters_count_a_repeated_prompt(server: Server):
     assert middle[queries] - before[queries] >= 100 and after[queries] - middle[queries] >= 100
     assert after[hits] - middle[hits] >= 64
     assert (second["text"], second["fingerprint"]) == (first["text"], first["fingerprint"])
+
+
+def test_engine_step_metrics_count_a_request_s_prefill_and_decode_steps(server: Server):
+    """/metrics counts the engine's steps by kind, their wall times and the tokens each
+    scheduled: one request of P prompt tokens and 6 output tokens adds at least one prefill
+    step, 5 decode steps and P + 5 scheduled tokens (at least: the session's server may still
+    run another test's leftovers). A step is observed before its outputs are routed, so the
+    response's arrival orders the scrape after every step of it."""
+    body = {"prompt": "metrics " * 5, "max_tokens": 6, "ignore_eos": True, "seed": 5}
+    with server.client() as client:
+        before = server.metrics()
+        response = client.post("/v1/completions", json=body).json()
+        after = server.metrics()
+    prompt_tokens = response["usage"]["prompt_tokens"]
+    assert response["usage"]["completion_tokens"] == 6
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    assert delta("corun:engine_steps_total[prefill]") + delta(
+        "corun:engine_steps_total[combined]") >= 1
+    assert delta("corun:engine_steps_total[decode]") + delta(
+        "corun:engine_steps_total[combined]") >= 5
+    for kind in ("prefill", "decode", "combined"):  # one wall time per step
+        assert delta(f"corun:engine_step_seconds_count[{kind}]") == delta(
+            f"corun:engine_steps_total[{kind}]")
+        assert delta(f"corun:engine_step_seconds_sum[{kind}]") >= 0
+    assert delta("corun:iteration_tokens_total_sum") >= prompt_tokens + 5
+    assert delta("corun:iteration_tokens_total_count") == sum(
+        delta(f"corun:engine_steps_total[{kind}]") for kind in ("prefill", "decode", "combined"))

@@ -68,6 +68,13 @@ def test_serving_load_dry_run_launches_a_server(tmp_path, monkeypatch):
     assert head["header"] and {r["request_rate"] for r in records} == {4.0, "inf"}
     assert all(r["mode"] == "corun" and r["completed"] >= 1 and not r["failed"] for r in records)
     assert (tmp_path / "serving-test.png").exists()
+    # each run records the server's engine steps around it (from /metrics): a run's requests
+    # took at least one prefill step and, with more than one output token, decode steps
+    for r in records:
+        steps = r["engine_steps"]
+        assert steps["prefill"] + steps["combined"] >= 1 and steps["decode"] >= 1
+        assert r["iteration_tokens_mean"] > 0
+        assert set(r["engine_step_ms_mean"]) == {k for k, n in steps.items() if n}
 
 
 def test_repeats_keep_the_median_run_and_every_runs_throughput(tmp_path, monkeypatch):

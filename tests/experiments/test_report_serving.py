@@ -56,3 +56,22 @@ def test_serving_views_name_failed_servers_and_skip_them(tmp_path, monkeypatch):
     peer = render_block(tmp_path, monkeypatch, "serving-peer-graphs-h200", HEAD, records,
                         "serving-peer-graphs-h200-summary")
     assert "No peer ran both" in peer
+
+
+def test_step_columns_show_only_where_a_run_recorded_the_server_s_steps(tmp_path, monkeypatch):
+    """The engine-step columns (bench_serving.step_breakdown's nested fields) appear once a
+    record has them, and read into the nested dicts; earlier files keep their tables."""
+    plain = _server("corun", "corun", 400.0, 34.0, 33.0)
+    stepped = {**plain, "engine_steps": {"prefill": 3, "decode": 40, "combined": 0},
+               "engine_step_ms_mean": {"prefill": 61.5, "decode": 10.25},
+               "iteration_tokens_mean": 57.5}
+    old = render_block(tmp_path, monkeypatch, "serving-h200", HEAD, [plain])
+    assert "decode steps" not in old
+    new = render_block(tmp_path, monkeypatch, "serving-h200", HEAD, [stepped, plain])
+    header = next(line for line in new.splitlines() if line.startswith("| mode"))
+    # no overlapped step ran, so no record has its mean: that column stays out
+    assert header.endswith("| prefill steps | prefill step ms | decode steps | decode step ms | "
+                           "overlapped steps | tokens a step |")
+    first, second = [line for line in new.splitlines() if line.startswith("| corun")]
+    assert first.endswith("| 3 | 61.50 | 40 | 10.25 | 0 | 57.50 |")
+    assert second.endswith("| — | — | — | — | — | — |")
