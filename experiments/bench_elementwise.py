@@ -7,8 +7,9 @@ call, the same way (CUDA-graph replay): torch eager (the reference math of
 (``LigerRMSNormFunction``, ``LigerFusedAddRMSNormFunction``, ``LigerRopeFunction`` for the
 neox layout, ``LigerFusedGateUpSiLUMulFunction``; its wheel travels in ``.whl``). A row's ``peer``
 is the fastest of them, each one's time is kept as ``<peer>_us``. ``bound_us`` is bytes moved /
-4.3 TB/s and ``bw_fraction`` = bound_us / us (the target is >= 0.9 where launch overhead does not
-dominate, i.e. at M >= 2048; below that a few-microsecond launch is most of the time).
+the card's copy bandwidth (4.3 TB/s on the H200) and ``bw_fraction`` = bound_us / us (the target is
+>= 0.9 where launch overhead does not dominate, i.e. at M >= 2048; below that a few-microsecond
+launch is most of the time).
 
     python -m experiments.bench_elementwise [--quick]   -> experiments/results/elementwise-h200.json
 """

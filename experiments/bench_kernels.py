@@ -1,11 +1,12 @@
-"""Every kernel against its vendor peer on the H200, plus the invariance checks at real shapes.
+"""Every kernel against its vendor peer on the GPU, plus the invariance checks at real shapes.
 
 Runs each family's ``collect()`` (timings: ours vs the peer measured in the same run, as a ratio)
-and ``check_invariance_gpu()`` (bitwise checks in bf16 at the real shapes), and writes one file,
-``experiments/results/kernels-h200.json``: a header record, then the timing records
-``{"op", "policy", "M", "N", "K", "dtype", "us", "peer", "peer_us", "ratio", ...}``, then the
-invariance records ``{"op", "check", "mode", "shape", "passed", "detail"}``. A PNG of the ratios
-goes beside it.
+and ``check_invariance_gpu()`` (bitwise checks in bf16 at the real shapes), and writes one file
+per card, ``experiments/results/kernels-<card>.json`` (``kernels-h200.json``, ``kernels-h100.json``:
+``harness.card_tag``; its bounds at that card's copy bandwidth): a header record, then the
+timing records ``{"op", "policy", "M", "N", "K", "dtype", "us", "peer", "peer_us", "ratio",
+...}``, then the invariance records ``{"op", "check", "mode", "shape", "passed", "detail"}``.
+A PNG of the ratios goes beside it.
 
     python -m experiments.bench_kernels [--quick] [--families gemm,attention,...] [--out DIR]
         [--merge experiments/results/kernels-h200.json]
@@ -104,6 +105,9 @@ def merge_runs(base: list[dict], new: list[dict]) -> list[dict]:
     The merged header is the newest run's, its command saying that the file is merged."""
     base_head, *base_records = base
     new_head, *new_records = new
+    if base_head.get("machine") != new_head.get("machine"):  # one card's figures a file
+        raise ValueError(f"merge: a run on {new_head.get('machine')} into a file of "
+                         f"{base_head.get('machine')}; each card keeps its own kernels file")
     runs = list(base_head.get("runs") or [])
     if not runs:
         runs = [{key: base_head.get(key) for key in ("command", "date", "families", "timing")}
@@ -120,8 +124,9 @@ def merge_runs(base: list[dict], new: list[dict]) -> list[dict]:
     runs = [run for run in runs if run["run"] in live]  # a run every record replaced is gone
     head = {key: value for key, value in new_head.items() if key not in ("families", "quick")}
     head.update(
-        command=f"merged from {len(runs)} runs of experiments/bench_kernels.py on the H200 (bash "
-                "experiments/run_h200.sh kernels): each op from its latest run; see runs",
+        command=f"merged from {len(runs)} runs of experiments/bench_kernels.py on the "
+                f"{new_head.get('machine')} (bash experiments/run_h200.sh kernels): each op from "
+                "its latest run; see runs",
         timing="per run, see runs; each record names its run", runs=runs)
     return [head, *kept, *({**r, "run": run_name} for r in new_records)]
 
@@ -132,7 +137,7 @@ def _merge_files(base_path: Path, new_paths: list[Path], out_dir: str | None) ->
         merged = merge_runs(merged, json.loads(path.read_text()))
     out = Path(out_dir) if out_dir else base_path.parent
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "kernels-h200.json"
+    path = out / base_path.name  # the merged file keeps its card's name (kernels-h200.json)
     path.write_text(json.dumps(merged, indent=1) + "\n")
     plot_ratios([r for r in merged[1:] if "us" in r], path.with_suffix(".png"))
     return path
@@ -160,10 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_kernels needs a CUDA device; none found", file=sys.stderr)
         return 2
     timings, checks, errors = [], [], []
-    # With --merge this run's own records go to kernels-h200-lastrun.json and the merged file is
-    # rewritten after every family: a run cut short by its time limit leaves a whole merged
-    # file (never this run's records alone under the committed name).
-    name = "kernels-h200-lastrun" if args.merge is not None else "kernels-h200"
+    # With --merge this run's own records go to kernels-<card>-lastrun.json and the merged file
+    # is rewritten after every family: a run cut short by its time limit leaves a whole merged
+    # file (never this run's records alone under the committed name). A card's records merge
+    # into that card's file only.
+    card = harness.card_tag()
+    if args.merge is not None and not args.merge.name.startswith(f"kernels-{card}."):
+        parser.error(f"--merge {args.merge}: this run is on {card}; merge into "
+                     f"kernels-{card}.json (or run without --merge for a new file)")
+    name = f"kernels-{card}-lastrun" if args.merge is not None else f"kernels-{card}"
     done: list[str] = []  # the header names the families measured so far, not those asked for
     for family in args.families.split(","):
         t, c, e = run_family(family.strip(), args.quick)

@@ -10,9 +10,10 @@ built alone and freed before the next:
   of all 64 rows;
 - logits checked finite; time (prefill eager, decode from a CUDA graph; medians), tokens/s,
   peak memory, and the decode
-  step's memory bound: (weight bytes read + KV bytes read) / 4.3 TB/s. Weight bytes count every
-  matrix read by the step; for MoE layers the experts expected to receive at least one of the
-  64 x top_k choices under uniform routing (random weights route near-uniformly), and not the
+  step's memory bound: (weight bytes read + KV bytes read) / the card's copy bandwidth (4.3
+  TB/s on the H200). Weight bytes count every matrix read by the step; for MoE layers the experts
+  expected to receive at least one of the 64 x top_k choices under uniform routing (random weights
+  route near-uniformly), and not the
   embedding table (a 64-row gather) unless it is tied to the LM head.
 
 Writes experiments/results/models-h200.json. Usage: python -m experiments.bench_models
@@ -27,7 +28,7 @@ import time
 
 import torch
 
-from experiments.harness import bench_us, memory_bound_us, write_results
+from experiments.harness import bench_us, card_tag, memory_bound_us, write_results
 from kernels.mode import Mode
 from models import build_model
 from models.config import NAMED_CONFIGS, ModelConfig, num_parameters
@@ -147,13 +148,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--decode-fused-combine", action="store_true",
                         help="decode attention combines the splits in its split launch")
-    parser.add_argument("--name", default="models-h200")
+    parser.add_argument("--name", default=None, help="results name (default models-<card>)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_models needs a GPU (it runs real shapes in bf16)")
     if args.prefill_len + 1 > MAX_MODEL_LEN:
         raise SystemExit(f"--prefill-len: expected <= {MAX_MODEL_LEN - 1}")
     device = torch.device("cuda")
+    result_name = args.name or f"models-{card_tag()}"
     records = []
     for name in args.models:
         record = bench_model(name, args.prefill_len, args.decode_batch, device,
@@ -162,8 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.empty_cache()
         print(record, flush=True)
         records.append(record)
-        write_results(args.name, records)  # after each model, so a timeout keeps what finished
-    print(f"wrote {write_results(args.name, records)}")
+        write_results(result_name, records)  # after each model, so a timeout keeps what finished
+    print(f"wrote {write_results(result_name, records)}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ inputs. ``us`` = our softmax_topk/grouped_topk + fused_moe; peer = the faster of
 the torch reference router: a loop of bf16 matmuls per expert over the tokens routed to it (HF
 eager style, ``torch_expert_loop_us``) and the vendor grouped GEMM, ``torch._grouped_mm`` over the
 expert-sorted tokens (``torch_grouped_mm_us``; ``grouped_mm_error`` where this torch lacks it);
-bound_us = (distinct experts hit) x (w13 + w2 bytes) / 4.3 TB/s; bw_fraction = bound_us / us.
+bound_us = (distinct experts hit) x (w13 + w2 bytes) / the copy bandwidth (4.3 TB/s on the H200);
+bw_fraction = bound_us / us.
 The ``default`` MoE policy equals ``corun`` (both pick tiles from the total token count), so
 ``corun`` and ``batch_invariant`` are timed.
 

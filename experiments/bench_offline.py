@@ -74,6 +74,7 @@ from corun.sampling_params import SamplingParams
 from experiments.bench_models import decode_weight_bytes
 from experiments.harness import (
     WARMUP_LENGTHS,
+    bandwidth_label,
     count_jit_compiles,
     memory_bound_us,
     write_results,
@@ -535,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
              "timing": "wall clock of the whole run; per-step profile with a device sync around "
                        "each step; decode bounds: the weights the step reads (no embedding; the "
                        "experts its live tokens reach under uniform routing) + the timed step's "
-                       "live KV, read once at 4.3 TB/s"}
+                       f"live KV, read once at {bandwidth_label()}"}
     records: list[dict] = []
     path = None
     cachings = {"on": (True,), "off": (False,), "both": (True, False)}[args.prefix_caching]

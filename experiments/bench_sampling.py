@@ -6,8 +6,9 @@ The peer is the usual torch sampler without torch.multinomial: softmax(logits / 
 torch.topk, top-p by sort + cumsum, then an exponential race argmax(p / E) with E ~ Exp(1); its
 per-batch parameters are Python scalars and its noise comes from the default generator, so it is
 captured and replayed from a CUDA graph exactly like ours (no host sync inside). ``bound_us`` is
-one read of the fp32 logits at 4.3 TB/s. The "flat" rows (logits ~ N(0, 1), T = 1: top-p keeps
-most of the vocab, so the whole-row fallback decides) are diagnostics outside the target set.
+one read of the fp32 logits at the card's copy bandwidth (4.3 TB/s on the H200). The "flat" rows
+(logits ~ N(0, 1), T = 1: top-p keeps most of the vocab, so the whole-row fallback decides) are
+diagnostics outside the target set.
 
     python -m experiments.bench_sampling [--quick]   -> experiments/results/sampling-h200.json
 """

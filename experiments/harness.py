@@ -21,9 +21,13 @@ from pathlib import Path
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-# Measured device-to-device copy bandwidth of the H200 (KINDS.md, 2026-10-28 and 2026-11-04):
-# the memory-bound denominators the issues name.
+# Measured device-to-device copy bandwidth, bytes read and written (the device tool's KINDS.md):
+# the H200's 4.3 TB/s (2026-10-28 and 2026-11-04), the denominator the issues name; the H100's
+# 3.0 TB/s (2026-11-13). A bound is computed at the bandwidth of the card that was timed.
 H200_BANDWIDTH_BYTES_PER_S = 4.3e12
+COPY_BANDWIDTH_BYTES_PER_S = {"h200": H200_BANDWIDTH_BYTES_PER_S, "h100": 3.0e12}
+# The vendors' datasheet peaks, which a stream that mostly reads can pass the copy rate towards.
+DATASHEET_BANDWIDTH_BYTES_PER_S = {"h200": 4.8e12, "h100": 3.35e12}
 
 
 def card_tag() -> str:
@@ -114,9 +118,21 @@ def kernels_replaced(modules: list, stand_in: Callable[[object], object]) -> Ite
             setattr(module, name, value)
 
 
-def memory_bound_us(num_bytes: float, bandwidth: float = H200_BANDWIDTH_BYTES_PER_S) -> float:
-    """The time to move ``num_bytes`` once at the measured copy bandwidth, in microseconds."""
-    return num_bytes / bandwidth * 1e6
+def copy_bandwidth() -> float:
+    """The measured copy bandwidth of this card (bytes/s), the H200's where none was measured
+    (the CPU's dry runs, another GPU: its header's ``copy_bandwidth_card`` says so)."""
+    return COPY_BANDWIDTH_BYTES_PER_S.get(card_tag(), H200_BANDWIDTH_BYTES_PER_S)
+
+
+def bandwidth_label() -> str:
+    """``4.3 TB/s``: how the bound strings name the bandwidth they assume."""
+    return f"{copy_bandwidth() / 1e12:.1f} TB/s"
+
+
+def memory_bound_us(num_bytes: float, bandwidth: float | None = None) -> float:
+    """The time to move ``num_bytes`` once at the measured copy bandwidth of this card (or
+    ``bandwidth``), in microseconds."""
+    return num_bytes / (bandwidth or copy_bandwidth()) * 1e6
 
 
 def header(command: str | None = None, **extra: object) -> dict:
@@ -137,6 +153,10 @@ def header(command: str | None = None, **extra: object) -> dict:
         "python": platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command or " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        # the bandwidth every memory bound in the file assumes, and whose measurement it is
+        "copy_bandwidth_bytes_per_s": copy_bandwidth(),
+        "copy_bandwidth_card": (card_tag() if card_tag() in COPY_BANDWIDTH_BYTES_PER_S
+                                else "h200 (none measured for this machine)"),
         **extra,
     }
 
@@ -164,7 +184,7 @@ def kernel_record(
     peer_us: float,
     **extra: object,
 ) -> dict:
-    """One row of kernels-h200.json; ratio = peer_us / us (higher is better for us)."""
+    """One row of kernels-<card>.json; ratio = peer_us / us (higher is better for us)."""
     return {
         "op": op,
         "policy": policy,
@@ -189,7 +209,7 @@ def family_main(
     summarize: Callable[[list[dict]], None] | None = None,
 ) -> int:
     """The command line of one ``bench_<family>.py``: timings and GPU invariance checks written to
-    ``<family>-h200.json`` (``bench_kernels.py`` runs every family into one file instead)."""
+    ``<family>-<card>.json`` (``bench_kernels.py`` runs every family into one file instead)."""
     import argparse
     import time
 
@@ -207,7 +227,7 @@ def family_main(
         if not check.get("passed"):
             print(f"FAIL {check.get('op')} {check.get('check')} {check.get('mode')}: "
                   f"{check.get('detail', '')}")
-    path = write_results(f"{family}-h200", records + checks, quick=args.quick,
+    path = write_results(f"{family}-{card_tag()}", records + checks, quick=args.quick,
                          collect_s=round(collect_s, 1))
     if summarize is not None:
         summarize(records)

@@ -11,6 +11,7 @@ can not drift from its measurement.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -89,7 +90,7 @@ def _invalid_peer_note(rows: list[dict]) -> str:
         f"{op}: {reason}" for op, reason in reasons.items()) + "."
 
 
-def kernels_block(head: dict, records: list[dict]) -> str:
+def kernels_block(head: dict, records: list[dict], name: str = "kernels-h200") -> str:
     timings = [r for r in records if "us" in r and not r.get("error")]
     checks = [r for r in records if "passed" in r]
     errors = [r for r in records if r.get("error")]
@@ -111,7 +112,7 @@ def kernels_block(head: dict, records: list[dict]) -> str:
         for r in timings
     ]
     parts = [
-        _source(head, "kernels-h200"),
+        _source(head, name),
         "",
         _table(
             [
@@ -223,7 +224,7 @@ def _peers(rows: list[dict]) -> str:
     return ", ".join(f"{peer} ({n})" for peer, n in sorted(counts.items(), key=lambda c: -c[1]))
 
 
-def kernels_summary_block(head: dict, records: list[dict]) -> str:
+def kernels_summary_block(head: dict, records: list[dict], name: str = "kernels-h200") -> str:
     """Per (op, policy): shape count, ratio vs the peer (min / median / max) and the fraction of
     the memory-bandwidth bound (median / max). The full table is in experiments/README.md."""
     timings = [r for r in records if "us" in r and not r.get("error")
@@ -261,42 +262,56 @@ def kernels_summary_block(head: dict, records: list[dict]) -> str:
              "replaced (marked `superseded` in the file, with the config each ran).", ""]
             if superseded else [])
     return "\n".join([
-        _source(head, "kernels-h200"), "",
+        _source(head, name), "",
         f"The runs the rows come from (each op from its latest run), with their timing: "
         f"{methods}.", "", *note,
         _table(["op", "policy", "shapes", "peer", "peer/ours min", "median", "max",
                 "of bw bound (median)", "(max)"], rows), "",
         *([invalid, ""] if (invalid := _invalid_peer_note(timings)) else []),
-        L2_NOTE + _beyond_l2_note(timings), "",
+        l2_note(_bandwidth(head)) + _beyond_l2_note(timings, _bandwidth(head)), "",
         f"GPU invariance checks at real shapes: {passed} of {len(counted)} as expected"
         + (" (the failing ones are listed in `experiments/README.md`)." if passed < len(counted)
            else ".") + _uncounted_note(checks),
     ])
 
 
-# The bound is HBM traffic at the measured 4.3 TB/s copy rate; a graph replayed back to back keeps
-# operands that fit the 50 MB L2 resident, so small elementwise shapes can run above it.
+# The bound is HBM traffic at the card's measured copy rate (the file's header says which); a
+# graph replayed back to back keeps operands that fit the 50 MB L2 resident, so small
+# elementwise shapes can run above it.
 L2_BYTES = 50e6
-L2_NOTE = ("A bound fraction marked * is above 1. In the graph-replayed families, operands that "
-           "fit the H200's 50 MB L2 stay resident between replays, so the HBM bound (4.3 TB/s "
-           "copy rate) does not bind there.")
 
 
-def moved_bytes(r: dict) -> float | None:
-    """The bytes a kernel row's bound counts (its bound time at the bound's copy rate)."""
+def _bandwidth(head: dict) -> float:
+    """The copy rate a kernels file's bounds assume: its header's, else the H200's (the files
+    written before headers said it were all the H200's)."""
     from experiments.harness import H200_BANDWIDTH_BYTES_PER_S
 
-    return r["bound_us"] * 1e-6 * H200_BANDWIDTH_BYTES_PER_S if r.get("bound_us") else None
+    return head.get("copy_bandwidth_bytes_per_s") or H200_BANDWIDTH_BYTES_PER_S
 
 
-def _beyond_l2_note(rows: list[dict]) -> str:
+def l2_note(bandwidth: float) -> str:
+    return ("A bound fraction marked * is above 1. In the graph-replayed families, operands that "
+            "fit the 50 MB L2 stay resident between replays, so the HBM bound "
+            f"({bandwidth / 1e12:.1f} TB/s copy rate) does not bind there.")
+
+
+def moved_bytes(r: dict, bandwidth: float | None = None) -> float | None:
+    """The bytes a kernel row's bound counts (its bound time at the bound's copy rate, the
+    H200's unless given)."""
+    from experiments.harness import H200_BANDWIDTH_BYTES_PER_S
+
+    rate = bandwidth or H200_BANDWIDTH_BYTES_PER_S
+    return r["bound_us"] * 1e-6 * rate if r.get("bound_us") else None
+
+
+def _beyond_l2_note(rows: list[dict], bandwidth: float) -> str:
     """The rows above their bound that move more than twice the L2 (so their operands cannot sit
     in it): for them the explanation is the bound's rate, a copy's (bytes read plus bytes
     written), which a stream that mostly reads exceeds."""
     beyond: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         if (r.get("bw_fraction") or 0) > 1 and r.get("bound_us"):
-            moved = moved_bytes(r)
+            moved = moved_bytes(r, bandwidth)
             if moved > 2 * L2_BYTES:
                 beyond.setdefault(f"{r['op']} {r['policy']}", []).append(
                     (moved / 1e9, r["bw_fraction"]))
@@ -306,10 +321,19 @@ def _beyond_l2_note(rows: list[dict]) -> str:
               f"GB, up to {max(f for _, f in v):.2f} of the bound)" for group, v in beyond.items()]
     said = " and ".join([", ".join(groups[:-1]), groups[-1]] if len(groups) > 1 else groups)
     return (f" Not so for {said}: they move more than twice what the L2 holds, so their "
-            "operands cannot sit in it even if read and written in place. The bound's 4.3 TB/s is "
-            "a device-to-device copy's rate counting bytes read plus bytes written, and a stream "
-            "that mostly reads runs faster (the datasheet's peak is 4.8 TB/s), so for rows like "
-            "these the bound is not a ceiling.")
+            "operands cannot sit in it even if read and written in place. The bound's "
+            f"{bandwidth / 1e12:.1f} TB/s is a device-to-device copy's rate counting bytes read "
+            "plus bytes written, and a stream that mostly reads runs faster (the datasheet's peak "
+            f"is {_datasheet(bandwidth) / 1e12:.3g} TB/s), so for rows like these the bound is "
+            "not a ceiling.")
+
+
+def _datasheet(copy_bandwidth: float) -> float:
+    """The datasheet peak of the card whose measured copy rate this is."""
+    from experiments.harness import COPY_BANDWIDTH_BYTES_PER_S, DATASHEET_BANDWIDTH_BYTES_PER_S
+
+    card = next(c for c, rate in COPY_BANDWIDTH_BYTES_PER_S.items() if rate == copy_bandwidth)
+    return DATASHEET_BANDWIDTH_BYTES_PER_S[card]
 
 
 def _span(values: list[float], digits: int = 1, unit: str = "") -> str:
@@ -410,8 +434,11 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("decode_memory_bound_us", "bound us"), ("decode_fraction_of_bound", "of bound"),
         ("peak_memory_gb", "peak GB"),
     ]),
-    "kernels-h200": kernels_block,
-    "kernels-h200-summary": kernels_summary_block,
+    # one kernels file per card (bench_kernels): kernels-h200.json, kernels-h100.json
+    **{name: functools.partial(kernels_block, name=name)
+       for name in ("kernels-h200", "kernels-h100")},
+    **{f"{name}-summary": functools.partial(kernels_summary_block, name=name)
+       for name in ("kernels-h200", "kernels-h100")},
     "launch-cost-h200": launch_cost_block,
     "detokenize-cpu": columns_block("detokenize-cpu", [
         ("output_tokens", "output tokens a sequence"), ("batch", "sequences"),
@@ -435,7 +462,7 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
        for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "decode-attention")},
 }
-ALIASES = {"kernels-h200-summary": "kernels-h200"}
+ALIASES = {"kernels-h200-summary": "kernels-h200", "kernels-h100-summary": "kernels-h100"}
 
 
 def render_readme(text: str) -> str:

@@ -3,7 +3,7 @@
 #   tests    native GPU run of the kernel and invariance tests (bf16 paths the interpreter can't run)
 #   tune     experiments/tune_gemm.py -> kernels/tuned/gemm_h200.json
 #   tune_moe / tune_mla  experiments/tune_moe.py / tune_mla.py -> kernels/tuned/{moe,mla}_h200.json
-#   kernels  experiments/bench_kernels.py, merged into the committed kernels-h200.json (+ png)
+#   kernels  experiments/bench_kernels.py, merged into the committed kernels-CARD.json (+ png)
 #   launch   experiments/bench_launch_cost.py -> launch-cost-h200.json (host us per op, GPU us beside)
 #   logits   experiments/bench_logits_processing.py -> logits-processing-CARD.json (batched vs row by row)
 #   models   experiments/bench_models.py -> models-h200.json; MODELS_ARGS adds flags (e.g. --decode-batch 128 --name ...)
@@ -70,18 +70,32 @@ native_tests() {  # native_tests STAGE SECONDS PYTEST-ARGS...: pytest with a JUn
   return $rc
 }
 
+h200_only() {  # h200_only STAGE: the tuned tables (kernels/tuned/*_h200.json) hold the H200's
+  # timings, which another card's tuning would overwrite
+  [ "$CARD" = h200 ] && return 0
+  echo "== $1: skipped on $CARD: kernels/tuned/*_h200.json is tuned on the H200 only"
+  return 1
+}
+
 for stage in "$@"; do
   case $stage in
     tests)   native_tests tests ${TESTS_LIMIT:-110} -n 8 tests/kernels invariance_tests \
                --ignore=invariance_tests/test_engine_determinism.py --timeout=60 ;;
     # tune_gemm writes its table after every shape (a cut run resumes): copied whatever the status
-    tune)    run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-250} ${TUNE_ARGS:-}; cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
-    tune_moe) run tune_moe ${TUNE_MOE_LIMIT:-150} python3 -m experiments.tune_moe --budget-s ${TUNE_MOE_BUDGET:-120} \
+    tune)    h200_only tune || continue
+             run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-250} ${TUNE_ARGS:-}; cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
+    tune_moe) h200_only tune_moe || continue
+             run tune_moe ${TUNE_MOE_LIMIT:-150} python3 -m experiments.tune_moe --budget-s ${TUNE_MOE_BUDGET:-120} \
                && cp kernels/tuned/moe_h200.json "$OUT/results/" ;;
-    tune_mla) run tune_mla ${TUNE_MLA_LIMIT:-330} python3 -m experiments.tune_mla --budget-s ${TUNE_MLA_BUDGET:-270} \
+    tune_mla) h200_only tune_mla || continue
+             run tune_mla ${TUNE_MLA_LIMIT:-330} python3 -m experiments.tune_mla --budget-s ${TUNE_MLA_BUDGET:-270} \
                && cp kernels/tuned/mla_h200.json "$OUT/results/" ;;
-    kernels) run kernels ${KERNELS_LIMIT:-330} python3 -m experiments.bench_kernels \
-               --merge experiments/results/kernels-h200.json ${KERNELS_ARGS:-} ;;
+    # each card's runs merge into its own file (kernels-h200.json, kernels-h100.json); a card's
+    # first run writes it afresh
+    kernels) merge=(); [ -f "experiments/results/kernels-$CARD.json" ] \
+               && merge=(--merge "experiments/results/kernels-$CARD.json")
+             run kernels ${KERNELS_LIMIT:-330} python3 -m experiments.bench_kernels \
+               "${merge[@]}" ${KERNELS_ARGS:-} ;;
     launch)  run launch ${LAUNCH_LIMIT:-120} python3 -m experiments.bench_launch_cost ;;
     logits)  run logits ${LOGITS_LIMIT:-90} python3 -m experiments.bench_logits_processing \
                  --device cuda --name logits-processing-$CARD ;;

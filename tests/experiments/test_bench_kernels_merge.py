@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from experiments import bench_kernels
 
 
@@ -33,7 +35,7 @@ def test_merge_replaces_ops_and_keeps_each_records_run(tmp_path):
 
 
 def test_merge_from_files_writes_the_merged_file(tmp_path):
-    base, new = tmp_path / "base.json", tmp_path / "new.json"
+    base, new = tmp_path / "kernels-h200.json", tmp_path / "new.json"
     base.write_text(json.dumps(_run("d1", "gemm", {"gemm": 2})))
     new.write_text(json.dumps(_run("d2", "attention", {"decode_attention": 1})))
     out = tmp_path / "out"
@@ -41,7 +43,16 @@ def test_merge_from_files_writes_the_merged_file(tmp_path):
                                "--out", str(out)]) == 0
     head, *records = json.loads((out / "kernels-h200.json").read_text())
     assert {r["op"] for r in records} == {"gemm", "decode_attention"}
-    assert (out / "kernels-h200.png").exists()
+    assert (out / "kernels-h200.png").exists()  # the merged file keeps the base's name
+
+
+def test_a_run_on_another_card_is_not_merged_into_a_card_s_file():
+    """An H100's timings and bounds never land in the H200's kernels file (each card has its
+    own: kernels-h100.json)."""
+    h100 = _run("d2", "attention", {"decode_attention": 1})
+    h100[0]["machine"] = "NVIDIA H100 80GB HBM3"
+    with pytest.raises(ValueError, match="each card keeps its own kernels file"):
+        bench_kernels.merge_runs(_run("d1", "gemm", {"gemm": 2}), h100)
 
 
 def test_a_cut_merging_run_leaves_a_whole_merged_file(tmp_path, monkeypatch):
@@ -50,7 +61,7 @@ def test_a_cut_merging_run_leaves_a_whole_merged_file(tmp_path, monkeypatch):
     records under kernels-h200-lastrun.json (never them alone under the committed name)."""
     import torch
 
-    base = tmp_path / "base.json"
+    base = tmp_path / "kernels-h200.json"
     base.write_text(json.dumps(_run("d1", "gemm,mla", {"gemm": 2, "mla_decode": 1})))
     record = _run("d2", "attention", {"decode_attention": 1})[1]
 
@@ -73,3 +84,7 @@ def test_a_cut_merging_run_leaves_a_whole_merged_file(tmp_path, monkeypatch):
     own_head, *own = json.loads((out / "kernels-h200-lastrun.json").read_text())
     assert [r["op"] for r in own] == ["decode_attention"]
     assert own_head["families"] == "attention"  # not the mla it never measured
+    # an H100 run does not merge into the H200's file (refused before any work)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    with pytest.raises(SystemExit):
+        bench_kernels.main(["--merge", str(base), "--families", "attention", "--out", str(out)])

@@ -149,3 +149,29 @@ def test_ratio_plot_leaves_out_invalid_peers_and_superseded_policies():
     rows = [{**TIMING, "op": "logits_digest", "peer_invalid": "timed itself"},
             {**TIMING, "superseded": "old policy"}, TIMING]
     assert plotted(rows) == [TIMING]
+
+
+def test_an_h100_kernels_file_renders_with_its_own_bandwidth(tmp_path, monkeypatch):
+    """A kernels file of another card (bench_kernels names it after the card) renders under its
+    own name, and its notes read the copy rate its header says its bounds assume (the H100's
+    3.0 TB/s, datasheet 3.35), not the H200's."""
+    head = {**HEAD, "machine": "NVIDIA H100 80GB HBM3", "copy_bandwidth_bytes_per_s": 3.0e12,
+            "copy_bandwidth_card": "h100"}
+    # 4465 us at 3.0 TB/s is 13.4 GB moved (19.2 GB at the H200's rate)
+    moe = {**TIMING, "op": "moe_layer", "us": 4329.9, "peer_us": 6231.2, "ratio": 1.44,
+           "bound_us": 4465.471, "bw_fraction": 1.0313}
+    text = render_block(tmp_path, monkeypatch, "kernels-h100", head, [moe], "kernels-h100-summary")
+    assert "`experiments/results/kernels-h100.json`" in text
+    assert "moe_layer corun (1 row, 13.4 GB, up to 1.03 of the bound)" in text
+    assert "HBM bound (3.0 TB/s copy rate)" in text and "peak is 3.35 TB/s" in text
+
+
+def test_bounds_are_computed_at_the_timed_card_s_copy_rate(monkeypatch):
+    from experiments import harness
+
+    monkeypatch.setattr(harness, "card_tag", lambda: "h100")
+    assert harness.memory_bound_us(3e6) == 1.0 and harness.bandwidth_label() == "3.0 TB/s"
+    assert harness.header()["copy_bandwidth_bytes_per_s"] == 3.0e12
+    monkeypatch.setattr(harness, "card_tag", lambda: "x86_64")  # none measured: the H200's
+    assert harness.memory_bound_us(4.3e6) == 1.0
+    assert harness.header()["copy_bandwidth_card"].startswith("h200 (none measured")
