@@ -18,6 +18,8 @@
 #            graphs and eager, beside corun -> serving-peer-graphs-h200.json
 #   serving-corun-sweep  corun's serving settings (overlap, C, T, stall budget) against the
 #            graphed peers -> serving-corun-sweep-h200.json
+#   serving-low-load  corun at B = 64 and smaller B beside default and the tuned peer at 1 and 4
+#            req/s, with each run's engine steps -> serving-low-load-CARD.json
 #   paper    experiments/bench_paper.py -> paper-h200.json; one family a call (~3-4 min each):
 #            PAPER_MODELS=hy3 (default all three: ~11 min, past one call's 10); it merges the
 #            committed experiments/results/paper-h200.json's other families; PAPER_ARGS adds flags
@@ -163,6 +165,20 @@ for stage in "$@"; do
                --model qwen3-8b --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
                --request-rate 16 --max-concurrency 64 --random-input-len 512 --random-output-len 128 \
                --time-budget-s ${SERVING_BUDGET:-100} --result-name serving-corun-sweep-h200 \
+               --result-dir "$OUT/results" ;;
+    serving-low-load)  # what corun's fixed decode batch costs when few requests are live: corun
+               # at B = 64 (its serving default) and smaller B beside default and the tuned peer
+               # (who step the live rows only) at low rates, each run's engine steps recorded
+               # from /metrics (decode step ms by kind): SERVING_LOW_BATCHES, e.g. "16 32"
+             variants=()
+             for b in ${SERVING_LOW_BATCHES:-16 32}; do
+               variants+=(--variant "corun-b$b=corun --max-num-seqs $b --decode-batch-size $b")
+             done
+             run serving-low-load ${SERVING_LIMIT:-560} python3 -m experiments.bench_serving --launch \
+               --modes corun,default,batch_invariant_tuned "${variants[@]}" --model qwen3-8b \
+               --server-args "--max-num-seqs 64 --decode-batch-size 64 --max-model-len 4096" \
+               --request-rate 1,4 --random-input-len 1024 --random-output-len 256 \
+               --time-budget-s ${SERVING_BUDGET:-200} --result-name serving-low-load-$CARD \
                --result-dir "$OUT/results" ;;
     gputest) run gputest ${GPUTEST_LIMIT:-60} python3 -m pytest -v --tb=short -p no:cacheprovider \
                invariance_tests/test_engine_determinism.py -k "graph" --timeout=55 ;;
