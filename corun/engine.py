@@ -33,6 +33,7 @@ from corun.sampling_params import SamplingParams
 from corun.scheduler import Scheduler, SchedulerOutput
 from corun.sequence import Sequence, SequenceStatus
 from corun.step import StepPart
+from corun.step_timing import StepTimer
 from corun.system_fingerprint import system_fingerprint
 from corun.tokenizer import decoder_types
 
@@ -47,17 +48,6 @@ class StepRecord:
     num_real_tokens: int  # scheduled tokens (chunks and decode tokens)
     num_decode_live: int  # live decode rows
     decode_context_tokens: int  # sum of the live decode rows' sequence lengths
-    seconds: float
-
-
-@dataclass(frozen=True)
-class StepSummary:
-    """The last step, read by the server's metrics: its kind, scheduled tokens and wall time
-    from schedule to its samples on the host (no extra synchronisation: reading the samples
-    waits for the step's forward)."""
-
-    kind: str  # as StepRecord's
-    num_real_tokens: int
     seconds: float
 
 
@@ -91,13 +81,15 @@ class LLMEngine:
     """One model, one scheduler, one KV cache. Not thread-safe: one thread calls it."""
 
     def __init__(self, config: EngineConfig, tokenizer=None,
-                 model_runner: ModelRunner | None = None, profile_steps: bool = False) -> None:
+                 model_runner: ModelRunner | None = None, profile_steps: bool = False,
+                 time_steps: bool = False) -> None:
         """``profile_steps``: synchronise the device around every step and keep a
-        ``StepRecord`` per step in ``step_records`` (benchmarks; it costs a sync per step)."""
+        ``StepRecord`` per step in ``step_records`` (benchmarks; it costs a sync per step).
+        ``time_steps``: time every step without a sync for a reader that drains
+        ``step_timer.take_finished()`` (the server's metrics); None otherwise."""
         self.config = config
         self.profile_steps = profile_steps
         self.step_records: list[StepRecord] = []
-        self.last_step: StepSummary | None = None  # None after a step that ran no forward
         self.tokenizer = tokenizer
         # A runner may be shared with another engine of the same model (the benchmark reruns a
         # workload under a different max_num_seqs without rebuilding the model and graphs); only
@@ -112,6 +104,7 @@ class LLMEngine:
                 model_runner = ModelRunner(config)
         self.runner = model_runner
         self.scheduler = Scheduler(config, self.runner.num_kv_blocks)
+        self.step_timer = StepTimer(self.runner.device) if time_steps else None
         # EOS: the tokenizer's ids (its own and generation_config.json's: Qwen3 ends chat turns
         # on <|im_end|> and documents on <|endoftext|>; either stops generation), and the model
         # config's where no generation_config.json says otherwise (vLLM then builds its
@@ -276,22 +269,24 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         touched: dict[str, Request] = {r.request_id: r for r in self._aborted}
         self._aborted = []
-        scheduled_at = time.perf_counter()
+        timer = self.step_timer
+        step_start = timer.start() if timer is not None else None
         out = self.scheduler.schedule()
         for seq, blocks in out.swap_out:  # first: the freed blocks may be reused right below
             self.runner.swap_out(seq.seq_id, blocks)
         for seq in out.swap_in:
             self.runner.swap_in(seq.seq_id, seq.block_table)
-        self.last_step = None
         if not out.is_empty:
             self.num_steps += 1
             start = self._sync_time() if self.profile_steps else 0.0
-            for seq in self._execute(out):
+            sampled = self._execute(out)
+            for seq in sampled:
                 touched[seq.request_id] = self.requests[seq.request_id]
-            end = self._sync_time() if self.profile_steps else time.perf_counter()
-            self.last_step = StepSummary(_step_kind(out), out.num_tokens, end - scheduled_at)
-            if self.profile_steps:  # the forward and commit alone
-                self._record_step(out, end - start)
+            if timer is not None:  # a step that sampled read its tokens: its forward ended
+                timer.finish(step_start, _step_kind(out), out.num_tokens,
+                             forward_done=bool(sampled))
+            if self.profile_steps:
+                self._record_step(out, self._sync_time() - start)
         outputs = []
         for request in touched.values():
             if request.finished or not request.final_only:

@@ -373,7 +373,7 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
             config.seed,
         )
     try:
-        engine = LLMEngine(config, tokenizer)
+        engine = LLMEngine(config, tokenizer, time_steps=True)  # /metrics' step series
     except ValueError as exc:
         raise SystemExit(f"invalid configuration: {exc}") from None
     except WorkerError as exc:

@@ -29,16 +29,25 @@ DRY_RUN = dict(modes=("corun",), rates="4,inf", server_args="--device cpu --dtyp
                warmup_requests=1)
 
 
-def merged_budget_s(earlier_head: dict, num_modes: int, num_rates: int) -> float | None:
-    """This run's budget when it joins an earlier file: the earlier budget per mode and rate
-    times this run's modes and rates (bench_serving splits a budget evenly over them), or None
-    when the earlier header does not say its budget, modes and rates."""
-    earlier = earlier_head.get("args", {})
-    budget, modes, rates = (earlier.get(k) for k in ("time_budget_s", "modes", "request_rate"))
+def budget_per_point_s(head: dict) -> float | None:
+    """The budget each point (a mode at a rate) of a serving-load file ran at: its header's
+    ``budget_per_point_s`` (a merged file's, whose own run may have measured one point), else
+    its ``--time-budget-s`` over its modes and rates; None where the header says neither."""
+    if head.get("budget_per_point_s"):
+        return float(head["budget_per_point_s"])
+    args = head.get("args", {})
+    budget, modes, rates = (args.get(k) for k in ("time_budget_s", "modes", "request_rate"))
     if budget in (None, "None") or not modes or not rates:
         return None
-    earlier_points = len(modes.split(",")) * len(str(rates).strip("[]").split(","))
-    return float(budget) / earlier_points * num_modes * num_rates
+    return float(budget) / (len(modes.split(",")) * len(str(rates).strip("[]").split(",")))
+
+
+def merged_budget_s(earlier_head: dict, num_modes: int, num_rates: int) -> float | None:
+    """This run's budget when it joins an earlier file: the earlier budget per point times this
+    run's modes and rates (bench_serving splits a budget evenly over them), or None when the
+    earlier header does not say it."""
+    per_point = budget_per_point_s(earlier_head)
+    return None if per_point is None else per_point * num_modes * num_rates
 
 
 def point_key(record: dict) -> tuple:
@@ -48,9 +57,12 @@ def point_key(record: dict) -> tuple:
 
 def merged_records(earlier: list[dict], records: list[dict]) -> tuple[list[dict], int]:
     """The earlier file's points this run did not measure, then this run's; and how many were
-    kept. A run of one mode at some rates keeps that mode's other rates."""
+    kept. A run of one mode at some rates keeps that mode's other rates; an earlier record of a
+    server that did not start (an error, no rate) goes when this run ran its mode."""
     ran = {point_key(r) for r in records}
-    kept = [r for r in earlier if not r.get("header") and point_key(r) not in ran]
+    ran_modes = {r.get("mode") for r in records}
+    kept = [r for r in earlier if not r.get("header") and point_key(r) not in ran
+            and not ("error" in r and r.get("mode") in ran_modes)]
     return kept + records, len(kept)
 
 
@@ -81,8 +93,9 @@ def serving_load(args: argparse.Namespace) -> None:
             raise ValueError(f"--merge {args.merge}: this run writes its merged file there; "
                              "pass --name (or CORUN_RESULTS_DIR) for another output file")
         earlier_head, *earlier = json.loads(args.merge.read_text())
-        num_modes = len(args.modes or SERVING_MODES)
-        num_rates = len(args.rates.split(","))
+        dry = DRY_RUN if args.dry_run else {}
+        num_modes = len(args.modes or dry.get("modes", SERVING_MODES))
+        num_rates = len(dry.get("rates", args.rates).split(","))
         budget = merged_budget_s(earlier_head, num_modes, num_rates)
         if budget is None:
             print(f"--merge: {args.merge.name}'s header has no budget, modes and rates; this "
@@ -97,11 +110,12 @@ def serving_load(args: argparse.Namespace) -> None:
     run_path = path if earlier_head is None else out_dir / f"{args.name}-unmerged.json"
     bench_serving.main(serving_argv(args, out_dir, run_path.stem))
     head, *records = json.loads(run_path.read_text())
+    head["budget_per_point_s"] = budget_per_point_s(head)  # what a later merge runs at
     if earlier_head is not None:  # an earlier run's points that this one did not run
         records, num_kept = merged_records(earlier, records)
         head["merged"] = {"from": args.merge.name, "date": earlier_head.get("date"),
                           "command": earlier_head.get("command"), "points_kept": num_kept}
-        path.write_text(json.dumps([head, *records], indent=1) + "\n")
+    path.write_text(json.dumps([head, *records], indent=1) + "\n")
     plot(records, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
 

@@ -12,7 +12,7 @@ and TPOT = (E2EL - TTFT) / (output_len - 1). Reported with vLLM's key names (``m
 ``p99_itl_ms``, ``request_throughput``, ...) and its printed " Serving Benchmark Result " block.
 Per run, from a corun server's ``/metrics`` read before and after it: the engine's steps by kind
 (``engine_steps``), their mean wall time (``engine_step_ms_mean``) and scheduled tokens a step
-(``iteration_tokens_mean``), which tell prefill time from decode time (``step_breakdown``).
+(``step_tokens_mean``), which tell prefill time from decode time (``step_breakdown``).
 
 Two ways to run it:
 
@@ -260,7 +260,7 @@ STEP_KINDS = ("prefill", "decode", "combined")
 
 def step_counters(base_url: str) -> dict[str, float] | None:
     """The server's engine-step series (``corun:engine_steps_total`` and
-    ``corun:engine_step_seconds_sum`` by kind, ``corun:iteration_tokens_total_sum``), or None
+    ``corun:engine_step_seconds_sum`` by kind, ``corun:engine_step_tokens_sum``), or None
     for a server that does not export them (another engine)."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -271,14 +271,20 @@ def step_counters(base_url: str) -> dict[str, float] | None:
     if response.status_code != 200:
         return None
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            kind = sample.labels.get("kind")
-            if sample.name in ("corun:engine_steps_total", "corun:engine_step_seconds_sum"):
-                out[f"{sample.name}[{kind}]"] = sample.value
-            elif sample.name == "corun:iteration_tokens_total_sum":
-                out[sample.name] = sample.value
-    return out or None
+    try:
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                kind = sample.labels.get("kind")
+                if sample.name in ("corun:engine_steps_total", "corun:engine_step_seconds_sum"):
+                    out[f"{sample.name}[{kind}]"] = sample.value
+                elif sample.name == "corun:engine_step_tokens_sum":
+                    out[sample.name] = sample.value
+    except ValueError:  # not Prometheus text
+        return None
+    wanted = {f"{name}[{kind}]" for name in ("corun:engine_steps_total",
+                                              "corun:engine_step_seconds_sum")
+              for kind in STEP_KINDS} | {"corun:engine_step_tokens_sum"}
+    return out if wanted <= out.keys() else None  # all of a corun server's series, or none
 
 
 def step_breakdown(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
@@ -291,12 +297,12 @@ def step_breakdown(before: dict[str, float] | None, after: dict[str, float] | No
     seconds = {k: after[f"corun:engine_step_seconds_sum[{k}]"]
                - before[f"corun:engine_step_seconds_sum[{k}]"] for k in STEP_KINDS}
     total = sum(steps.values())
-    tokens = after["corun:iteration_tokens_total_sum"] - before["corun:iteration_tokens_total_sum"]
+    tokens = after["corun:engine_step_tokens_sum"] - before["corun:engine_step_tokens_sum"]
     return {"engine_steps": steps,
             "engine_step_seconds": {k: round(v, 4) for k, v in seconds.items()},
             "engine_step_ms_mean": {k: round(seconds[k] / steps[k] * 1e3, 3)
                                     for k in STEP_KINDS if steps[k]},
-            "iteration_tokens_mean": round(tokens / total, 2) if total else None}
+            "step_tokens_mean": round(tokens / total, 2) if total else None}
 
 
 def served_model(base_url: str) -> str:

@@ -36,8 +36,8 @@ def card_tag() -> str:
     Files keep their card's name so that one card's figures never merge into another's."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        for tag in ("H200", "H100"):
-            if tag in name:
+        for tag in ("H200", "H100"):  # not the Grace Hopper superchips' (GH200: other memory)
+            if tag in name and f"G{tag}" not in name:
                 return tag.lower()
         return name.lower().replace(" ", "-")
     return (platform.machine() or "cpu").lower()

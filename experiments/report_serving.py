@@ -194,7 +194,7 @@ STEP_COLUMNS = [
     ("engine_steps.decode", "decode steps"), ("engine_step_ms_mean.decode", "decode step ms"),
     ("engine_steps.combined", "overlapped steps"),
     ("engine_step_ms_mean.combined", "overlapped step ms"),
-    ("iteration_tokens_mean", "tokens a step"),
+    ("step_tokens_mean", "tokens a step"),
 ]
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "offline-h200-summary": offline_summary_block,

@@ -46,6 +46,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 # The card the files of the tests and the logits benchmark are named after (h200, h100): one
 # card's native runs never merge into another's file.
 CARD=$(python3 -c 'from experiments.harness import card_tag; print(card_tag())')
+[ -n "$CARD" ] || { echo "== the card's tag failed (experiments.harness.card_tag): unknown"; CARD=unknown; }
 
 run() {  # run NAME SECONDS CMD...: time-limited, logged, never stops the script; returns the
   # command's status (124, or 137 after the kill: cut by the limit), so `run ... && cp` copies

@@ -351,8 +351,7 @@ class EngineLoop:
                 # Before routing: a client that gets its last token and sends the next request
                 # at once must see the queue as this step left it.
                 self._refresh_stats()
-                if stepping:
-                    self._observe_step()
+                self._observe_steps()
                 batch: dict[asyncio.AbstractEventLoop, list] = {}
                 for output in outputs:
                     self._route(output, batch)
@@ -372,10 +371,15 @@ class EngineLoop:
         if check is not None:
             check()
 
-    def _observe_step(self) -> None:
-        step = self._engine.last_step  # None: the step ran no forward
-        if self._metrics is not None and step is not None:
-            self._metrics.observe_step(step.kind, step.num_real_tokens, step.seconds)
+    def _observe_steps(self) -> None:
+        """The steps whose forward has ended (a step that sampled nothing may still run on the
+        device: corun.step_timing), counted before the outputs they produced are routed."""
+        timer = self._engine.step_timer
+        if timer is None:  # an engine built without time_steps
+            return
+        for step in timer.take_finished():
+            if self._metrics is not None:
+                self._metrics.observe_step(step.kind, step.num_real_tokens, step.seconds)
 
     def _refresh_stats(self) -> None:
         stats = self._engine.stats()

@@ -4,7 +4,7 @@ Each server owns its own ``CollectorRegistry`` (no process-global registry: two 
 test process must not share counters). Counters and histograms are updated from the request
 handlers (asyncio thread); the gauges are set by the engine loop thread after every step, from
 ``LLMEngine.stats()``, which is the only thread allowed to read the engine. The engine loop also
-counts each step by kind with its wall time and scheduled tokens (``LLMEngine.last_step``), the
+counts each step by kind with its wall time and scheduled tokens (``corun.step_timing``), the
 split between prefill and decode time that request latencies do not show.
 """
 
@@ -85,8 +85,8 @@ E2E_BUCKETS = (
 # Engine steps: a fast GPU decode step to a long CPU prefill.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
                 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# Tokens scheduled a step (vLLM's iteration_tokens_total buckets: powers of two to 16k).
-ITERATION_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(15))
+# Tokens scheduled a step: powers of two up to 16k (a decode step's B to a packed prefill).
+STEP_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(15))
 STEP_KINDS = ("prefill", "decode", "combined")
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
@@ -186,17 +186,18 @@ class ServerMetrics:
             buckets=STEP_BUCKETS,
             registry=r,
         )
-        self.iteration_tokens = Histogram(
-            "corun:iteration_tokens_total",
-            "Tokens scheduled in one engine step (prompt chunks and decode tokens).",
+        self.step_tokens = Histogram(
+            "corun:engine_step_tokens",
+            "Tokens scheduled in one engine step (prompt chunks and decode tokens; not vLLM's "
+            "iteration_tokens_total, which counts a prompt once, when its prefill ends).",
             labels,
-            buckets=ITERATION_TOKEN_BUCKETS,
+            buckets=STEP_TOKEN_BUCKETS,
             registry=r,
         )
         for kind in STEP_KINDS:  # exported at 0 before the first step, as the token counters
             self.labels(self.steps, kind=kind)
             self.labels(self.step_seconds, kind=kind)
-        self.labels(self.iteration_tokens)
+        self.labels(self.step_tokens)
         # A step's three series change together: a scrape sees all of a step or none of it.
         self._step_lock = threading.Lock()
         self._prefix_seen = (0, 0)  # the engine totals already counted
@@ -253,7 +254,7 @@ class ServerMetrics:
         with self._step_lock:
             self.labels(self.steps, kind=kind).inc()
             self.labels(self.step_seconds, kind=kind).observe(seconds)
-            self.labels(self.iteration_tokens).observe(num_tokens)
+            self.labels(self.step_tokens).observe(num_tokens)
 
     def observe_itl(self, seconds: float) -> None:
         self.labels(self.tpot).observe(seconds)

@@ -15,7 +15,7 @@ def test_token_counters_are_exported_at_zero_before_any_request():
                for s in family.samples}
     for name in ("corun:prompt_tokens_total", "corun:generation_tokens_total",
                  "corun:prefix_cache_queries_total", "corun:prefix_cache_hits_total",
-                 "corun:iteration_tokens_total_sum"):
+                 "corun:engine_step_tokens_sum"):
         assert samples[name].value == 0.0 and samples[name].labels == {"model_name": "m"}, name
     steps = [s for family in text_string_to_metric_families(text) for s in family.samples
              if s.name in ("corun:engine_steps_total", "corun:engine_step_seconds_count")]

@@ -293,3 +293,24 @@ def test_cuda_peak_bytes_counts_the_run_and_not_what_was_there_before():
                            device)
     assert 64 << 20 <= peak < 128 << 20
     del held
+
+
+def test_step_timer_times_a_step_that_samples_nothing_to_its_forward_s_end():
+    """corun.step_timing on CUDA: a step whose forward is still queued when it returns (it
+    sampled nothing) is timed to the forward's end and reported once that end has passed, in
+    step order; a step that sampled is reported at once."""
+    from corun.step_timing import StepTimer
+
+    device = torch.device("cuda")
+    timer = StepTimer(device)
+    torch.cuda.synchronize(device)
+    start = timer.start()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time, queued
+    timer.finish(start, "prefill", 256, forward_done=False)
+    queued = timer.take_finished()  # the sleep has not ended yet (the host did not wait)
+    start = timer.start()
+    torch.cuda._sleep(1_000_000)
+    timer.finish(start, "decode", 4, forward_done=True)  # as after reading sampled tokens
+    steps = queued + timer.take_finished()
+    assert [(s.kind, s.num_real_tokens) for s in steps] == [("prefill", 256), ("decode", 4)]
+    assert steps[0].seconds > 0.02 > steps[1].seconds  # the sleep counts in its own step

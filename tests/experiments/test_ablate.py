@@ -73,7 +73,7 @@ def test_serving_load_dry_run_launches_a_server(tmp_path, monkeypatch):
     for r in records:
         steps = r["engine_steps"]
         assert steps["prefill"] + steps["combined"] >= 1 and steps["decode"] >= 1
-        assert r["iteration_tokens_mean"] > 0
+        assert r["step_tokens_mean"] > 0
         assert set(r["engine_step_ms_mean"]) == {k for k, n in steps.items() if n}
 
 
@@ -208,11 +208,23 @@ def test_serving_load_merge_keeps_the_points_this_run_did_not_measure():
         return {"mode": mode, "request_rate": rate, "max_concurrency": None, "v": value}
 
     earlier = [{"header": True}, point("corun", "inf", 1), point("default", 1.0, 2),
-               point("default", "inf", 3)]
+               point("default", "inf", 3), {"mode": "default", "error": "did not start"},
+               {"mode": "batch_invariant", "error": "did not start"}]
     records, kept = merged_records(earlier, [point("default", "inf", 4)])
-    assert kept == 2
-    assert [(r["mode"], r["request_rate"], r["v"]) for r in records] == [
-        ("corun", "inf", 1), ("default", 1.0, 2), ("default", "inf", 4)]
+    assert kept == 3  # default's failed start goes (default ran now), the other mode's stays
+    assert [(r["mode"], r.get("request_rate"), r.get("v")) for r in records] == [
+        ("corun", "inf", 1), ("default", 1.0, 2), ("batch_invariant", None, None),
+        ("default", "inf", 4)]
+
+
+def test_a_merged_file_tells_later_merges_the_budget_its_points_ran_at():
+    """A merged file's own run may have measured one point at another budget: its header's
+    budget_per_point_s, not its run's arguments, sets a later merge's budget."""
+    from experiments.ablate_serving import merged_budget_s
+
+    merged = {"budget_per_point_s": 240 / 28, "args": {
+        "time_budget_s": "60.0", "modes": "default", "request_rate": "[inf]"}}
+    assert merged_budget_s(merged, 1, 7) == pytest.approx(60.0)  # not 420
 
 
 def test_count_jit_compiles_chains_and_restores_the_hook():

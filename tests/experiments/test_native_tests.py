@@ -74,7 +74,8 @@ def test_block_lists_counts_and_failing_tests(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("device_name", "tag"), [
     ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
-    ("NVIDIA A100-SXM4-80GB", "nvidia-a100-sxm4-80gb")])
+    ("NVIDIA A100-SXM4-80GB", "nvidia-a100-sxm4-80gb"),
+    ("NVIDIA GH200 480GB", "nvidia-gh200-480gb")])
 def test_results_are_named_after_the_card(monkeypatch, device_name, tag):
     from experiments import harness
 

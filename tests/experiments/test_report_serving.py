@@ -64,7 +64,7 @@ def test_step_columns_show_only_where_a_run_recorded_the_server_s_steps(tmp_path
     plain = _server("corun", "corun", 400.0, 34.0, 33.0)
     stepped = {**plain, "engine_steps": {"prefill": 3, "decode": 40, "combined": 0},
                "engine_step_ms_mean": {"prefill": 61.5, "decode": 10.25},
-               "iteration_tokens_mean": 57.5}
+               "step_tokens_mean": 57.5}
     old = render_block(tmp_path, monkeypatch, "serving-h200", HEAD, [plain])
     assert "decode steps" not in old
     new = render_block(tmp_path, monkeypatch, "serving-h200", HEAD, [stepped, plain])
