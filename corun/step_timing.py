@@ -59,9 +59,13 @@ class StepTimer:
         if forward_done:  # only the event itself is left on the device: microseconds
             end.synchronize()
 
-    def take_finished(self) -> list[StepSummary]:
+    def take_finished(self, wait: bool = False) -> list[StepSummary]:
         """The steps whose forward has ended since the last call, in step order (a step still
-        on the device, and every step after it, waits for a later call)."""
+        on the device, and every step after it, waits for a later call); ``wait``: wait for
+        every pending step's forward first (the engine is about to idle, so the device has
+        nothing else to do and no later call may come soon)."""
+        if wait and self._pending:
+            self._pending[-1][3].synchronize()  # one stream: the last end is after every other
         while self._pending and self._pending[0][3].query():
             kind, num_tokens, start, end = self._pending.popleft()
             self._finished.append(StepSummary(kind, num_tokens, start.elapsed_time(end) / 1e3))

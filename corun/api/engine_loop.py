@@ -351,7 +351,10 @@ class EngineLoop:
                 # Before routing: a client that gets its last token and sends the next request
                 # at once must see the queue as this step left it.
                 self._refresh_stats()
-                self._observe_steps()
+                # About to idle (nothing left, or paused): a step that sampled nothing, the
+                # last before an abort or a pause, is counted now rather than at the next work.
+                self._observe_steps(
+                    wait=not stepping or not self._engine.has_unfinished_requests())
                 batch: dict[asyncio.AbstractEventLoop, list] = {}
                 for output in outputs:
                     self._route(output, batch)
@@ -371,13 +374,14 @@ class EngineLoop:
         if check is not None:
             check()
 
-    def _observe_steps(self) -> None:
+    def _observe_steps(self, wait: bool) -> None:
         """The steps whose forward has ended (a step that sampled nothing may still run on the
-        device: corun.step_timing), counted before the outputs they produced are routed."""
+        device: corun.step_timing), counted before the outputs they produced are routed;
+        ``wait``: every step, waiting for the device (the loop is about to idle)."""
         timer = self._engine.step_timer
         if timer is None:  # an engine built without time_steps
             return
-        for step in timer.take_finished():
+        for step in timer.take_finished(wait=wait):
             if self._metrics is not None:
                 self._metrics.observe_step(step.kind, step.num_real_tokens, step.seconds)
 

@@ -305,12 +305,41 @@ def test_step_timer_times_a_step_that_samples_nothing_to_its_forward_s_end():
     timer = StepTimer(device)
     torch.cuda.synchronize(device)
     start = timer.start()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time, queued
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device time, queued
     timer.finish(start, "prefill", 256, forward_done=False)
-    queued = timer.take_finished()  # the sleep has not ended yet (the host did not wait)
+    queued = timer.take_finished()
+    assert queued == []  # the sleep has not ended: the host did not wait for it
     start = timer.start()
     torch.cuda._sleep(1_000_000)
     timer.finish(start, "decode", 4, forward_done=True)  # as after reading sampled tokens
-    steps = queued + timer.take_finished()
+    steps = timer.take_finished()
     assert [(s.kind, s.num_real_tokens) for s in steps] == [("prefill", 256), ("decode", 4)]
-    assert steps[0].seconds > 0.02 > steps[1].seconds  # the sleep counts in its own step
+    assert steps[0].seconds > 0.1 > steps[1].seconds  # the sleep counts in its own step
+    start = timer.start()
+    torch.cuda._sleep(1_000_000_000)
+    timer.finish(start, "prefill", 128, forward_done=False)
+    assert [s.num_real_tokens for s in timer.take_finished(wait=True)] == [128]  # before idling
+
+
+def test_the_engine_reports_each_step_once_its_sampling_step_has_read_tokens():
+    """LLMEngine(time_steps=True) on CUDA: a prompt of three chunks (two steps that sample
+    nothing, whose forwards the host does not wait for) is reported whole right after the step
+    that samples, and the decode steps one by one."""
+    from corun.config import EngineConfig
+    from corun.engine import LLMEngine
+    from corun.sampling_params import SamplingParams
+
+    config = EngineConfig(**{**GPU, "max_model_len": 64}, model="tiny-qwen3", mode="default",
+                          max_num_seqs=2, max_num_batched_tokens=16, cuda_graphs=False)
+    engine = LLMEngine(config, time_steps=True)
+    engine.add_request(list(range(1, 41)), SamplingParams(max_tokens=3, ignore_eos=True), "r")
+    reported = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        reported.append([(s.kind, s.num_real_tokens) for s in engine.step_timer.take_finished()])
+    engine.close()
+    # the chunk steps may or may not have ended when the host looks, but the step that samples
+    # reports every step up to itself at once
+    assert [step for steps in reported for step in steps] == [
+        ("prefill", 16), ("prefill", 16), ("prefill", 8), ("decode", 1), ("decode", 1)]
+    assert reported[2][-1] == ("prefill", 8) and reported[3] == [("decode", 1)]
