@@ -181,7 +181,8 @@ class ServerMetrics:
         )
         self.step_seconds = Histogram(
             "corun:engine_step_seconds",
-            "Wall time of one engine step, from its schedule to its samples on the host, by kind.",
+            "Wall time of one engine step, from its schedule (or the previous forward's end) to "
+            "its forward's end, by kind.",
             [*labels, "kind"],
             buckets=STEP_BUCKETS,
             registry=r,
