@@ -85,8 +85,9 @@ class LLMEngine:
                  time_steps: bool = False) -> None:
         """``profile_steps``: synchronise the device around every step and keep a
         ``StepRecord`` per step in ``step_records`` (benchmarks; it costs a sync per step).
-        ``time_steps``: time every step without a sync for a reader that drains
-        ``step_timer.take_finished()`` (the server's metrics); None otherwise."""
+        ``time_steps``: time every step without a sync, for a reader that drains
+        ``step_timer.take_finished()`` (the server's metrics); without it ``step_timer`` is
+        None and nothing is kept."""
         self.config = config
         self.profile_steps = profile_steps
         self.step_records: list[StepRecord] = []

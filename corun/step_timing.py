@@ -31,6 +31,9 @@ class StepSummary:
 
 
 class StepTimer:
+    """Each step's time on one device: ``start`` before its schedule, ``finish`` after its
+    work is queued, ``take_finished`` for the steps whose forward has ended. One thread."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
