@@ -343,3 +343,22 @@ def test_the_engine_reports_each_step_once_its_sampling_step_has_read_tokens():
     assert [step for steps in reported for step in steps] == [
         ("prefill", 16), ("prefill", 16), ("prefill", 8), ("decode", 1), ("decode", 1)]
     assert reported[2][-1] == ("prefill", 8) and reported[3] == [("decode", 1)]
+
+
+def test_corun_rows_keep_their_bits_across_the_decode_batch_size_on_gpu():
+    """invariance_tests/test_decode_batch_size.py's finding natively, in bf16 at Qwen3-0.6B's
+    shapes (4 layers): the same requests decoded at B = 8 and B = 64 (the GEMMs' M buckets 8 and
+    64, each from its own graph) keep every fingerprint. If it holds, corun could capture
+    several decode sizes and step at the smallest that holds the live rows."""
+    model = _model("qwen3-0.6b", 4)
+    requests = _walking_workload(8)
+    prints = []
+    for size in (8, 64):
+        config = EngineConfig(**GPU, model="qwen3-0.6b", mode="corun", max_num_seqs=size,
+                              decode_batch_size=size, prefill_chunk_size=128,
+                              prefill_step_tokens=256, max_prefill_seqs_per_step=8,
+                              prefill_token_budget=256)
+        runner = ModelRunner(config, model=model)
+        prints.append(_fingerprints(runner, config, requests))
+        runner.destroy()  # its KV cache and graphs, before the next size's
+    assert len(prints[0]) == len(requests) and prints[0] == prints[1]
