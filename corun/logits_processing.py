@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from corun.memory_plan import cuda_peak_bytes
-from corun.sampler import Sampler, SamplingTensors, seed_to_int64, top_token_ids
+from corun.sampler import Sampler, SamplingTensors, seed_to_int64
 from corun.sequence import Sequence
 
 
@@ -267,9 +267,8 @@ def run_largest_step(sampler: Sampler, vocab: int, max_rows: int, device: torch.
     samples = torch.zeros(max_rows, 3, dtype=torch.int64, device=device)
     pool = PenaltyPool(device, max_rows)
     resample_processed(sampler, logits, samples, seqs, pool)
-    if max_logprobs:
-        ids = torch.cat([samples[:, :1], top_token_ids(logits, max_logprobs)], dim=1)
-        sampler.logprobs(logits, ids)
+    if max_logprobs:  # as the runner's step (ModelRunner._result)
+        sampler.logprobs_with_top(logits, samples[:, :1], max_logprobs)
     return pool
 
 

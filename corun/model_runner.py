@@ -42,7 +42,7 @@ from corun.fingerprint import LogitsDigest
 from corun.graph_runner import GraphRunner
 from corun.logits_processing import PenaltyPool, resample_processed
 from corun.prompt_logprobs import PromptScorer
-from corun.sampler import Sampler, SamplingTensors, top_token_ids
+from corun.sampler import Sampler, SamplingTensors
 from corun.step import (
     StepPart,
     StepShape,
@@ -424,10 +424,8 @@ class ModelRunner:
             samples = resample_processed(self.sampler, logits, samples, seqs, self.penalty_pool)
         logprobs = ids = None
         if host.want_logprobs:
-            ids = samples[:, :1]
-            if host.max_top_logprobs:
-                ids = torch.cat([ids, top_token_ids(logits, host.max_top_logprobs)], dim=1)
-            logprobs = self.sampler.logprobs(logits, ids)
+            ids, logprobs = self.sampler.logprobs_with_top(logits, samples[:, :1],
+                                                           host.max_top_logprobs)
         prompt = self.prompt_scorer.collect(part, host, hidden) if host.prefill_rows else {}
         return StepResult(samples, logits, logprobs, len(seqs), ids, prompt)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from corun.sampler import Sampler, top_token_ids
+from corun.sampler import Sampler
 from corun.step import StepPart
 from corun.step_inputs import StepHost
 
@@ -79,8 +79,7 @@ class PromptScorer:
         for start in range(0, padded, tile):
             logits = self.compute_logits(hidden[start:start + tile])
             tile_targets = targets[start:start + tile]
-            ids = torch.cat([tile_targets, top_token_ids(logits, top_n)], dim=1)
-            lps = self.sampler.logprobs(logits, ids)
+            ids, lps = self.sampler.logprobs_with_top(logits, tile_targets, top_n)
             # Counted on one full-vocabulary log-softmax, as vLLM counts: the sampler's
             # logprobs may differ from it in the last bit, which would miscount ties.
             logp = torch.log_softmax(logits.to(torch.float32), dim=-1)

@@ -71,6 +71,16 @@ class Sampler:
             return logp.gather(1, token_ids.long())
         return logp.gather(1, token_ids.view(-1, 1).long()).view(-1)
 
+    def logprobs_with_top(self, logits: torch.Tensor, first_ids: torch.Tensor,
+                          top_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, logprobs), each [N, 1 + top_n]: each row's own id ([N, 1]: the sampled token,
+        or the prompt token it predicts) first, then the row's ``top_n`` most likely ids
+        (``top_token_ids``), with their logprobs."""
+        ids = first_ids
+        if top_n:
+            ids = torch.cat([ids, top_token_ids(logits, top_n)], dim=1)
+        return ids, self.logprobs(logits, ids)
+
 
 # top_token_ids builds its int64 keys a block of rows at a time: all 128 rows at V = 152k at once
 # held up to three [128, V] int64 temporaries (156 MB each) beside the KV cache.

@@ -50,6 +50,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from corun.api.metrics import STEP_KINDS  # noqa: E402  (the step kinds the server counts)
 from experiments.harness import RESULTS_DIR, WARMUP_LENGTHS, write_results  # noqa: E402
 from experiments.serving_log import print_result  # noqa: E402
 
@@ -253,9 +254,6 @@ def _peak_concurrency(results: list[RequestResult]) -> int:
         level += delta
         peak = max(peak, level)
     return peak
-
-
-STEP_KINDS = ("prefill", "decode", "combined")
 
 
 def step_counters(base_url: str) -> dict[str, float] | None:

@@ -268,7 +268,7 @@ def kernels_summary_block(head: dict, records: list[dict], name: str = "kernels-
         _table(["op", "policy", "shapes", "peer", "peer/ours min", "median", "max",
                 "of bw bound (median)", "(max)"], rows), "",
         *([invalid, ""] if (invalid := _invalid_peer_note(timings)) else []),
-        l2_note(_bandwidth(head)) + _beyond_l2_note(timings, _bandwidth(head)), "",
+        l2_note(_bound_card(head)) + _beyond_l2_note(timings, _bound_card(head)), "",
         f"GPU invariance checks at real shapes: {passed} of {len(counted)} as expected"
         + (" (the failing ones are listed in `experiments/README.md`)." if passed < len(counted)
            else ".") + _uncounted_note(checks),
@@ -281,18 +281,19 @@ def kernels_summary_block(head: dict, records: list[dict], name: str = "kernels-
 L2_BYTES = 50e6
 
 
-def _bandwidth(head: dict) -> float:
-    """The copy rate a kernels file's bounds assume: its header's, else the H200's (the files
+def _bound_card(head: dict) -> str:
+    """The card whose measured copy rate a kernels file's bounds assume (its header's
+    ``copy_bandwidth_card``, the H200 where none was measured), else the H200 (the files
     written before headers said it were all the H200's)."""
-    from experiments.harness import H200_BANDWIDTH_BYTES_PER_S
-
-    return head.get("copy_bandwidth_bytes_per_s") or H200_BANDWIDTH_BYTES_PER_S
+    return (head.get("copy_bandwidth_card") or "h200").split()[0]
 
 
-def l2_note(bandwidth: float) -> str:
+def l2_note(card: str) -> str:
+    from experiments.harness import COPY_BANDWIDTH_BYTES_PER_S
+
     return ("A bound fraction marked * is above 1. In the graph-replayed families, operands that "
             "fit the 50 MB L2 stay resident between replays, so the HBM bound "
-            f"({bandwidth / 1e12:.1f} TB/s copy rate) does not bind there.")
+            f"({COPY_BANDWIDTH_BYTES_PER_S[card] / 1e12:.1f} TB/s copy rate) does not bind there.")
 
 
 def moved_bytes(r: dict, bandwidth: float | None = None) -> float | None:
@@ -304,10 +305,13 @@ def moved_bytes(r: dict, bandwidth: float | None = None) -> float | None:
     return r["bound_us"] * 1e-6 * rate if r.get("bound_us") else None
 
 
-def _beyond_l2_note(rows: list[dict], bandwidth: float) -> str:
+def _beyond_l2_note(rows: list[dict], card: str) -> str:
     """The rows above their bound that move more than twice the L2 (so their operands cannot sit
     in it): for them the explanation is the bound's rate, a copy's (bytes read plus bytes
     written), which a stream that mostly reads exceeds."""
+    from experiments.harness import COPY_BANDWIDTH_BYTES_PER_S, DATASHEET_BANDWIDTH_BYTES_PER_S
+
+    bandwidth = COPY_BANDWIDTH_BYTES_PER_S[card]
     beyond: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         if (r.get("bw_fraction") or 0) > 1 and r.get("bound_us"):
@@ -324,16 +328,8 @@ def _beyond_l2_note(rows: list[dict], bandwidth: float) -> str:
             "operands cannot sit in it even if read and written in place. The bound's "
             f"{bandwidth / 1e12:.1f} TB/s is a device-to-device copy's rate counting bytes read "
             "plus bytes written, and a stream that mostly reads runs faster (the datasheet's peak "
-            f"is {_datasheet(bandwidth) / 1e12:.3g} TB/s), so for rows like these the bound is "
-            "not a ceiling.")
-
-
-def _datasheet(copy_bandwidth: float) -> float:
-    """The datasheet peak of the card whose measured copy rate this is."""
-    from experiments.harness import COPY_BANDWIDTH_BYTES_PER_S, DATASHEET_BANDWIDTH_BYTES_PER_S
-
-    card = next(c for c, rate in COPY_BANDWIDTH_BYTES_PER_S.items() if rate == copy_bandwidth)
-    return DATASHEET_BANDWIDTH_BYTES_PER_S[card]
+            f"is {DATASHEET_BANDWIDTH_BYTES_PER_S[card] / 1e12:.3g} TB/s), so for rows like "
+            "these the bound is not a ceiling.")
 
 
 def _span(values: list[float], digits: int = 1, unit: str = "") -> str:
