@@ -118,10 +118,16 @@ def kernels_replaced(modules: list, stand_in: Callable[[object], object]) -> Ite
             setattr(module, name, value)
 
 
+def bandwidth_card() -> str:
+    """The card whose measured copy bandwidth this machine's bounds use: this card, or the H200
+    where none was measured (the CPU's dry runs, another GPU), saying so."""
+    card = card_tag()
+    return card if card in COPY_BANDWIDTH_BYTES_PER_S else "h200 (none measured for this machine)"
+
+
 def copy_bandwidth() -> float:
-    """The measured copy bandwidth of this card (bytes/s), the H200's where none was measured
-    (the CPU's dry runs, another GPU: its header's ``copy_bandwidth_card`` says so)."""
-    return COPY_BANDWIDTH_BYTES_PER_S.get(card_tag(), H200_BANDWIDTH_BYTES_PER_S)
+    """The measured copy bandwidth (bytes/s) of ``bandwidth_card()``."""
+    return COPY_BANDWIDTH_BYTES_PER_S[bandwidth_card().split()[0]]
 
 
 def bandwidth_label() -> str:
@@ -155,8 +161,7 @@ def header(command: str | None = None, **extra: object) -> dict:
         "command": command or " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         # the bandwidth every memory bound in the file assumes, and whose measurement it is
         "copy_bandwidth_bytes_per_s": copy_bandwidth(),
-        "copy_bandwidth_card": (card_tag() if card_tag() in COPY_BANDWIDTH_BYTES_PER_S
-                                else "h200 (none measured for this machine)"),
+        "copy_bandwidth_card": bandwidth_card(),
         **extra,
     }
 
