@@ -18,7 +18,9 @@ cache blocks of 16 tokens scattered at random).
   target for B <= 8 is bw_fraction >= 0.6
   (``meets_target``), set where the bound is at least 3 us: below that the split's two
   graph-replayed launches (split and combine, ~2-3 us each even for an empty kernel) already
-  take more than bound / 0.6 (5 us at a 3 us bound).
+  take more than bound / 0.6 (5 us at a 3 us bound). The target rows also carry ``copy_us``:
+  torch's device copy of the same bytes, graph-replayed (``harness.copy_floor_us``), and its
+  ``copy_bw_fraction`` of the bound, the fraction one launch moving those bytes reaches in practice.
 
 Timing: harness.bench_us (CUDA-graph replay medians), ours and the peer the same way.
 Run: ``python -m experiments.bench_attention [--quick]`` -> experiments/results/attention-h200.json.
@@ -34,6 +36,7 @@ import torch
 from experiments.harness import (
     bandwidth_label,
     bench_us,
+    copy_floor_us,
     family_main,
     kernel_record,
     memory_bound_us,
@@ -175,6 +178,9 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
             continue
     peer_us = bench_us(peer_fn) if peer_fn is not None else 0.0  # ratio 0: no peer ran
     targeted = batch <= 8 and bound >= DECODE_TARGET_MIN_BOUND_US
+    # The target rows' limit in practice: torch's device copy of the same bytes, graph-replayed.
+    copy_bytes = kv_bytes + 2 * q.numel() * q.element_size()
+    copy_us = copy_floor_us(copy_bytes) if targeted else None
     corun_cfg = decode_attention_config(batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, context,
                                         DTYPE, Mode.CORUN)
     policies = [("corun", Mode.CORUN, None), ("default", Mode.DEFAULT, None),
@@ -211,6 +217,8 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
             bound_assumes=f"K + V + q + out bytes once at {bandwidth_label()}",
             target=f"bw_fraction >= {DECODE_TARGET_BW_FRACTION}" if targeted else None,
             meets_target=(fraction >= DECODE_TARGET_BW_FRACTION) if targeted else None,
+            **({"copy_us": round(copy_us, 3), "copy_bw_fraction": round(bound / copy_us, 4)}
+               if copy_us else {}),
         ))
     return records
 

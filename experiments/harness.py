@@ -141,6 +141,18 @@ def memory_bound_us(num_bytes: float, bandwidth: float | None = None) -> float:
     return num_bytes / (bandwidth or copy_bandwidth()) * 1e6
 
 
+def copy_floor_us(num_bytes: int, **bench_kwargs: object) -> float:
+    """The graph-replayed time of the vendor's device copy (``Tensor.copy_``, bf16) moving
+    ``num_bytes``: half read, half written. ``memory_bound_us`` is the ideal of those bytes; this
+    is what one launch that moves them takes in practice, timed as the kernels are
+    (``bench_us``), so a row whose copy falls short of a fraction of the bound shows a limit the
+    shape sets, not the kernel (small shapes: launch and latency). Needs CUDA."""
+    elements = max(1, num_bytes // 4)
+    src = torch.randn(elements, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return bench_us(lambda: dst.copy_(src), **bench_kwargs)
+
+
 def header(command: str | None = None, **extra: object) -> dict:
     """The first record of every results file."""
     import triton

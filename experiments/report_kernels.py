@@ -102,7 +102,25 @@ def _rope_row(rope: list[dict]) -> tuple[str, str, str, bool | None]:
     floor = min(rope, key=lambda r: r["M"])
     ceiling = statistics.median(r["bound_us"] / max(r["bound_us"], floor["us"]) for r in rope)
     return (*row[:2], f"{row[2]}. At the M {floor['M']} time ({floor['us']:.2f} us) as a floor "
-                      f"for every M the median could reach {ceiling:.2f}", row[3])
+                      f"for every M the median could reach {ceiling:.2f}{_copy_note(rope, 0.6)}",
+            row[3])
+
+
+def _copy_note(rows: list[dict], threshold: float) -> str:
+    """What torch's device copy of each row's bytes (``copy_us``, graph-replayed like the kernel)
+    reaches of the same bound, and how close the kernel runs to it: the limit one launch moving
+    those bytes meets in practice. Empty where the rows predate the measurement."""
+    copied = [r for r in rows if r.get("copy_us")]
+    if not copied:
+        return ""
+    low, mid, high = _stats([r["bound_us"] / r["copy_us"] for r in copied])
+    of_copy = _stats([r["copy_us"] / r["us"] for r in copied])
+    verdict = (f"below the target's {threshold}: no one launch moving these bytes reached it"
+               if mid < threshold else f"at or above the target's {threshold}")
+    return (f". Torch's device copy of the same bytes (graph-replayed) reaches median {mid:.2f} "
+            f"({low:.2f}-{high:.2f}) of the bound, {verdict}; the kernel runs at median "
+            f"{of_copy[1]:.2f} ({of_copy[0]:.2f}-{of_copy[2]:.2f}) of the copy's speed "
+            f"({len(copied)} of {len(rows)} rows measured)")
 
 
 def _rows(records: list[dict]) -> list[list[str]]:
@@ -120,7 +138,8 @@ def _rows(records: list[dict]) -> list[list[str]]:
     attention = [r for r in _timed(records, "decode_attention", policy="corun") if r.get("target")]
     row = _span_row("decode attention at B <= 8 (the benchmark's target rows)",
                     ">= 0.6 of the bound", [r["bw_fraction"] for r in attention], 0.6)
-    rows.append((*row[:2], row[2] + _l2_resident_note(attention), row[3]))
+    rows.append((*row[:2], row[2] + _l2_resident_note(attention) + _copy_note(attention, 0.6),
+                 row[3]))
     fused = [r["bw_fraction"] for r in _timed(records, "decode_attention", policy="corun_fused")
              if r.get("target")]
     if fused:  # the one-launch combine, opt-in until it is measured faster
@@ -161,9 +180,10 @@ def _moe_align_measured(records: list[dict]) -> tuple[str, bool | str | None]:
     return "; ".join([*spans, speed]), met
 
 
-def kernels_targets_block(head: dict, records: list[dict]) -> str:
-    """Issue 13's target rows, each computed from the records named beside it."""
-    return "\n".join([_source(head, "kernels-h200"), "",
+def kernels_targets_block(head: dict, records: list[dict], name: str = "kernels-h200") -> str:
+    """Issue 13's target rows, each computed from the records named beside it (the H200's
+    file, or another card's: ``name``)."""
+    return "\n".join([_source(head, name), "",
                       _table(["kernel", "target", "measured", "met"], _rows(records))])
 
 
@@ -196,7 +216,8 @@ def decode_step_change_block(head: dict, records: list[dict],
 
 
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
-    "kernels-h200-targets": kernels_targets_block,
+    **{f"{name}-targets": functools.partial(kernels_targets_block, name=name)
+       for name in ("kernels-h200", "kernels-h100")},
     "models-h200-b128-after": decode_step_change_block,
     # The GEMM re-tune at M 128 / 256 of 2026-12-05, against the tables before it.
     "models-h200-b128-retune": functools.partial(
@@ -207,4 +228,4 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         decode_step_change_block, before_name="models-h200-b8-two-launch",
         after_name="models-h200-b8-fused"),
 }
-ALIASES = {"kernels-h200-targets": "kernels-h200"}
+ALIASES = {"kernels-h200-targets": "kernels-h200", "kernels-h100-targets": "kernels-h100"}
