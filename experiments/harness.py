@@ -14,6 +14,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,13 +52,21 @@ GEMM_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 WARMUP_LENGTHS = tuple(sorted({n for bucket in GEMM_BUCKETS for n in (bucket, bucket - 1) if n}))
 
 
+def _warm_up(fn: Callable[[], object], warmup_ms: float) -> None:
+    """Run ``fn`` back to back for ``warmup_ms`` of wall time, then wait for the card."""
+    deadline = time.perf_counter() + warmup_ms / 1e3
+    while time.perf_counter() < deadline:
+        fn()
+    torch.cuda.synchronize()
+
+
 def bench_us(
     fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100, cuda_graph: bool = True
 ) -> float:
     """Median time of ``fn`` in microseconds.
 
-    By default ``fn`` is captured in a CUDA graph and the replays are timed
-    (``triton.testing.do_bench_cudagraph``): the engine runs decode under graphs, and for small
+    By default ``fn`` runs back to back for ``warmup_ms``, is then captured in a CUDA graph and
+    the replays are timed (``triton.testing.do_bench_cudagraph``): the engine runs decode under graphs, and for small
     shapes an eager launch measures Python launch overhead rather than the kernel (METHOD.md).
     Ours and the peer are timed the same way. A function that cannot be captured (it syncs with
     the host) falls back to ``do_bench`` (CUDA events, L2 flushed between runs). Graph replays do
@@ -69,6 +78,9 @@ def bench_us(
         try:
             fn()  # compile and allocate outside the capture
             torch.cuda.synchronize()
+            # do_bench_cudagraph runs fn six times before it captures: after a compile left the
+            # card idle for seconds, that is no warm-up (METHOD.md: warm up first).
+            _warm_up(fn, warmup_ms)
             ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
             return float(ms) * 1e3
         except Exception:  # not capturable: a host sync inside fn
