@@ -66,11 +66,12 @@ def bench_us(
     """Median time of ``fn`` in microseconds.
 
     By default ``fn`` runs back to back for ``warmup_ms``, is then captured in a CUDA graph and
-    the replays are timed (``triton.testing.do_bench_cudagraph``): the engine runs decode under graphs, and for small
-    shapes an eager launch measures Python launch overhead rather than the kernel (METHOD.md).
-    Ours and the peer are timed the same way. A function that cannot be captured (it syncs with
-    the host) falls back to ``do_bench`` (CUDA events, L2 flushed between runs). Graph replays do
-    not flush L2, so operands that fit in the H200's 50 MB L2 are partly read from cache.
+    the replays are timed (``triton.testing.do_bench_cudagraph``): the engine runs decode under
+    graphs, and for small shapes an eager launch measures Python launch overhead rather than the
+    kernel (METHOD.md). Ours and the peer are timed the same way. A function that cannot be
+    captured (it syncs with the host) falls back to ``do_bench`` (CUDA events, L2 flushed
+    between runs). Graph replays do not flush L2, so operands that fit in the H200's 50 MB L2
+    are partly read from cache.
     """
     import triton.testing
 
