@@ -1,10 +1,15 @@
-"""A finding, not a guarantee corun makes: a decoding row's bits do not depend on corun's fixed
-decode batch size B. corun runs every decode step at one B, so a row never meets another B; if
-its bits are the same at every B, corun could capture several decode sizes and step at the
+"""A finding, not a guarantee corun makes: whether a decoding row's bits depend on corun's
+fixed decode batch size B. corun runs every decode step at one B, so a row never meets another B;
+if its bits were the same at every B, corun could capture several decode sizes and step at the
 smallest that holds the live rows (the peers step only the live rows, and on an H100 corun's TPOT
-at 1 req/s was 26% above `default`'s: experiments/README.md's serving-load section). This checks
-the premise on the CPU engine (Triton interpreter, fp32, tiny models: the GEMM picks the M
-buckets' configs as on the GPU); tests/engine/test_gpu_engine.py checks it natively in bf16.
+at 1 req/s was 26% above `default`'s: experiments/README.md's serving-load section).
+
+On the CPU engine (Triton interpreter, fp32, tiny models) B = 4 and 32 keep every bit: at these
+widths the GEMM policy never splits K, and every other kernel's arithmetic is the row's own.
+Natively it does not hold as shipped: at Qwen3-0.6B's shapes the corun GEMM splits K at M 8 and
+not at M 64, and requests decoded at B = 8 differed from B = 64 (an H100, 2026-12-05: the log
+shows 4 of the 8 differing before it truncates;
+tests/engine/test_gpu_engine.py, which also holds the check with one split-K across the sizes).
 """
 
 from __future__ import annotations
