@@ -12,7 +12,8 @@ cache blocks of 16 tokens scattered at random).
   tiles in flight behind the block-table load, to show whether the policy's 2 stages starve the few
   programs of a small batch) and ``corun_lanes3`` at B <= 8 where it differs (the corun split over
   as many lanes as fit 3 resident programs an SM, ``DECODE_RESIDENT_PROGRAMS``, rather than about 2
-  an SM). Peer: SDPA with q length 1 over a contiguous cache (flash, else the efficient backend).
+  an SM), and ``corun_bn128_w4`` / ``_w8`` at B <= 8 (128-token KV tiles: half the dependent
+  steps of a split). Peer: SDPA with q length 1 over a contiguous cache (flash, else the efficient backend).
   Bound (``bound_us``): K and V read once plus q and out, at the card's measured copy bandwidth
   (harness.copy_bandwidth: 4.3 TB/s on the H200); ``bw_fraction`` = bound_us / us. Issue 13's
   target for B <= 8 is bw_fraction >= 0.6
@@ -195,6 +196,12 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
         if lanes != corun_cfg.num_split_programs:
             policies.append(("corun_lanes3", Mode.CORUN,
                              dataclasses.replace(corun_cfg, num_split_programs=lanes)))
+        # Half the dependent steps a split takes (a small batch's programs walk their splits
+        # one latency-bound KV tile after another: B = 1 takes ~11 us from 512 to 4096 tokens
+        # on an H100), with 4 and 8 warps; other bits than the 64-token policy, fixed as well.
+        for warps in (4, 8):
+            policies.append((f"corun_bn128_w{warps}", Mode.CORUN, dataclasses.replace(
+                corun_cfg, BLOCK_N=128, num_warps=warps)))
     # The fused combine's arrival counts, held across calls as an engine would (no memset).
     arrivals = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=device)
     records = []
