@@ -13,7 +13,8 @@ cache blocks of 16 tokens scattered at random).
   programs of a small batch) and ``corun_lanes3`` at B <= 8 where it differs (the corun split over
   as many lanes as fit 3 resident programs an SM, ``DECODE_RESIDENT_PROGRAMS``, rather than about 2
   an SM), and ``corun_bn128_w4`` / ``_w8`` at B <= 8 (128-token KV tiles: half the dependent
-  steps of a split). Peer: SDPA with q length 1 over a contiguous cache (flash, else the efficient backend).
+  steps of a split). Peer: SDPA with q length 1 over a contiguous cache (flash, else the
+  efficient backend).
   Bound (``bound_us``): K and V read once plus q and out, at the card's measured copy bandwidth
   (harness.copy_bandwidth: 4.3 TB/s on the H200); ``bw_fraction`` = bound_us / us. Issue 13's
   target for B <= 8 is bw_fraction >= 0.6

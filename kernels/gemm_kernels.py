@@ -41,7 +41,7 @@ def _tile_product(
     x_ptr, w_ptr, M, N, K, pid_m, pid_n, kb_start, kb_end,
     stride_xm, stride_xk, stride_wn, stride_wk,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, SERIAL_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, MASK_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The fp32 [BLOCK_M, BLOCK_N] product of output tile (pid_m, pid_n) over K blocks
@@ -49,9 +49,11 @@ def _tile_product(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Out-of-range rows/columns re-read in-range data instead of being masked in the K loop:
-    # they are never stored, and no other row or column reads them.
+    # they are never stored, and no other row or column reads them. MASK_ROWS masks the rows
+    # instead (zeros, no memory request): the same bits for every real row.
     offs_xm = offs_m % M
     offs_wn = offs_n % N
+    row_mask = (offs_m < M)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         if TMA:
@@ -65,17 +67,26 @@ def _tile_product(
                 # of a TMA tile, so the serial product below sums both paths in one order and
                 # a config's bits do not depend on whether its inputs were TMA-addressable.
                 w_ptrs = w_ptr + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk
-                a = tl.load(x_ptrs, mask=offs_k[None, :] < K, other=0.0)
+                x_mask = offs_k[None, :] < K
+                if MASK_ROWS:
+                    x_mask = x_mask & row_mask
+                a = tl.load(x_ptrs, mask=x_mask, other=0.0)
                 b = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0).T
             else:
                 w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn
                 if EVEN_K:
-                    a = tl.load(x_ptrs)
+                    if MASK_ROWS:
+                        a = tl.load(x_ptrs, mask=row_mask, other=0.0)
+                    else:
+                        a = tl.load(x_ptrs)
                     b = tl.load(w_ptrs)
                 else:
                     # Zero padding past K adds exact zeros: the sum over the real K is
                     # unchanged.
-                    a = tl.load(x_ptrs, mask=offs_k[None, :] < K, other=0.0)
+                    x_mask = offs_k[None, :] < K
+                    if MASK_ROWS:
+                        x_mask = x_mask & row_mask
+                    a = tl.load(x_ptrs, mask=x_mask, other=0.0)
                     b = tl.load(w_ptrs, mask=offs_k[:, None] < K, other=0.0)
         if UPCAST:
             # Interpreter only: its bf16 dot is wrong, fp32 is exact (kernels.utils).
@@ -150,6 +161,7 @@ def _gemm_kernel(
     SERIAL_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -175,7 +187,8 @@ def _gemm_kernel(
             acc = _tile_product(
                 x_ptr, w_ptr, M, N, K, 0, pid_n, kb_start, kb_end,
                 stride_xm, stride_xk, stride_wn, stride_wk,
-                EVEN_K, UPCAST, SERIAL_DOT, DOT_PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+                EVEN_K, UPCAST, SERIAL_DOT, DOT_PRECISION, TMA, MASK_ROWS,
+                BLOCK_M, BLOCK_N, BLOCK_K,
             )
             first = _stream_k_first_program(pid_n, k_blocks, total, num_programs)
             last = _stream_k_last_program(pid_n, k_blocks, total, num_programs)
@@ -205,7 +218,8 @@ def _gemm_kernel(
             acc = _tile_product(
                 x_ptr, w_ptr, M, N, K, pid_m, pid_n, kb_start, kb_end,
                 stride_xm, stride_xk, stride_wn, stride_wk,
-                EVEN_K, UPCAST, SERIAL_DOT, DOT_PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+                EVEN_K, UPCAST, SERIAL_DOT, DOT_PRECISION, TMA, MASK_ROWS,
+                BLOCK_M, BLOCK_N, BLOCK_K,
             )
             if USE_WORKSPACE:
                 _store_partial(acc, ws_ptr, split, pid_m, pid_n, M, N, stride_ws,

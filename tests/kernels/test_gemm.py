@@ -153,6 +153,47 @@ def test_gemm_config_tma_field_round_trips():
         GemmConfig(64, 128, 64, tma=1)
 
 
+MASK_ROWS_CONFIGS = [
+    GemmConfig(16, 32, 64),
+    GemmConfig(16, 16, 32, split_k=3),
+    GemmConfig(32, 16, 64, group_m=2, persistent=True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", MASK_ROWS_CONFIGS, ids=["plain", "split3", "persistent"])
+@pytest.mark.parametrize("m", [1, 37])
+def test_gemm_masked_rows_keep_the_bits_of_re_read_rows(config, dtype, m):
+    """``mask_rows`` only changes what the rows past M load (zeros, not row r % M): every real
+    row keeps its bits, on the even-K loads (K 128) and the masked ones (K 150)."""
+    for k in (128, 150):
+        x, w, b = _inputs(m, 48, k, dtype, seed=7, bias=True)
+        plain = gemm(x, w, b, config=config)
+        masked = gemm(x, w, b, config=dataclasses.replace(config, mask_rows=True))
+        assert_bitwise_equal(masked, plain, f"K {k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real bf16 shapes need a GPU")
+def test_gemm_masked_rows_keep_the_bits_at_real_shapes_on_gpu():
+    for m, n, k in ((1, 32768, 512), (8, 7168, 2048), (37, 576, 7168)):
+        x, w, _ = _inputs(m, n, k, torch.bfloat16, seed=8)
+        for config in (GemmConfig(16, 64, 256, num_warps=4, num_stages=3),
+                       GemmConfig(16, 64, 128, split_k=4, num_warps=4, num_stages=4),
+                       GemmConfig(64, 64, 128, num_warps=4, num_stages=4)):
+            plain = gemm(x.cuda(), w.cuda(), config=config)
+            masked = gemm(x.cuda(), w.cuda(), config=dataclasses.replace(config, mask_rows=True))
+            assert_bitwise_equal(masked, plain, f"{config} at ({m}, {n}, {k})")
+
+
+def test_gemm_config_mask_rows_field_round_trips():
+    config = GemmConfig(16, 64, 256, mask_rows=True)
+    assert GemmConfig.from_dict(config.to_dict()) == config
+    assert "mask_rows" not in GemmConfig(16, 64, 256).to_dict()
+    with pytest.raises(ValueError, match="^mask_rows:"):
+        GemmConfig(16, 64, 256, mask_rows=1)
+
+
 # Stream-K configs whose column tiles are cut into several pieces at these shapes (asserted).
 STREAM_K_CASES = [
     (7, 48, 160, GemmConfig(16, 16, 32, stream_k_programs=4)),  # 3 tiles x 5 K blocks / 4
