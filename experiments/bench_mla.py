@@ -16,10 +16,10 @@ engine's default 16 tokens, scattered at random.
   Bound (``bound_us``): the latent cache read once (B ctx 576 x 2 bytes) plus q (B 128 576 x 2)
   and out (B 128 512 x 2), at the card's measured copy bandwidth (4.3 TB/s on the H200);
   ``bw_fraction`` = bound_us / us; target >= 0.5 at B >= 32 and ctx >= 1024 (``meets_target``).
-  With 128 heads the op is also
-  near the compute roofline: ``compute_floor_us`` = B 128 ctx (576 + 512) 2 flop at the measured
-  790 TFLOP/s bf16 matmul rate (a second floor, not in the bound). ``partial_bytes`` = the fp32
-  partials written and read back by the split combine (0 when every sequence is one split).
+  With 128 heads the op is also near the compute roofline: ``compute_floor_us`` = B 128 ctx
+  (576 + 512) 2 flop at the measured bf16 matmul rate (790 TFLOP/s on the H200, 798 on the H100;
+  a second floor, not in the bound). ``partial_bytes`` = the fp32 partials written and read back
+  by the split combine (0 when every sequence is one split).
 - ``mla_prefill``: one sequence of 512 .. 4096 tokens, causal. Peer: SDPA (flash backend where it
   takes it) with v zero-padded to 192 outside the timed region (its output sliced to 128);
   target ratio >= 0.9.
@@ -53,7 +53,9 @@ DECODE_POLICIES = (("corun", Mode.CORUN, 256),
                    ("corun_split1024", Mode.CORUN, 1024),
                    ("corun_split16384", Mode.CORUN, 16384),
                    ("default", Mode.DEFAULT, 256))  # fmt: skip
-MATMUL_FLOPS_PER_S = 790e12  # measured bf16 matmul rate of the H200 (KINDS.md), compute floor
+# Measured bf16 matmul rates (the device tool's KINDS.md: an 8192^3 product on random data), the
+# compute floor's rate, by the card that was timed (harness.bandwidth_card)
+MATMUL_FLOPS_PER_S = {"h200": 790e12, "h100": 798e12}
 DECODE_TARGET_BW_FRACTION = 0.5  # issue 13: at B >= 32, ctx >= 1024
 PREFILL_TARGET_RATIO = 0.9  # issue 13: vs SDPA with v padded
 
@@ -124,7 +126,7 @@ def _decode_records(dims: dict, batch: int, ctx: int) -> list[dict]:
     io_bytes = batch * dims["heads"] * (entry + dims["latent"]) * elem  # q in, out back
     bound_us = harness.memory_bound_us(cache_bytes + io_bytes)
     flops = 2 * batch * dims["heads"] * ctx * (entry + dims["latent"])
-    compute_floor_us = flops / MATMUL_FLOPS_PER_S * 1e6
+    compute_floor_us = flops / MATMUL_FLOPS_PER_S[harness.bandwidth_card().split()[0]] * 1e6
     targeted = batch >= 32 and ctx >= 1024
     records = []
     for policy, mode, split_size in DECODE_POLICIES:
