@@ -21,8 +21,9 @@ cache blocks of 16 tokens scattered at random).
   (``meets_target``), set where the bound is at least 3 us: below that the split's two
   graph-replayed launches (split and combine, ~2-3 us each even for an empty kernel) already
   take more than bound / 0.6 (5 us at a 3 us bound). The target rows also carry ``copy_us``:
-  torch's device copy of the same bytes, graph-replayed (``harness.copy_floor_us``), and its
-  ``copy_bw_fraction`` of the bound, the fraction one launch moving those bytes reaches in practice.
+  torch's device copy of the same bytes, graph-replayed (``harness.copy_reference_us``), and its
+  ``copy_bw_fraction`` of the bound: a reference for what one launch moving those bytes reaches
+  (half of a copy's bytes are writes, so a kernel that mostly reads can beat it).
 
 Timing: harness.bench_us (CUDA-graph replay medians), ours and the peer the same way.
 Run: ``python -m experiments.bench_attention [--quick]`` -> experiments/results/attention-h200.json.
@@ -38,7 +39,7 @@ import torch
 from experiments.harness import (
     bandwidth_label,
     bench_us,
-    copy_floor_us,
+    copy_reference_us,
     family_main,
     kernel_record,
     memory_bound_us,
@@ -163,7 +164,8 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
     q = _queries(seeds, device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     kv_bytes = 2 * k.numel() * k.element_size()
-    bound = memory_bound_us(kv_bytes + 2 * q.numel() * q.element_size())
+    moved_bytes = kv_bytes + 2 * q.numel() * q.element_size()  # K, V, q in and out
+    bound = memory_bound_us(moved_bytes)
     # Peer: SDPA with q len 1 over a contiguous cache (flash, else the efficient backend).
     q4 = q.unsqueeze(2)  # [B, Hq, 1, D]
     k4 = k.view(batch, context, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
@@ -180,9 +182,8 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
             continue
     peer_us = bench_us(peer_fn) if peer_fn is not None else 0.0  # ratio 0: no peer ran
     targeted = batch <= 8 and bound >= DECODE_TARGET_MIN_BOUND_US
-    # The target rows' limit in practice: torch's device copy of the same bytes, graph-replayed.
-    copy_bytes = kv_bytes + 2 * q.numel() * q.element_size()
-    copy_us = copy_floor_us(copy_bytes) if targeted else None
+    # The target rows' reference in practice: torch's device copy of the same bytes, graph-replayed.
+    copy_us = copy_reference_us(moved_bytes) if targeted else None
     corun_cfg = decode_attention_config(batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, context,
                                         DTYPE, Mode.CORUN)
     policies = [("corun", Mode.CORUN, None), ("default", Mode.DEFAULT, None),
@@ -198,8 +199,9 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
             policies.append(("corun_lanes3", Mode.CORUN,
                              dataclasses.replace(corun_cfg, num_split_programs=lanes)))
         # Half the dependent steps a split takes (a small batch's programs walk their splits
-        # one latency-bound KV tile after another: B = 1 takes ~11 us from 512 to 4096 tokens
-        # on an H100), with 4 and 8 warps; other bits than the 64-token policy, fixed as well.
+        # one latency-bound KV tile after another: B = 1 takes 11.6-12.5 us from 512 to 4096
+        # tokens on an H100), with 4 and 8 warps; other bits than the 64-token policy's, and as
+        # fixed.
         for warps in (4, 8):
             policies.append((f"corun_bn128_w{warps}", Mode.CORUN, dataclasses.replace(
                 corun_cfg, BLOCK_N=128, num_warps=warps)))

@@ -10,7 +10,8 @@ is the fastest of them, each one's time is kept as ``<peer>_us``. ``bound_us`` i
 the card's copy bandwidth (4.3 TB/s on the H200) and ``bw_fraction`` = bound_us / us (the target is
 >= 0.9 where launch overhead does not dominate, i.e. at M >= 2048; below that a few-microsecond
 launch is most of the time). RoPE rows also carry ``copy_us``: torch's device copy of the same
-bytes, timed the same way (``harness.copy_floor_us``), and its ``copy_bw_fraction`` of the bound.
+bytes, timed the same way (``harness.copy_reference_us``), and its ``copy_bw_fraction`` of the
+bound.
 
     python -m experiments.bench_elementwise [--quick]   -> experiments/results/elementwise-h200.json
 """
@@ -28,7 +29,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 
 from experiments.harness import (  # noqa: E402
     bench_us,
-    copy_floor_us,
+    copy_reference_us,
     family_main,
     kernel_record,
     memory_bound_us,
@@ -191,9 +192,9 @@ def collect(quick: bool = False) -> list[dict]:
             peer = peers.rope(q, k, positions, cache, is_neox)
             num_bytes = 2 * m * (q_heads + k_heads) * rotary_dim * ELEM + m * rotary_dim * 4
             policy = rope_config(m, q_heads, k_heads, rotary_dim, DTYPE)
-            # The device copy of the same bytes, timed the same way: what any one launch moving
-            # them takes in practice (issue 13's RoPE row reads its limit off it).
-            copy_us = copy_floor_us(num_bytes, warmup_ms=warmup_ms, rep_ms=rep_ms)
+            # The device copy of the same bytes, timed the same way: a reference for what one
+            # launch moving them takes in practice (issue 13's RoPE row reports it).
+            copy_us = copy_reference_us(num_bytes, warmup_ms=warmup_ms, rep_ms=rep_ms)
             records.append(
                 _record(
                     "rope",

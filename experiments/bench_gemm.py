@@ -5,9 +5,10 @@
 ``experiments.tune_gemm.gemm_shapes(BENCH_MODELS)`` (every GEMM of Qwen3-8B, Qwen3-30B-A3B and
 DeepSeek-V3, LM heads included) and decode/prefill M. ``check_invariance_gpu()`` checks
 position invariance (every mode), batch invariance (batch_invariant) and runs the negative controls
-(default mode across M; another BLOCK_K) in bf16 at real shapes. Where the corun pick's rows
-outnumber M (and it loads without TMA) a ``corun_mask_rows`` row times the same pick with the
-rows past M masked out of the x loads (``GemmConfig.mask_rows``: the same bits).
+(default mode across M; another BLOCK_K) in bf16 at real shapes. Where M leaves the corun
+pick's last row tile part empty (and it loads without TMA) a ``corun_mask_rows`` row times the
+same pick with the rows past M masked out of the x loads (``GemmConfig.mask_rows``), and records
+whether its bits equal the pick's (``same_bits_as_pick``: they must).
 
     python -m experiments.bench_gemm [--quick]   -> experiments/results/gemm-h200.json
 """
@@ -79,17 +80,23 @@ def collect(quick: bool = False) -> list[dict]:
                 print(f"{label:28s} M={m:5d} {mode.value:16s} {us:9.2f} us  cuBLAS {cublas_us:9.2f}"
                       f"  ratio {cublas_us / us:.3f}", flush=True)
             config = gemm_config(m, n, k, DTYPE, Mode.CORUN)
-            if m < config.block_m and not config.tma:
-                # The corun pick with the rows past M masked rather than re-read (the same bits):
-                # at M 1 every row of the tile re-reads the one real row.
+            if m % config.block_m and not config.tma:
+                # The corun pick with the rows past M masked rather than re-read (a last row tile
+                # that M does not fill: at M 1 all its rows re-read the one real row); its bits
+                # are checked against the pick's, which they must equal.
                 masked = dataclasses.replace(config, mask_rows=True)
+                same_bits = torch.equal(gemm(x, w, config=masked), gemm(x, w, config=config))
                 us = bench_us(lambda x=x, w=w, c=masked: gemm(x, w, config=c), warmup_ms, rep_ms)
                 records.append(kernel_record(
                     "gemm", "corun_mask_rows", m, n, k, DTYPE, us, "cublas", cublas_us,
                     layer=label, phase="decode" if m in DECODE_M else "prefill",
                     bound_us=round(bound_us, 3), bw_fraction=round(bound_us / us, 4),
                     tflops=round(2 * m * n * k / us / 1e6, 2), config=masked.to_dict(),
+                    same_bits_as_pick=same_bits,
                 ))
+                print(f"{label:28s} M={m:5d} {'corun_mask_rows':16s} {us:9.2f} us  cuBLAS "
+                      f"{cublas_us:9.2f}  ratio {cublas_us / us:.3f}  same bits {same_bits}",
+                      flush=True)
     return records
 
 

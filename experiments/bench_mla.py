@@ -53,9 +53,6 @@ DECODE_POLICIES = (("corun", Mode.CORUN, 256),
                    ("corun_split1024", Mode.CORUN, 1024),
                    ("corun_split16384", Mode.CORUN, 16384),
                    ("default", Mode.DEFAULT, 256))  # fmt: skip
-# Measured bf16 matmul rates (the device tool's KINDS.md: an 8192^3 product on random data), the
-# compute floor's rate, by the card that was timed (harness.bandwidth_card)
-MATMUL_FLOPS_PER_S = {"h200": 790e12, "h100": 798e12}
 DECODE_TARGET_BW_FRACTION = 0.5  # issue 13: at B >= 32, ctx >= 1024
 PREFILL_TARGET_RATIO = 0.9  # issue 13: vs SDPA with v padded
 
@@ -126,7 +123,7 @@ def _decode_records(dims: dict, batch: int, ctx: int) -> list[dict]:
     io_bytes = batch * dims["heads"] * (entry + dims["latent"]) * elem  # q in, out back
     bound_us = harness.memory_bound_us(cache_bytes + io_bytes)
     flops = 2 * batch * dims["heads"] * ctx * (entry + dims["latent"])
-    compute_floor_us = flops / MATMUL_FLOPS_PER_S[harness.bandwidth_card().split()[0]] * 1e6
+    compute_floor_us = flops / harness.matmul_rate() * 1e6  # the timed card's measured rate
     targeted = batch >= 32 and ctx >= 1024
     records = []
     for policy, mode, split_size in DECODE_POLICIES:

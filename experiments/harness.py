@@ -14,7 +14,6 @@ import os
 import platform
 import shlex
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,9 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # 3.0 TB/s (2026-11-13). A bound is computed at the bandwidth of the card that was timed.
 H200_BANDWIDTH_BYTES_PER_S = 4.3e12
 COPY_BANDWIDTH_BYTES_PER_S = {"h200": H200_BANDWIDTH_BYTES_PER_S, "h100": 3.0e12}
+# Measured bf16 matmul rates, an 8192^3 product on random data (the device tool's KINDS.md: the
+# H200 2026-10-28, the H100 2026-11-13), the compute floors' rate.
+MATMUL_FLOPS_PER_S = {"h200": 790e12, "h100": 798e12}
 # The vendors' datasheet peaks, which a stream that mostly reads can pass the copy rate towards.
 DATASHEET_BANDWIDTH_BYTES_PER_S = {"h200": 4.8e12, "h100": 3.35e12}
 
@@ -53,9 +55,16 @@ WARMUP_LENGTHS = tuple(sorted({n for bucket in GEMM_BUCKETS for n in (bucket, bu
 
 
 def _warm_up(fn: Callable[[], object], warmup_ms: float) -> None:
-    """Run ``fn`` back to back for ``warmup_ms`` of wall time, then wait for the card."""
-    deadline = time.perf_counter() + warmup_ms / 1e3
-    while time.perf_counter() < deadline:
+    """Run ``fn`` back to back for about ``warmup_ms``, then wait for the card. The count comes
+    from one timed call (events: the card's time, or the launch's where the host is slower), so
+    a long kernel is not queued a host loop's worth of times."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    calls = max(1, min(1000, int(warmup_ms / max(start.elapsed_time(end), 1e-3))))
+    for _ in range(calls):
         fn()
     torch.cuda.synchronize()
 
@@ -143,6 +152,11 @@ def copy_bandwidth() -> float:
     return COPY_BANDWIDTH_BYTES_PER_S[bandwidth_card().split()[0]]
 
 
+def matmul_rate() -> float:
+    """The measured bf16 matmul rate (FLOP/s) of ``bandwidth_card()``."""
+    return MATMUL_FLOPS_PER_S[bandwidth_card().split()[0]]
+
+
 def bandwidth_label() -> str:
     """``4.3 TB/s``: how the bound strings name the bandwidth they assume."""
     return f"{copy_bandwidth() / 1e12:.1f} TB/s"
@@ -154,12 +168,12 @@ def memory_bound_us(num_bytes: float, bandwidth: float | None = None) -> float:
     return num_bytes / (bandwidth or copy_bandwidth()) * 1e6
 
 
-def copy_floor_us(num_bytes: int, **bench_kwargs: object) -> float:
+def copy_reference_us(num_bytes: int, **bench_kwargs: object) -> float:
     """The graph-replayed time of the vendor's device copy (``Tensor.copy_``, bf16) moving
-    ``num_bytes``: half read, half written. ``memory_bound_us`` is the ideal of those bytes; this
-    is what one launch that moves them takes in practice, timed as the kernels are
-    (``bench_us``), so a row whose copy falls short of a fraction of the bound shows a limit the
-    shape sets, not the kernel (small shapes: launch and latency). Needs CUDA."""
+    ``num_bytes``: half read, half written, timed as the kernels are (``bench_us``). A reference
+    beside ``memory_bound_us``'s ideal, not a floor: a kernel that mostly reads can beat it. Where
+    even the copy stays far from the bound (small shapes: launch and latency), the shape limits
+    what one launch moving those bytes reaches. Needs CUDA."""
     elements = max(1, num_bytes // 4)
     src = torch.randn(elements, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)

@@ -9,7 +9,8 @@ widths the GEMM policy never splits K, and every other kernel's arithmetic is th
 Natively it does not hold as shipped: at Qwen3-0.6B's shapes the corun GEMM splits K at M 8 and
 not at M 64, and requests decoded at B = 8 differed from B = 64 (an H100, 2026-12-05: the log
 shows 4 of the 8 differing before it truncates;
-tests/engine/test_gpu_engine.py, which also holds the check with one split-K across the sizes).
+tests/engine/test_gpu_engine.py, which also holds the check with one GEMM config across the
+sizes).
 """
 
 from __future__ import annotations

@@ -93,9 +93,11 @@ class GemmConfig:
     # would leave a partial last wave (96 tiles of Qwen3-8B's qkv at M 128 on 132 SMs).
     stream_k_programs: int = 0
     # Rows past M masked out of the x loads (zeros) instead of re-reading row ``r % M``: no
-    # memory request for them. At M 1 every row of a 16-row tile re-reads the one real row, and
-    # the same binary ran 1.4x slower than at M 8 on an H100 (2026-12-05); the masked rows are
-    # never stored and an MMA row never reads another, so the bits are the same.
+    # memory request for them; they are never stored and an MMA row never reads another, so the
+    # bits are the same. A candidate, not yet timed: the same binary ran 1.4x slower at M 1 than
+    # at M 8 on an H100 (experiments/results/probe-gemm-m1-h100.json), and at M 1 all 16 rows
+    # of the tile re-read one row (at M 8, two each); whether that is the cause is what
+    # experiments/probe_gemm_m1.py's mask_rows column will show. No policy sets it yet.
     mask_rows: bool = False
 
     def __post_init__(self) -> None:

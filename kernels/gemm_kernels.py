@@ -6,7 +6,8 @@ is either one program per work item or fewer programs that loop over work items 
 Which program handles a work item never changes its arithmetic, so persistence is free of bits.
 
 Why rows are independent of each other: row r of the output reads only row r of ``x`` (rows past
-M re-read a real row through ``% M`` and are never stored), and ``tl.dot`` computes each output
+M re-read a real row through ``% M``, or load zeros with ``MASK_ROWS``, and are never stored), and
+``tl.dot`` computes each output
 element from its own row and column. The only thing that sets a row's reduction order is the
 K walk: BLOCK_K and the split boundaries. With ``split_k > 1`` each split writes an fp32 partial
 to a workspace [split_k, M, N] and ``_splitk_reduce_kernel`` sums the partials in split order
@@ -50,10 +51,11 @@ def _tile_product(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Out-of-range rows/columns re-read in-range data instead of being masked in the K loop:
     # they are never stored, and no other row or column reads them. MASK_ROWS masks the rows
-    # instead (zeros, no memory request): the same bits for every real row.
+    # instead (zeros, no memory request): the same bits for every real row. TMA tiles need
+    # neither: the descriptor zero-fills past M.
     offs_xm = offs_m % M
     offs_wn = offs_n % N
-    row_mask = (offs_m < M)[:, None]
+    row_mask = (offs_m < M)[:, None]  # read by the MASK_ROWS loads only
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         if TMA:

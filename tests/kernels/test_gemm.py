@@ -157,30 +157,59 @@ MASK_ROWS_CONFIGS = [
     GemmConfig(16, 32, 64),
     GemmConfig(16, 16, 32, split_k=3),
     GemmConfig(32, 16, 64, group_m=2, persistent=True),
+    GemmConfig(16, 16, 32, stream_k_programs=4),  # one row tile: M <= 16 only
 ]
 
 
+class _LaunchSpy:
+    """Stands in for ``_gemm_kernel``: records each launch's MASK_ROWS, then launches."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.mask_rows = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.mask_rows.append(kwargs["MASK_ROWS"])
+            return launch(*args, **kwargs)
+
+        return run
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("config", MASK_ROWS_CONFIGS, ids=["plain", "split3", "persistent"])
-@pytest.mark.parametrize("m", [1, 37])
-def test_gemm_masked_rows_keep_the_bits_of_re_read_rows(config, dtype, m):
-    """``mask_rows`` only changes what the rows past M load (zeros, not row r % M): every real
-    row keeps its bits, on the even-K loads (K 128) and the masked ones (K 150)."""
+@pytest.mark.parametrize("config", MASK_ROWS_CONFIGS,
+                         ids=["plain", "split3", "persistent", "stream-k"])
+@pytest.mark.parametrize("m", [1, 5, 37])
+def test_gemm_masked_rows_keep_the_bits_of_re_read_rows(config, dtype, m, monkeypatch):
+    """``mask_rows`` reaches the kernel and only changes what the rows past M load (zeros, not
+    row r % M): every real row keeps its bits, at K 128 and at K 150 (zero padding past K). The
+    interpreter runs the serial-dot loads; the GPU's loads are the test below's."""
+    if config.stream_k_programs and m > config.block_m:
+        pytest.skip("stream-K runs one row tile: M <= block_m (kernels.gemm checks it)")
+    spy = _LaunchSpy(gemm_module._gemm_kernel)
+    monkeypatch.setattr(gemm_module, "_gemm_kernel", spy)
     for k in (128, 150):
         x, w, b = _inputs(m, 48, k, dtype, seed=7, bias=True)
         plain = gemm(x, w, b, config=config)
         masked = gemm(x, w, b, config=dataclasses.replace(config, mask_rows=True))
         assert_bitwise_equal(masked, plain, f"K {k}")
+    assert spy.mask_rows == [False, True, False, True]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real bf16 shapes need a GPU")
 def test_gemm_masked_rows_keep_the_bits_at_real_shapes_on_gpu():
-    for m, n, k in ((1, 32768, 512), (8, 7168, 2048), (37, 576, 7168)):
+    """The GPU's loads: even K (plain loads) and K 7232 (masked past K), split-K, stream-K."""
+    for m, n, k in ((1, 32768, 512), (8, 7168, 2048), (37, 576, 7232)):
         x, w, _ = _inputs(m, n, k, torch.bfloat16, seed=8)
-        for config in (GemmConfig(16, 64, 256, num_warps=4, num_stages=3),
-                       GemmConfig(16, 64, 128, split_k=4, num_warps=4, num_stages=4),
-                       GemmConfig(64, 64, 128, num_warps=4, num_stages=4)):
+        configs = [GemmConfig(16, 64, 256, num_warps=4, num_stages=3),
+                   GemmConfig(16, 64, 128, split_k=4, num_warps=4, num_stages=4),
+                   GemmConfig(64, 64, 128, num_warps=4, num_stages=4)]
+        if m <= 64:
+            configs.append(GemmConfig(64, 64, 128, num_warps=4, num_stages=4,
+                                      stream_k_programs=132))
+        for config in configs:
             plain = gemm(x.cuda(), w.cuda(), config=config)
             masked = gemm(x.cuda(), w.cuda(), config=dataclasses.replace(config, mask_rows=True))
             assert_bitwise_equal(masked, plain, f"{config} at ({m}, {n}, {k})")
