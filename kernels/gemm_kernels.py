@@ -38,6 +38,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_x_tile(x_ptrs, offs_k, K, row_mask, EVEN_K: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """An x tile through per-thread loads: masked past K unless K is a whole number of tiles,
+    and past M with MASK_ROWS (zeros either way; masks only where a constexpr says so)."""
+    if EVEN_K:
+        if MASK_ROWS:
+            tile = tl.load(x_ptrs, mask=row_mask, other=0.0)
+        else:
+            tile = tl.load(x_ptrs)
+    else:
+        mask = offs_k[None, :] < K
+        if MASK_ROWS:
+            mask = mask & row_mask
+        tile = tl.load(x_ptrs, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
 def _tile_product(
     x_ptr, w_ptr, M, N, K, pid_m, pid_n, kb_start, kb_end,
     stride_xm, stride_xk, stride_wn, stride_wk,
@@ -69,26 +86,16 @@ def _tile_product(
                 # of a TMA tile, so the serial product below sums both paths in one order and
                 # a config's bits do not depend on whether its inputs were TMA-addressable.
                 w_ptrs = w_ptr + offs_wn[:, None] * stride_wn + offs_k[None, :] * stride_wk
-                x_mask = offs_k[None, :] < K
-                if MASK_ROWS:
-                    x_mask = x_mask & row_mask
-                a = tl.load(x_ptrs, mask=x_mask, other=0.0)
+                a = _load_x_tile(x_ptrs, offs_k, K, row_mask, EVEN_K, MASK_ROWS)
                 b = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0).T
             else:
                 w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn
+                a = _load_x_tile(x_ptrs, offs_k, K, row_mask, EVEN_K, MASK_ROWS)
                 if EVEN_K:
-                    if MASK_ROWS:
-                        a = tl.load(x_ptrs, mask=row_mask, other=0.0)
-                    else:
-                        a = tl.load(x_ptrs)
                     b = tl.load(w_ptrs)
                 else:
                     # Zero padding past K adds exact zeros: the sum over the real K is
                     # unchanged.
-                    x_mask = offs_k[None, :] < K
-                    if MASK_ROWS:
-                        x_mask = x_mask & row_mask
-                    a = tl.load(x_ptrs, mask=x_mask, other=0.0)
                     b = tl.load(w_ptrs, mask=offs_k[:, None] < K, other=0.0)
         if UPCAST:
             # Interpreter only: its bf16 dot is wrong, fp32 is exact (kernels.utils).
