@@ -65,38 +65,33 @@ def collect(quick: bool = False) -> list[dict]:
             cublas_us = bench_us(lambda x=x, w=w: F.linear(x, w), warmup_ms, rep_ms)
             # Bytes every kernel must move at least once: x, w and the output, all bf16.
             bound_us = memory_bound_us((m * k + n * k + m * n) * DTYPE.itemsize)
-            for mode in (Mode.CORUN, Mode.BATCH_INVARIANT):
-                config = gemm_config(m, n, k, DTYPE, mode)
-                out = gemm(x, w, mode=mode)
+            # Each policy's pick, timed through its mode; where M leaves the corun pick's last
+            # row tile part empty (and it loads without TMA), the same pick with the rows past M
+            # masked rather than re-read (at M 1 all of them re-read the one real row), whose
+            # bits must equal the pick's.
+            variants = [(mode.value, gemm_config(m, n, k, DTYPE, mode), {"mode": mode})
+                        for mode in (Mode.CORUN, Mode.BATCH_INVARIANT)]
+            corun = variants[0][1]
+            if m % corun.block_m and not corun.tma:
+                masked = dataclasses.replace(corun, mask_rows=True)
+                variants.append(("corun_mask_rows", masked, {"config": masked}))
+            outs = {}
+            for policy, config, how in variants:
+                out = outs[policy] = gemm(x, w, **how)
                 rel_err = ((out.float() - expected).abs().max() / expected.abs().max()).item()
-                us = bench_us(lambda x=x, w=w, mode=mode: gemm(x, w, mode=mode), warmup_ms, rep_ms)
+                us = bench_us(lambda x=x, w=w, how=how: gemm(x, w, **how), warmup_ms, rep_ms)
+                checked = ({"same_bits_as_pick": torch.equal(out, outs[Mode.CORUN.value])}
+                           if config.mask_rows else {})
                 records.append(kernel_record(
-                    "gemm", mode.value, m, n, k, DTYPE, us, "cublas", cublas_us,
+                    "gemm", policy, m, n, k, DTYPE, us, "cublas", cublas_us,
                     layer=label, phase="decode" if m in DECODE_M else "prefill",
                     bound_us=round(bound_us, 3), bw_fraction=round(bound_us / us, 4),
                     tflops=round(2 * m * n * k / us / 1e6, 2), rel_err_vs_cublas=rel_err,
-                    config=config.to_dict(),
+                    config=config.to_dict(), **checked,
                 ))
-                print(f"{label:28s} M={m:5d} {mode.value:16s} {us:9.2f} us  cuBLAS {cublas_us:9.2f}"
-                      f"  ratio {cublas_us / us:.3f}", flush=True)
-            config = gemm_config(m, n, k, DTYPE, Mode.CORUN)
-            if m % config.block_m and not config.tma:
-                # The corun pick with the rows past M masked rather than re-read (a last row tile
-                # that M does not fill: at M 1 all its rows re-read the one real row); its bits
-                # are checked against the pick's, which they must equal.
-                masked = dataclasses.replace(config, mask_rows=True)
-                same_bits = torch.equal(gemm(x, w, config=masked), gemm(x, w, config=config))
-                us = bench_us(lambda x=x, w=w, c=masked: gemm(x, w, config=c), warmup_ms, rep_ms)
-                records.append(kernel_record(
-                    "gemm", "corun_mask_rows", m, n, k, DTYPE, us, "cublas", cublas_us,
-                    layer=label, phase="decode" if m in DECODE_M else "prefill",
-                    bound_us=round(bound_us, 3), bw_fraction=round(bound_us / us, 4),
-                    tflops=round(2 * m * n * k / us / 1e6, 2), config=masked.to_dict(),
-                    same_bits_as_pick=same_bits,
-                ))
-                print(f"{label:28s} M={m:5d} {'corun_mask_rows':16s} {us:9.2f} us  cuBLAS "
-                      f"{cublas_us:9.2f}  ratio {cublas_us / us:.3f}  same bits {same_bits}",
-                      flush=True)
+                print(f"{label:28s} M={m:5d} {policy:16s} {us:9.2f} us  cuBLAS {cublas_us:9.2f}"
+                      f"  ratio {cublas_us / us:.3f}"
+                      + "".join(f"  {key} {value}" for key, value in checked.items()), flush=True)
     return records
 
 
