@@ -7,10 +7,9 @@ at 1 req/s was 26% above `default`'s: experiments/README.md's serving-load secti
 On the CPU engine (Triton interpreter, fp32, tiny models) B = 4 and 32 keep every bit: at these
 widths the GEMM policy never splits K, and every other kernel's arithmetic is the row's own.
 Natively it does not hold as shipped: at Qwen3-0.6B's shapes the corun GEMM splits K at M 8 and
-not at M 64, and requests decoded at B = 8 differed from B = 64 (an H100, 2026-12-05: the log
-shows 4 of the 8 differing before it truncates;
-tests/engine/test_gpu_engine.py, which also holds the check with one GEMM config across the
-sizes).
+not at M 64, and requests decoded at B = 8 differed from B = 64 (an H100, 2026-12-05:
+experiments/results/native-tests-h100.json; tests/engine/test_gpu_engine.py, which also holds
+the check with one GEMM config across the sizes).
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ def test_cuda_peak_bytes_counts_the_run_and_not_what_was_there_before():
     device = torch.device("cuda")
     held = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     # (fill_, not a sum: summing uint8 on CUDA first widens the tensor to int64, 8x its bytes,
-    # which is what this test measured on an H100: 576 MiB)
+    # which made this test fail on an H100: experiments/results/native-tests-h100.json)
     peak = cuda_peak_bytes(
         lambda: torch.empty(64 << 20, dtype=torch.uint8, device=device).fill_(1), device)
     assert 64 << 20 <= peak < 128 << 20
@@ -370,8 +370,8 @@ def _decode_size_fingerprints(sizes: tuple[int, ...]) -> list[dict[str, str]]:
 def test_corun_rows_change_with_the_decode_batch_size_where_split_k_follows_m_on_gpu():
     """The shipped corun GEMM policy splits K at small M (Qwen3-0.6B's down projection, K 3072:
     4 splits at M 8, none at M 64), so a row decoded at B = 8 and at B = 64 has other bits
-    (measured on an H100 on 2026-12-05: the failure's log shows 4 of the 8 requests
-    differing before it truncates). corun never mixes decode sizes,
+    (measured on an H100 on 2026-12-05: experiments/results/native-tests-h100.json lists the
+    earlier test that asserted the opposite among the failures). corun never mixes decode sizes,
     so its guarantee holds; capturing several decode sizes would need one GEMM reduction order
     across them (the test below)."""
     from kernels.gemm import gemm_config
