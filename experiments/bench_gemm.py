@@ -6,9 +6,11 @@
 DeepSeek-V3, LM heads included) and decode/prefill M. ``check_invariance_gpu()`` checks
 position invariance (every mode), batch invariance (batch_invariant) and runs the negative controls
 (default mode across M; another BLOCK_K) in bf16 at real shapes. Where M leaves the corun
-pick's last row tile part empty (and it loads without TMA) a ``corun_mask_rows`` row times the
-same pick with the rows past M masked out of the x loads (``GemmConfig.mask_rows``), and records
-whether its bits equal the pick's (``same_bits_as_pick``: they must).
+pick's last row tile part empty (and it loads without TMA) a ``corun_reread_rows`` row times the
+same pick with the rows past M re-reading row ``r % M`` instead of masked out of the x loads
+(``GemmConfig.mask_rows``, which the policy sets where M < block_m; a ``corun_mask_rows`` row
+where the pick leaves it off), and records whether its bits equal the pick's
+(``same_bits_as_pick``: they must).
 
     python -m experiments.bench_gemm [--quick]   -> experiments/results/gemm-h200.json
 """
@@ -67,21 +69,22 @@ def collect(quick: bool = False) -> list[dict]:
             bound_us = memory_bound_us((m * k + n * k + m * n) * DTYPE.itemsize)
             # Each policy's pick, timed through its mode; where M leaves the corun pick's last
             # row tile part empty (and it loads without TMA), the same pick with the rows past M
-            # masked rather than re-read (at M 1 all of them re-read the one real row), whose
-            # bits must equal the pick's.
+            # loaded the other way (masked, or re-read: at M 1 all of them re-read the one real
+            # row), whose bits must equal the pick's.
             variants = [(mode.value, gemm_config(m, n, k, DTYPE, mode), {"mode": mode})
                         for mode in (Mode.CORUN, Mode.BATCH_INVARIANT)]
             corun = variants[0][1]
             if m % corun.block_m and not corun.tma:
-                masked = dataclasses.replace(corun, mask_rows=True)
-                variants.append(("corun_mask_rows", masked, {"config": masked}))
+                other = dataclasses.replace(corun, mask_rows=not corun.mask_rows)
+                label = "corun_mask_rows" if other.mask_rows else "corun_reread_rows"
+                variants.append((label, other, {"config": other}))
             outs = {}
             for policy, config, how in variants:
                 out = outs[policy] = gemm(x, w, **how)
                 rel_err = ((out.float() - expected).abs().max() / expected.abs().max()).item()
                 us = bench_us(lambda x=x, w=w, how=how: gemm(x, w, **how), warmup_ms, rep_ms)
                 checked = ({"same_bits_as_pick": torch.equal(out, outs[Mode.CORUN.value])}
-                           if config.mask_rows else {})
+                           if "config" in how else {})
                 records.append(kernel_record(
                     "gemm", policy, m, n, k, DTYPE, us, "cublas", cublas_us,
                     layer=label, phase="decode" if m in DECODE_M else "prefill",

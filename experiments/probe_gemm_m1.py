@@ -4,9 +4,10 @@ On an H100 (2026-12-05) DeepSeek-V3's kv_b (N 32768, K 512) ran at 15.0 us at M 
 M 8, the same config and, compiled offline, the same PTX (``M`` is not specialised). This times
 M 1, 8, 1, 8, 32, 1 in turn, each with ``do_bench_cudagraph`` as it was (no warm-up) and with
 ``harness.bench_us`` (a warm-up first), ours and cuBLAS, so order, warm-up and the card's clocks
-can be told from the kernel; and the same pick with ``GemmConfig.mask_rows`` (the rows past M
-masked out of the x loads rather than re-reading row r % M: at M 1 all 16 rows of the tile
-re-read the one real row).
+can be told from the kernel; and the same pick with the rows past M re-reading row r % M
+(``reread_rows_us``: at M 1 all 16 rows of the tile re-read the one real row) and masked out of
+the x loads (``mask_rows_us``, ``GemmConfig.mask_rows``). The first run (the H100's file) found
+the masked loads as fast at M 1 as at M 8, and the policy has set them where M < block_m since.
 
     python -m experiments.probe_gemm_m1   -> experiments/results/probe-gemm-m1-<card>.json
 """
@@ -50,7 +51,8 @@ def collect() -> list[dict]:
         for turn, m in enumerate(ORDER):
             x = x_all[:m]
             pick = gemm_config(m, n, k, torch.bfloat16, Mode.CORUN)
-            masked = dataclasses.replace(pick, mask_rows=True)
+            loads = {f"{name}_us": dataclasses.replace(pick, mask_rows=mask)
+                     for name, mask in (("reread_rows", False), ("mask_rows", True))}
             ours = lambda x=x, w=w: gemm(x, w, mode=Mode.CORUN)  # noqa: E731
             cublas = lambda x=x, w=w: F.linear(x, w)  # noqa: E731
             record = {
@@ -59,8 +61,8 @@ def collect() -> list[dict]:
                 "unwarmed_cublas_us": round(_unwarmed_us(cublas), 3),
                 "us": round(bench_us(ours, 10, 30), 3),
                 "cublas_us": round(bench_us(cublas, 10, 30), 3),
-                "mask_rows_us": round(bench_us(
-                    lambda x=x, w=w, c=masked: gemm(x, w, config=c), 10, 30), 3),
+                **{key: round(bench_us(lambda x=x, w=w, c=config: gemm(x, w, config=c), 10, 30), 3)
+                   for key, config in loads.items()},
                 "config": pick.to_dict(),
             }
             records.append(record)

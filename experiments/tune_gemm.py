@@ -38,7 +38,14 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.harness import bench_us, header  # noqa: E402
-from kernels.gemm import H200_NUM_SMS, TUNED_PATH, GemmConfig, auto_split_k, gemm  # noqa: E402
+from kernels.gemm import (  # noqa: E402
+    H200_NUM_SMS,
+    TUNED_PATH,
+    GemmConfig,
+    auto_split_k,
+    gemm,
+    with_row_mask,
+)
 from models.config import NAMED_CONFIGS  # noqa: E402
 
 M_VALUES = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
@@ -269,7 +276,12 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
     if setup.max_candidates is not None:
         configs = configs[: setup.max_candidates] + list(BATCH_INVARIANT_POOL if with_pool else ())
         configs = list(dict.fromkeys(configs))
-    timed = {c: _time_config(setup, x, w, expected, c) for c in configs}
+    # Each candidate timed as the M-dependent policies run it (rows past M masked where M leaves
+    # the row tile part empty); the batch_invariant pool as that mode runs it, never masked.
+    timed = {c: _time_config(setup, x, w, expected, with_row_mask(c, m)) for c in configs}
+    pool_timed = {c: timed.get(c) if not with_row_mask(c, m).mask_rows
+                  else _time_config(setup, x, w, expected, c)
+                  for c in BATCH_INVARIANT_POOL if with_pool and c in timed}
     timed = {c: t for c, t in timed.items() if t is not None}
     if not timed:
         print(f"  {label} M={m}: no candidate ran", file=sys.stderr)
@@ -290,8 +302,8 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
              "cublas_us": round(cublas_us, 3),
              "ratio_vs_cublas": round(cublas_us / timed[best], 4),
              "candidates": len(timed), "candidate_set": CANDIDATE_SET}
-    if with_pool and all(c in timed for c in BATCH_INVARIANT_POOL):
-        entry["pool_us"] = [round(timed[c], 3) for c in BATCH_INVARIANT_POOL]
+    if with_pool and all(pool_timed.get(c) is not None for c in BATCH_INVARIANT_POOL):
+        entry["pool_us"] = [round(pool_timed[c], 3) for c in BATCH_INVARIANT_POOL]
     print(f"  {label:28s} M={m:5d} best {timed[best]:9.2f} us  cuBLAS {cublas_us:9.2f} us"
           f"  ratio {cublas_us / timed[best]:.3f}  {best}", flush=True)
     return entry

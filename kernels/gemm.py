@@ -94,10 +94,11 @@ class GemmConfig:
     stream_k_programs: int = 0
     # Rows past M masked out of the x loads (zeros) instead of re-reading row ``r % M``: no
     # memory request for them; they are never stored and an MMA row never reads another, so the
-    # bits are the same. A candidate, not yet timed: the same binary ran 1.4x slower at M 1 than
-    # at M 8 on an H100 (experiments/results/probe-gemm-m1-h100.json), and at M 1 all 16 rows
-    # of the tile re-read one row (at M 8, two each); whether that is the cause is what
-    # experiments/probe_gemm_m1.py's mask_rows column will show. No policy sets it yet.
+    # bits are the same. The policies set it where M < block_m (``with_row_mask``): on an H100
+    # the same pick took 1.03-1.74x less time at M 1 (every row of the tile re-read the one real
+    # row) and median 1.01x at M 8 (experiments/results/kernels-h100.json, the
+    # ``corun_mask_rows`` rows of bench_gemm; probe-gemm-m1-h100.json). A full tile gains
+    # nothing from the mask and paid for it (shared.down at M 32: 8.3 against 9.9 us).
     mask_rows: bool = False
 
     def __post_init__(self) -> None:
@@ -300,15 +301,23 @@ def _gemm_config(table: TunedTable, m: int, n: int, k: int, dtype: torch.dtype,
     if mode is Mode.BATCH_INVARIANT_TUNED:
         tuned = table.lookup(m, n, k, dtype, no_split=True)
         if tuned is not None:
-            return _fit_smem(tuned, dtype.itemsize)
+            return with_row_mask(_fit_smem(tuned, dtype.itemsize), m)
         tile = dataclasses.replace(_fallback_config(m, n, k), block_k=portable.block_k)
-        return _for_dtype(tile, dtype)
+        return with_row_mask(_for_dtype(tile, dtype), m)
     tuned = table.lookup(m, n, k, dtype)
     if tuned is not None:
-        return _fit_smem(tuned, dtype.itemsize)
+        return with_row_mask(_fit_smem(tuned, dtype.itemsize), m)
     config = _for_dtype(_fallback_config(m, n, k), dtype)
     split = auto_split_k(m, n, k, config.block_m, config.block_n, config.block_k)
-    return dataclasses.replace(config, split_k=split)
+    return with_row_mask(dataclasses.replace(config, split_k=split), m)
+
+
+def with_row_mask(config: GemmConfig, m: int) -> GemmConfig:
+    """Masked rows (``GemmConfig.mask_rows``) where M leaves the one row tile part empty.
+
+    Speed only, never bits. TMA tiles already read zeros past M, so they keep their loads.
+    """
+    return dataclasses.replace(config, mask_rows=m < config.block_m and not config.tma)
 
 
 # ----------------------------------------------------------------------------------------------

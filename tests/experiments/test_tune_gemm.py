@@ -80,12 +80,37 @@ def test_no_split_pick_never_cuts_k(monkeypatch):
     monkeypatch.setattr(tune_gemm, "candidates", lambda m, n, k, with_pool=True: [stream, whole])
     times = {stream: 1.0, whole: 2.0}
     monkeypatch.setattr(tune_gemm, "_time_config",
-                        lambda setup, x, w, expected, config: times[config])
+                        lambda setup, x, w, expected, config:
+                        times[dataclasses.replace(config, mask_rows=False)])
     w = torch.randn(48, 64)
     entry = tune_gemm._tune_point(setup, "tiny", 1, 48, 64, w)
     assert GemmConfig.from_dict(entry["config"]) == stream
     assert GemmConfig.from_dict(entry["no_split_config"]) == whole
     assert entry["stream_k_us"] == 1.0  # the fastest stream-K time, kept whether it won or not
+
+
+@pytest.mark.parametrize("m", [1, 512])
+def test_candidates_are_timed_as_each_policy_runs_them(m, monkeypatch):
+    """The table's picks serve the M-dependent policies, which mask the rows of a part-empty
+    row tile: candidates are timed so. batch_invariant runs its pool config unmasked at every M,
+    so the pool's times (``pool_us``) are the unmasked ones, timed again where the two differ."""
+    setup = dataclasses.replace(tune_gemm.dry_run_setup(), max_candidates=None)
+    pool = tune_gemm.BATCH_INVARIANT_POOL
+    other = GemmConfig(16, 16, 16)
+    monkeypatch.setattr(tune_gemm, "candidates",
+                        lambda m, n, k, with_pool=True: [other, *pool])
+    timed = []
+    monkeypatch.setattr(tune_gemm, "_time_config",
+                        lambda setup, x, w, expected, config: timed.append(config) or 1.0)
+    label = f"{tune_gemm.POOL_MODEL}.tiny_qkv"
+    entry = tune_gemm._tune_point(setup, label, m, 48, 64, torch.randn(48, 64))
+    masked = {c for c in timed if c.mask_rows}
+    assert {dataclasses.replace(c, mask_rows=False) for c in masked} == \
+        {c for c in (other, *pool) if m < c.block_m}
+    assert set(pool) <= set(timed)  # each pool config unmasked, as batch_invariant runs it
+    assert len(timed) == 1 + len(pool) + len({c for c in pool if m < c.block_m})
+    assert len(entry["pool_us"]) == len(pool)
+    assert "mask_rows" not in entry["config"]  # the policy adds it; the table keeps the tile
 
 
 def test_pool_choice_is_the_geometric_mean_winner():

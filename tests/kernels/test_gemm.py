@@ -16,6 +16,7 @@ from kernels.gemm import (
     gemm_config,
     load_tuned_table,
     stream_k_pieces,
+    with_row_mask,
 )
 from kernels.mode import Mode
 from kernels.reference import gemm_reference
@@ -366,6 +367,36 @@ def test_fast_policies_split_k_only_at_small_m(monkeypatch):
     monkeypatch.setattr(gemm_module, "_tuned_table", lambda: gemm_module.TunedTable(entries={}))
     assert gemm_config(1, 4096, 4096, torch.bfloat16, Mode.CORUN).split_k >= 2
     assert gemm_config(8192, 4096, 4096, torch.bfloat16, Mode.CORUN).split_k == 1
+
+
+@pytest.mark.parametrize("table", ["tuned", "fallback"])
+def test_m_dependent_policies_mask_the_rows_of_a_part_empty_tile_and_only_there(table,
+                                                                              monkeypatch):
+    """Rows past M are masked where M < block_m (one part-empty row tile), in the modes whose
+    config already follows M; a full tile re-reads nothing, and batch_invariant's config never
+    follows M, so it never masks. Both the tuned table's picks and the literal fallback."""
+    if table == "fallback":
+        monkeypatch.setattr(gemm_module, "_tuned_table",
+                            lambda: gemm_module.TunedTable(entries={}))
+    gemm_module._gemm_config.cache_clear()
+    shapes = ((4096, 4096), (32768, 512), (7168, 2048), (64, 256))
+    for mode in (Mode.CORUN, Mode.DEFAULT, Mode.BATCH_INVARIANT_TUNED):
+        for m in (1, 5, 8, 16, 32, 64, 128, 8192):
+            for n, k in shapes:
+                config = gemm_config(m, n, k, torch.bfloat16, mode)
+                expected = m < config.block_m and not config.tma
+                assert config.mask_rows == expected, (mode, m, n, k, config)
+        assert any(gemm_config(1, n, k, torch.bfloat16, mode).mask_rows for n, k in shapes)
+    assert not any(gemm_config(m, n, k, torch.bfloat16, Mode.BATCH_INVARIANT).mask_rows
+                   for m in (1, 5, 8192) for n, k in shapes)
+    gemm_module._gemm_config.cache_clear()
+
+
+def test_with_row_mask_leaves_tma_tiles_and_full_tiles_alone():
+    assert with_row_mask(GemmConfig(16, 64, 256), 1).mask_rows
+    assert not with_row_mask(GemmConfig(16, 64, 256), 16).mask_rows
+    assert not with_row_mask(GemmConfig(64, 64, 128, tma=True), 8).mask_rows
+    assert not with_row_mask(GemmConfig(16, 64, 256, mask_rows=True), 32).mask_rows
 
 
 def test_auto_split_k_limits():
