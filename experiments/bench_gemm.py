@@ -76,8 +76,8 @@ def collect(quick: bool = False) -> list[dict]:
             corun = variants[0][1]
             if m % corun.block_m and not corun.tma:
                 other = dataclasses.replace(corun, mask_rows=not corun.mask_rows)
-                label = "corun_mask_rows" if other.mask_rows else "corun_reread_rows"
-                variants.append((label, other, {"config": other}))
+                policy = "corun_mask_rows" if other.mask_rows else "corun_reread_rows"
+                variants.append((policy, other, {"config": other}))
             outs = {}
             for policy, config, how in variants:
                 out = outs[policy] = gemm(x, w, **how)
@@ -148,24 +148,27 @@ def check_invariance_gpu() -> list[dict]:
         bad = {m: d for m, d in differing.items() if d}
         records.append(_record("batch_invariance_vs_m2048", Mode.BATCH_INVARIANT, (2048, n, k),
                                not bad, f"{label}: differing elements per M: {bad or 'none'}"))
-        # Negative control: default mode at an M pair whose configs split K differently (on the
-        # H200 split-K is what reorders a row's sum; BLOCK_K and the tile do not, see the
-        # explicit controls below). Compare 8 rows, not 1: a changed fp32 sum flips a bf16 output
-        # bit rarely (DESIGN.md: cuBLAS changes ~6 of 4096 elements per row).
-        m_values = (1, 8, 32, 64, 128, 256, 512, 2048)
-        pair = next(((a, b) for a in m_values for b in m_values
-                     if a < b and _split_k(a, n, k) != _split_k(b, n, k)), None)
-        if pair is None:
-            records.append(_record("negative_control_default_across_m", Mode.DEFAULT, (8, n, k),
-                                   False, f"{label}: the policy splits K alike at every M "
-                                   f"(split_k {_split_k(8, n, k)}): no pair can differ"))
-        else:
-            diff = _rows_differ_across_m(n, k, pair[0], pair[1], Mode.DEFAULT)
-            records.append(_record(
-                "negative_control_default_across_m", Mode.DEFAULT, (pair[1], n, k), diff > 0,
-                f"{label}: M={pair[0]} split_k {_split_k(pair[0], n, k)} vs M={pair[1]} "
-                f"split_k {_split_k(pair[1], n, k)}: {diff} elements differ "
-                "(passed = the check can fail)"))
+    # Negative control: default mode at an M pair whose configs cut K differently (on the H200
+    # split-K and stream-K are what reorder a row's sum; BLOCK_K and the tile do not, see the
+    # explicit controls below), at the first of these labels, else of every shape, that has one:
+    # a re-tune can leave a shape with one reduction order at every M (since mask_rows, no
+    # split at small M for qwen3-8b.o). Compare 8 rows, not 1: a changed fp32 sum flips a bf16
+    # output bit rarely (DESIGN.md: cuBLAS changes ~6 of 4096 elements per row).
+    m_values = (1, 8, 32, 64, 128, 256, 512, 2048)
+    candidates = [(label, *shapes[label]) for label in labels] + list(gemm_shapes())
+    found = next(((label, n, k, a, b) for label, n, k in candidates for a in m_values
+                  for b in m_values if a < b and _cuts_k(a, n, k) != _cuts_k(b, n, k)), None)
+    if found is None:
+        records.append(_record("negative_control_default_across_m", Mode.DEFAULT, (8, 0, 0),
+                               False, "no shape's default policy cuts K differently across M: "
+                               "the control cannot be staged"))
+    else:
+        label, n, k, small, large = found
+        diff = _rows_differ_across_m(n, k, small, large, Mode.DEFAULT)
+        records.append(_record(
+            "negative_control_default_across_m", Mode.DEFAULT, (large, n, k), diff > 0,
+            f"{label}: M={small} (split_k, stream_k) {_cuts_k(small, n, k)} vs M={large} "
+            f"{_cuts_k(large, n, k)}: {diff} elements differ (passed = the check can fail)"))
     # At one shape and M: split-K against none is the negative control (passed = the bits
     # changed: the partials regroup the sum); another BLOCK_K alone must keep every bit (passed
     # = none changed), since batch_invariant_tuned picks BLOCK_K by M and relies on Hopper's MMA
@@ -192,8 +195,10 @@ def check_invariance_gpu() -> list[dict]:
     return records
 
 
-def _split_k(m: int, n: int, k: int) -> int:
-    return gemm_config(m, n, k, DTYPE, Mode.DEFAULT).split_k
+def _cuts_k(m: int, n: int, k: int) -> tuple[int, int]:
+    """What of the default policy's config at M orders a row's sum: (split_k, stream-K programs)."""
+    config = gemm_config(m, n, k, DTYPE, Mode.DEFAULT)
+    return config.split_k, config.stream_k_programs
 
 
 def summarize(records: list[dict]) -> None:
