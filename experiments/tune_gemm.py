@@ -84,9 +84,13 @@ TMA_M_RANGE = (64, 256)
 STREAM_K_PROGRAMS = (H200_NUM_SMS, 2 * H200_NUM_SMS)
 _STREAM_K_TILES_256 = ((256, 64, 64, 8, 3), (256, 128, 64, 8, 3))
 # Names the candidate generator an entry was tuned with; --retune-m re-tunes entries of another.
-CANDIDATE_SET = "tma-split3-bk64-decode-bn256-streamk"
+CANDIDATE_SET = "tma-split3-bk64-decode-bn256-streamk-largesplit8"
 _LARGE_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
                 (64, 256, 64, 4, 4))
+# Large M (prefill) with few tiles splits K 2, 4 or 8 ways, as many as keep the programs within
+# two an SM: DeepSeek-V3's narrow kv_a (N 576, K 7168) has 24 tiles of 64 x 256 at M 512, 48
+# programs at split 2, and ran at 0.54 of cuBLAS on the H200 (kernels-h200.json, 2026-12-05).
+_LARGE_SPLITS = (2, 4, 8)
 
 
 # The models whose GEMMs the engine's benchmarks run, most important first (the budget cuts the
@@ -152,7 +156,8 @@ def gemm_shapes(models: tuple[str, ...] = TUNED_MODELS) -> list[tuple[str, int, 
 
 def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfig]:
     """The bounded candidate set at one point: M-range tiles, each without and with auto split-K
-    (mid M also with split-K 2, 3 and 4, large M with 2 where the tiles leave SMs idle); for M in
+    (mid M also with split-K 2, 3 and 4, large M with 2, 4 and 8 where the tiles leave SMs idle,
+    as many as keep the programs within two an SM); for M in
     ``TMA_M_RANGE`` also each tile of one row tile as stream-K over ``STREAM_K_PROGRAMS``, and
     every one of those TMA-fed; plus the batch-invariant pool when ``with_pool`` (timed at every
     point of the bench shapes for its geometric mean)."""
@@ -182,7 +187,8 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
         tile_splits = {auto_split_k(m, n, k, tile.block_m, tile.block_n, tile.block_k)}
         tile_splits |= set(splits)
         if m > 256 and num_tiles < H200_NUM_SMS:
-            tile_splits.add(2)
+            tile_splits |= {split for split in _LARGE_SPLITS
+                            if split == 2 or num_tiles * split <= 2 * H200_NUM_SMS}
         for split in sorted(tile_splits):
             if split > 1 and k_blocks >= 2 * split:  # >= 2 K blocks per split
                 out.append(dataclasses.replace(tile, split_k=split))

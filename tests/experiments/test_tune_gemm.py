@@ -58,6 +58,22 @@ def test_mid_m_candidates_split_k_where_k_allows():
     assert all(c.split_k == 1 for c in tune_gemm.candidates(2048, 24576, 4096, with_pool=False))
 
 
+def test_large_m_few_tiles_split_k_up_to_two_programs_an_sm():
+    """DeepSeek-V3's kv_a at M 512: each tile with few programs gets split 2, and 4 and 8 where
+    the split programs stay within two an SM (with two K blocks a split at least)."""
+    m, n, k = 512, 576, 7168
+    configs = tune_gemm.candidates(m, n, k, with_pool=False)
+    assert {c.split_k for c in configs} == {1, 2, 4, 8}
+    for c in configs:
+        tiles = -(-m // c.block_m) * -(-n // c.block_n)
+        assert tiles < tune_gemm.H200_NUM_SMS or c.split_k == 1
+        assert c.split_k <= 2 or tiles * c.split_k <= 2 * tune_gemm.H200_NUM_SMS, c
+        assert -(-k // c.block_k) >= 2 * c.split_k
+    narrow = tune_gemm.GemmConfig(64, 256, 64, num_warps=4, num_stages=4)  # 24 tiles: up to 8
+    assert {c.split_k for c in configs
+            if dataclasses.replace(c, split_k=1) == narrow} == {1, 2, 4, 8}
+
+
 def test_stream_k_candidates_run_one_row_tile_in_the_tma_range():
     """Stream-K candidates at M 64-256 only, each with a row tile covering M (the entry serves
     every M up to its own), at both program counts, pointer- and TMA-fed."""
