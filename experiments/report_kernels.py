@@ -231,6 +231,18 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "models-h200-b128-retune": functools.partial(
         decode_step_change_block, before_name="models-h200-b128-after",
         after_name="models-h200-b128-retune"),
+    # 2026-12-05, eighth session: the M 128 configs unchanged (masked rows reach M < block_m
+    # only), so B = 128 against the run before is a repeat; B = 1 before and after the GEMM
+    # re-tune at M 1-32 with candidates timed as the policies run them.
+    "models-h200-b128-mask-rows": functools.partial(
+        decode_step_change_block, before_name="models-h200-b128-retune",
+        after_name="models-h200-b128-mask-rows"),
+    "models-h200-b1-retune-small": functools.partial(
+        decode_step_change_block, before_name="models-h200-b1-mask-rows",
+        after_name="models-h200-b1-retune-small"),
+    "models-h200-b1-mask-rows-repeat": functools.partial(
+        decode_step_change_block, before_name="models-h200-b1-mask-rows",
+        after_name="models-h200-b1-mask-rows-repeat"),
     # Decode attention's fused combine (one launch) against its two launches.
     "models-h200-b8-fused": functools.partial(
         decode_step_change_block, before_name="models-h200-b8-two-launch",

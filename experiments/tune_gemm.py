@@ -83,8 +83,11 @@ TMA_M_RANGE = (64, 256)
 # 2 -> 192 programs on 132 SMs, 0.72 of cuBLAS in the tuner). M 256 gets 256-row tiles for it.
 STREAM_K_PROGRAMS = (H200_NUM_SMS, 2 * H200_NUM_SMS)
 _STREAM_K_TILES_256 = ((256, 64, 64, 8, 3), (256, 128, 64, 8, 3))
-# Names the candidate generator an entry was tuned with; --retune-m re-tunes entries of another.
-CANDIDATE_SET = "tma-split3-bk64-decode-bn256-streamk-largesplit8"
+# Names the candidate generator an entry was tuned with, per M range (``candidate_set``);
+# --retune-m re-tunes entries of another. The large-M name changed alone when large M gained
+# splits 4 and 8, so re-tuning M 512-8192 leaves the other M's entries current.
+CANDIDATE_SET = "tma-split3-bk64-decode-bn256-streamk"
+LARGE_M_CANDIDATE_SET = CANDIDATE_SET + "-largesplit8"
 _LARGE_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
                 (64, 256, 64, 4, 4))
 # Large M (prefill) with few tiles splits K 2, 4 or 8 ways, as many as keep the programs within
@@ -152,6 +155,11 @@ def gemm_shapes(models: tuple[str, ...] = TUNED_MODELS) -> list[tuple[str, int, 
                 seen.add((n, k))
                 shapes.append((label, n, k))
     return shapes
+
+
+def candidate_set(m: int) -> str:
+    """The name of the candidate generator at M (what an entry records)."""
+    return LARGE_M_CANDIDATE_SET if m > 256 else CANDIDATE_SET
 
 
 def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfig]:
@@ -307,7 +315,7 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
                 if any(c.stream_k_programs for c in timed) else {}),
              "cublas_us": round(cublas_us, 3),
              "ratio_vs_cublas": round(cublas_us / timed[best], 4),
-             "candidates": len(timed), "candidate_set": CANDIDATE_SET}
+             "candidates": len(timed), "candidate_set": candidate_set(m)}
     if with_pool and all(pool_timed.get(c) is not None for c in BATCH_INVARIANT_POOL):
         entry["pool_us"] = [round(pool_timed[c], 3) for c in BATCH_INVARIANT_POOL]
     print(f"  {label:28s} M={m:5d} best {timed[best]:9.2f} us  cuBLAS {cublas_us:9.2f} us"
@@ -350,7 +358,7 @@ def tune(setup: Setup, budget_s: float, done: list[dict],
 
 def _needs_retune(entry: dict, retune: set[int]) -> bool:
     """An entry at an M to re-tune that another candidate set produced."""
-    return entry["m"] in retune and entry.get("candidate_set") != CANDIDATE_SET
+    return entry["m"] in retune and entry.get("candidate_set") != candidate_set(entry["m"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,6 +58,19 @@ def test_mid_m_candidates_split_k_where_k_allows():
     assert all(c.split_k == 1 for c in tune_gemm.candidates(2048, 24576, 4096, with_pool=False))
 
 
+def test_only_large_m_entries_are_stale_after_large_m_gained_splits():
+    """The committed table's entries at M <= 256 of the current candidate set stay current (a
+    --retune-m of those M redoes only what another candidate set produced); every M 512-8192
+    entry predates the large-M splits."""
+    table = json.loads(tune_gemm.TUNED_PATH.read_text())
+    every_m = set(tune_gemm.M_VALUES)
+    for e in table["entries"]:
+        current = e["m"] <= 256 and e.get("candidate_set") == tune_gemm.CANDIDATE_SET
+        assert tune_gemm._needs_retune(e, every_m) is not current, e
+    assert tune_gemm.candidate_set(256) == tune_gemm.CANDIDATE_SET
+    assert tune_gemm.candidate_set(512) == tune_gemm.LARGE_M_CANDIDATE_SET
+
+
 def test_large_m_few_tiles_split_k_up_to_two_programs_an_sm():
     """DeepSeek-V3's kv_a at M 512: each tile with few programs gets split 2, and 4 and 8 where
     the split programs stay within two an SM (with two K blocks a split at least)."""
