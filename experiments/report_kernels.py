@@ -223,29 +223,26 @@ def decode_step_change_block(head: dict, records: list[dict],
                 "of memory bound (before)", "(after)"], rows)])
 
 
+# Decode steps timed after a change (the key) against the file before it (the value).
+DECODE_STEP_CHANGES = {
+    # The tables of 2026-12-04 against those before them.
+    "models-h200-b128-after": "models-h200-b128-before",
+    # The GEMM re-tune at M 128 / 256 of 2026-12-05, against the tables before it.
+    "models-h200-b128-retune": "models-h200-b128-after",
+    # The eighth session's B = 128 step: its changes (masked rows, the M 1-32 re-tune) reach no
+    # M 128 config; against the run above it adds the third session's M 64-256 re-tune.
+    "models-h200-b128-mask-rows": "models-h200-b128-retune",
+    # B = 1, masked rows in both: the GEMM re-tune at M 1-32, and a repeat of the first run.
+    "models-h200-b1-retune-small": "models-h200-b1-mask-rows",
+    "models-h200-b1-mask-rows-repeat": "models-h200-b1-mask-rows",
+    # Decode attention's fused combine (one launch) against its two launches.
+    "models-h200-b8-fused": "models-h200-b8-two-launch",
+}
+
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     **{f"{name}-targets": functools.partial(kernels_targets_block, name=name)
        for name in ("kernels-h200", "kernels-h100")},
-    "models-h200-b128-after": decode_step_change_block,
-    # The GEMM re-tune at M 128 / 256 of 2026-12-05, against the tables before it.
-    "models-h200-b128-retune": functools.partial(
-        decode_step_change_block, before_name="models-h200-b128-after",
-        after_name="models-h200-b128-retune"),
-    # 2026-12-05, eighth session: the M 128 configs unchanged (masked rows reach M < block_m
-    # only), so B = 128 against the run before is a repeat; B = 1 before and after the GEMM
-    # re-tune at M 1-32 with candidates timed as the policies run them.
-    "models-h200-b128-mask-rows": functools.partial(
-        decode_step_change_block, before_name="models-h200-b128-retune",
-        after_name="models-h200-b128-mask-rows"),
-    "models-h200-b1-retune-small": functools.partial(
-        decode_step_change_block, before_name="models-h200-b1-mask-rows",
-        after_name="models-h200-b1-retune-small"),
-    "models-h200-b1-mask-rows-repeat": functools.partial(
-        decode_step_change_block, before_name="models-h200-b1-mask-rows",
-        after_name="models-h200-b1-mask-rows-repeat"),
-    # Decode attention's fused combine (one launch) against its two launches.
-    "models-h200-b8-fused": functools.partial(
-        decode_step_change_block, before_name="models-h200-b8-two-launch",
-        after_name="models-h200-b8-fused"),
+    **{after: functools.partial(decode_step_change_block, before_name=before, after_name=after)
+       for after, before in DECODE_STEP_CHANGES.items()},
 }
 ALIASES = {"kernels-h200-targets": "kernels-h200", "kernels-h100-targets": "kernels-h100"}
