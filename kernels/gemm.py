@@ -95,10 +95,11 @@ class GemmConfig:
     # Rows past M masked out of the x loads (zeros) instead of re-reading row ``r % M``: no
     # memory request for them; they are never stored and an MMA row never reads another, so the
     # bits are the same. The policies set it where M < block_m (``with_row_mask``): on an H100
-    # the same pick took 1.03-1.74x less time at M 1 (every row of the tile re-read the one real
-    # row) and median 1.01x at M 8 (experiments/results/kernels-h100.json, the
-    # ``corun_mask_rows`` rows of bench_gemm; probe-gemm-m1-h100.json). A full tile gains
-    # nothing from the mask and paid for it (shared.down at M 32: 8.3 against 9.9 us).
+    # the same pick re-reading the rows took 1.01-1.74x as long as masked at M 1 (every row of
+    # the tile re-read the one real row), median 1.01x at M 8 (experiments/results/
+    # kernels-h100.json, the ``corun_mask_rows`` rows of bench_gemm; probe-gemm-m1-h100.json).
+    # A full tile gains nothing from the mask and pays for it (shared.down at M 32: masked 9.9 us
+    # against 8.3 re-read).
     mask_rows: bool = False
 
     def __post_init__(self) -> None:

@@ -16,13 +16,16 @@ def test_records_keep_their_layer_and_time_the_other_row_load_where_the_tile_is_
     monkeypatch.setattr(bench_gemm, "DEVICE", "cpu")
     monkeypatch.setattr(bench_gemm, "DTYPE", torch.float32)  # the interpreter's bf16 dot is wrong
     monkeypatch.setattr(bench_gemm, "gemm_shapes", lambda models: TINY_SHAPES)
-    monkeypatch.setattr(bench_gemm, "DECODE_M", (1, 5, 16))
+    # M 100 runs the literal 64-row tile: the pick re-reads its last tile's rows, and the
+    # masked load is the variant.
+    monkeypatch.setattr(bench_gemm, "DECODE_M", (1, 5, 16, 100))
     monkeypatch.setattr(bench_gemm, "PREFILL_M", ())
     monkeypatch.setattr(bench_gemm, "bench_us", lambda fn, warmup_ms, rep_ms: (fn(), 1.0)[1])
     records = bench_gemm.collect()
+    assert {r["policy"] for r in records} >= {"corun_reread_rows", "corun_mask_rows"}
     assert {r["layer"] for r in records} == {label for label, _, _ in TINY_SHAPES}
     for label, n, k in TINY_SHAPES:
-        for m in (1, 5, 16):
+        for m in (1, 5, 16, 100):
             rows = {r["policy"]: r for r in records if r["layer"] == label and r["M"] == m}
             pick = bench_gemm.gemm_config(m, n, k, torch.float32, bench_gemm.Mode.CORUN)
             part_empty = m % pick.block_m != 0

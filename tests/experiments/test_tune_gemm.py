@@ -58,17 +58,24 @@ def test_mid_m_candidates_split_k_where_k_allows():
     assert all(c.split_k == 1 for c in tune_gemm.candidates(2048, 24576, 4096, with_pool=False))
 
 
-def test_only_large_m_entries_are_stale_after_large_m_gained_splits():
-    """The committed table's entries at M <= 256 of the current candidate set stay current (a
-    --retune-m of those M redoes only what another candidate set produced); every M 512-8192
-    entry predates the large-M splits."""
-    table = json.loads(tune_gemm.TUNED_PATH.read_text())
+def test_an_entry_is_stale_only_against_its_own_m_ranges_candidate_set(tmp_path):
+    """--retune-m redoes an entry of another candidate set than its M range's: the large-M
+    splits made M 512-8192 entries of the earlier name stale, and no M <= 256 entry."""
+    small, large = tune_gemm.CANDIDATE_SET, tune_gemm.LARGE_M_CANDIDATE_SET
     every_m = set(tune_gemm.M_VALUES)
-    for e in table["entries"]:
-        current = e["m"] <= 256 and e.get("candidate_set") == tune_gemm.CANDIDATE_SET
-        assert tune_gemm._needs_retune(e, every_m) is not current, e
-    assert tune_gemm.candidate_set(256) == tune_gemm.CANDIDATE_SET
-    assert tune_gemm.candidate_set(512) == tune_gemm.LARGE_M_CANDIDATE_SET
+    assert not tune_gemm._needs_retune({"m": 128, "candidate_set": small}, every_m)
+    assert tune_gemm._needs_retune({"m": 128, "candidate_set": large}, every_m)
+    assert not tune_gemm._needs_retune({"m": 512, "candidate_set": large}, every_m)
+    assert tune_gemm._needs_retune({"m": 512, "candidate_set": small}, every_m)
+    assert not tune_gemm._needs_retune({"m": 512, "candidate_set": small}, {128})
+    # A fresh table re-tuned at its large M has nothing to redo.
+    out = tmp_path / "gemm_tuned.json"
+    assert tune_gemm.main(["--dry-run", "--out", str(out)]) == 0
+    fresh = json.loads(out.read_text())
+    assert {e["candidate_set"] for e in fresh["entries"] if e["m"] > 256} == {large}
+    assert tune_gemm.main(["--dry-run", "--out", str(out), "--resume", "--retune-m", "512"]) == 0
+    again = json.loads(out.read_text())
+    assert again["entries"] == fresh["entries"] and again["header"]["complete"] is True
 
 
 def test_large_m_few_tiles_split_k_up_to_two_programs_an_sm():
@@ -85,6 +92,11 @@ def test_large_m_few_tiles_split_k_up_to_two_programs_an_sm():
     narrow = tune_gemm.GemmConfig(64, 256, 64, num_warps=4, num_stages=4)  # 24 tiles: up to 8
     assert {c.split_k for c in configs
             if dataclasses.replace(c, split_k=1) == narrow} == {1, 2, 4, 8}
+    # DeepSeek-V3's shared.gate_up at M 512: 64 tiles of 128 x 256 take split 4 (256 programs),
+    # not 8 (512).
+    wide = tune_gemm.GemmConfig(128, 256, 64, num_warps=8, num_stages=3)
+    assert {c.split_k for c in tune_gemm.candidates(512, 4096, 7168, with_pool=False)
+            if dataclasses.replace(c, split_k=1) == wide} == {1, 2, 4}
 
 
 def test_stream_k_candidates_run_one_row_tile_in_the_tma_range():
@@ -129,8 +141,9 @@ def test_candidates_are_timed_as_each_policy_runs_them(m, monkeypatch):
     monkeypatch.setattr(tune_gemm, "candidates",
                         lambda m, n, k, with_pool=True: [other, *pool])
     timed = []
-    monkeypatch.setattr(tune_gemm, "_time_config",
-                        lambda setup, x, w, expected, config: timed.append(config) or 1.0)
+    monkeypatch.setattr(tune_gemm, "_time_config",  # masked 1 us, re-read 2 us
+                        lambda setup, x, w, expected, config:
+                        timed.append(config) or (1.0 if config.mask_rows else 2.0))
     label = f"{tune_gemm.POOL_MODEL}.tiny_qkv"
     entry = tune_gemm._tune_point(setup, label, m, 48, 64, torch.randn(48, 64))
     masked = {c for c in timed if c.mask_rows}
@@ -138,7 +151,8 @@ def test_candidates_are_timed_as_each_policy_runs_them(m, monkeypatch):
         {c for c in (other, *pool) if m < c.block_m}
     assert set(pool) <= set(timed)  # each pool config unmasked, as batch_invariant runs it
     assert len(timed) == 1 + len(pool) + len({c for c in pool if m < c.block_m})
-    assert len(entry["pool_us"]) == len(pool)
+    assert entry["pool_us"] == [2.0] * len(pool)  # batch_invariant's times: never masked
+    assert entry["us"] == (1.0 if m < other.block_m else 2.0)
     assert "mask_rows" not in entry["config"]  # the policy adds it; the table keeps the tile
 
 
