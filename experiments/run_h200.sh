@@ -29,6 +29,10 @@
 #            AXIS: decode-batch decode-split-size cuda-graphs prefill-policy prefill-chunk
 #            prefill-step-tokens stall-budget overlap decode-fused-combine peer-graphs kernel-policy
 #            serving-load; ABLATE_ARGS adds flags
+# TUNED_FROM_LAST_CALL=1: the device copies the working tree at each call, so a table tuned in
+# one call is gone in the next; the tune stages also keep their table in .device-tuned/ (ignored
+# by git, so a warm machine keeps it between calls), and with this set the call starts from
+# those tables instead of the committed ones (a fresh machine has none: the log says which ran).
 # Results land in $OUT/results (bundled as results.tgz), logs in $OUT/*.log. The image's python3
 # holds torch/triton; packages it lacks travel as wheels in .whl (carry it): experiments/device_wheels.sh
 # downloads them (the server's stack for serving, Liger-Kernel, outlines-core).
@@ -48,6 +52,16 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 # card's native runs never merge into another's file.
 CARD=$(python3 -c 'from experiments.harness import card_tag; print(card_tag())')
 [ -n "$CARD" ] || { echo "== the card's tag failed (experiments.harness.card_tag): unknown"; CARD=unknown; }
+
+keep_tuned() {  # keep_tuned FILE: the tuned table, for a later call's TUNED_FROM_LAST_CALL=1
+  mkdir -p .device-tuned && cp "kernels/tuned/$1" .device-tuned/
+}
+if [ "${TUNED_FROM_LAST_CALL:-0}" = 1 ]; then
+  for table in .device-tuned/*_h200.json; do
+    [ -f "$table" ] || { echo "== TUNED_FROM_LAST_CALL: no table kept on this machine; the committed ones run"; break; }
+    cp "$table" kernels/tuned/ && echo "== TUNED_FROM_LAST_CALL: kernels/tuned/$(basename "$table") from the last call"
+  done
+fi
 
 run() {  # run NAME SECONDS CMD...: time-limited, logged, never stops the script; returns the
   # command's status (124, or 137 after the kill: cut by the limit), so `run ... && cp` copies
@@ -87,13 +101,14 @@ for stage in "$@"; do
                --ignore=invariance_tests/test_engine_determinism.py --timeout=60 ;;
     # tune_gemm writes its table after every shape (a cut run resumes): copied whatever the status
     tune)    h200_only tune || continue
-             run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-250} ${TUNE_ARGS:-}; cp kernels/tuned/gemm_h200.json "$OUT/results/" ;;
+             run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-250} ${TUNE_ARGS:-}
+             cp kernels/tuned/gemm_h200.json "$OUT/results/"; keep_tuned gemm_h200.json ;;
     tune_moe) h200_only tune_moe || continue
              run tune_moe ${TUNE_MOE_LIMIT:-150} python3 -m experiments.tune_moe --budget-s ${TUNE_MOE_BUDGET:-120} \
-               && cp kernels/tuned/moe_h200.json "$OUT/results/" ;;
+               && cp kernels/tuned/moe_h200.json "$OUT/results/" && keep_tuned moe_h200.json ;;
     tune_mla) h200_only tune_mla || continue
              run tune_mla ${TUNE_MLA_LIMIT:-330} python3 -m experiments.tune_mla --budget-s ${TUNE_MLA_BUDGET:-270} \
-               && cp kernels/tuned/mla_h200.json "$OUT/results/" ;;
+               && cp kernels/tuned/mla_h200.json "$OUT/results/" && keep_tuned mla_h200.json ;;
     # each card's runs merge into its own file (kernels-h200.json, kernels-h100.json); a card's
     # first run writes it afresh
     kernels) merge=(); [ -f "experiments/results/kernels-$CARD.json" ] \
