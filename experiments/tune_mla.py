@@ -84,6 +84,12 @@ DECODE_CANDIDATES = (
     MLATile(64, 16, num_warps=8, num_stages=3, dv_parts=2),
     MLATile(64, 32, num_warps=4, num_stages=2, dv_parts=4),
     MLATile(64, 16, num_warps=4, num_stages=3, dv_parts=4),
+    # A split's block ids loaded before its token loop (the same bits): with the ids loaded per
+    # tile, each latent tile's address waits on a load in the loop, and the compiled loop keeps
+    # one latent buffer and waits for it before every step (sm_90a TTGIR, Triton 3.6); preloaded,
+    # it keeps two and the next tile's load stays in flight.
+    dataclasses.replace(LITERAL_DECODE, preload_pages=True),
+    MLATile(64, 16, num_warps=8, num_stages=3, preload_pages=True),
 )
 LITERAL_PREFILL = MLATile(128, 64, num_warps=8, num_stages=3)
 _PREFILL_TILES = (

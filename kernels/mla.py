@@ -76,6 +76,7 @@ __all__ = [
     "load_mla_tuned",
     "mla_decode",
     "mla_decode_config",
+    "preloaded_pages",
     "mla_prefill_attention",
     "mla_prefill_config",
     "store_mla_kv",
@@ -145,6 +146,30 @@ class MLADecodeConfig:
     is_fixed_split: bool
     num_warps: int
     num_stages: int
+    preload_pages: bool = False  # MLATile.preload_pages; preloaded_pages sizes it per launch
+
+
+# The most block ids a decode program loads before its token loop (MLATile.preload_pages): a
+# split spanning more pages loads its ids tile by tile instead (a power of two, as tl.arange is).
+MAX_PRELOAD_PAGES = 64
+
+
+def preloaded_pages(cfg: MLADecodeConfig, max_seq_len: int, page_size: int) -> int:
+    """The kernel's SPLIT_PAGES: block ids a program loads before its token loop, a power of two
+    covering every page one split can touch, or 0 (ids loaded tile by tile) when the tile does not
+    preload or a split spans more than MAX_PRELOAD_PAGES pages. A pure function of the launch's
+    shapes; the bits are the same either way."""
+    if not cfg.preload_pages:
+        return 0
+    if cfg.is_fixed_split:
+        split_len, aligned = cfg.split_size, cfg.split_size % page_size == 0
+    else:  # the batch's longest sequence has the longest splits (kernels' _split_len)
+        split_len = max(cdiv(cdiv(max_seq_len, cfg.num_splits), cfg.block_n) * cfg.block_n,
+                        cfg.block_n)
+        aligned = False  # a shorter sequence's split may start inside a page
+    # A split that starts inside a page touches one page more than its length fills.
+    pages = next_power_of_2(cdiv(split_len, page_size) + (0 if aligned else 1))
+    return pages if pages <= MAX_PRELOAD_PAGES else 0
 
 
 def literal_decode_tile(num_heads: int, dtype: torch.dtype) -> MLATile:
@@ -210,7 +235,7 @@ def mla_decode_config(
         block_h=block_h, block_n=tile.block_n, block_dv=block_dv, block_r=block_r,
         dv_parts=tile.dv_parts, num_splits=num_splits, split_size=split_size,
         is_fixed_split=is_fixed,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, preload_pages=tile.preload_pages,
     )  # fmt: skip
 
 
@@ -320,6 +345,7 @@ def mla_decode(
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_DV=cfg.block_dv, BLOCK_R=cfg.block_r,
         UPCAST=upcast_dot_operands(q_latent.dtype),
         DOT_PRECISION=dot_precision(q_latent.dtype), DV_PARTS=cfg.dv_parts,
+        SPLIT_PAGES=preloaded_pages(cfg, max_seq_len, kv_cache.shape[1]),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if cfg.num_splits > 1:
@@ -370,8 +396,10 @@ def mla_prefill_config(
     block_d2 = max(16, next_power_of_2(rest)) if rest > 0 else 0
     block_d1 = max(16, block_d1)
     wide = dtype.itemsize > 2
-    if tile is not None and (not isinstance(tile, MLATile) or tile.dv_parts != 1):
-        raise ValueError(f"tile: expected an MLATile with dv_parts 1, got {tile!r}")
+    if tile is not None and (not isinstance(tile, MLATile) or tile.dv_parts != 1
+                             or tile.preload_pages):
+        raise ValueError(f"tile: expected an MLATile with dv_parts 1 and no preload_pages (decode "
+                         f"only), got {tile!r}")
     tile = tile or (table or checked_in_table()).prefill_tile(qk_dim, v_dim, dtype) or MLATile(
         block_m=64 if wide else 128, block_n=32 if wide else 64,
         num_warps=4 if wide else 8, num_stages=2 if wide else 3,

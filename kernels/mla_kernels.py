@@ -128,12 +128,17 @@ def _mla_decode_kernel(
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DV_PARTS: tl.constexpr,
+    SPLIT_PAGES: tl.constexpr,
 ):
     """Program (head block x value part, sequence, split): online softmax over the split's tokens
     for BLOCK_H heads, accumulating BLOCK_DV / DV_PARTS of the latent output columns (every part
     computes the same scores; DV_PARTS > 1 shrinks the fp32 accumulator, not the softmax). A
     sequence of one split writes its output directly; one of several writes an fp32 partial and
-    its log2-sum-exp for _mla_decode_combine_kernel; length 0 writes zeros."""
+    its log2-sum-exp for _mla_decode_combine_kernel; length 0 writes zeros. SPLIT_PAGES > 0: the
+    split's block ids (at most that many pages) are loaded before the token loop and each tile
+    gathers its own from them, so no latent tile's address waits on a load inside the loop and
+    the compiler can keep the next tile's load in flight during this tile's products (compiled
+    for sm_90a: two latent buffers instead of one); the same rows reach the same dots."""
     # Head blocks and value parts on the fastest grid axis: the programs that read the same cache
     # tiles (one sequence, one split, every head block and part) run together, so re-reads hit L2.
     pid_h = tl.program_id(0) // DV_PARTS
@@ -181,10 +186,19 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_VP], dtype=tl.float32)
     bt_ptr = block_tables_ptr + pid_b.to(tl.int64) * stride_bt_b
+    if SPLIT_PAGES > 0:
+        first_page = split_start // PAGE_SIZE
+        pages = first_page + tl.arange(0, SPLIT_PAGES)
+        split_ids = tl.load(bt_ptr + pages, mask=pages < tl.cdiv(split_end, PAGE_SIZE), other=0)
     for start_n in range(split_start, split_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < split_end
-        blocks = tl.load(bt_ptr + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        if SPLIT_PAGES > 0:
+            # Tokens past the split's end (masked below) take the last id: in range, never read.
+            page_in_split = tl.minimum(offs_n // PAGE_SIZE - first_page, SPLIT_PAGES - 1)
+            blocks = tl.gather(split_ids, page_in_split, 0).to(tl.int64)
+        else:
+            blocks = tl.load(bt_ptr + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
         rows = blocks * stride_cache_b + (offs_n % PAGE_SIZE) * stride_cache_t
         # The latent rows are the key (with k_pe) and, next iteration, the value: one load when
         # the program accumulates every column, else its own columns again (an L1/L2 hit).

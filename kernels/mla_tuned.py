@@ -44,6 +44,9 @@ class MLATile:
     Like the rest of the tile it is fixed per shape by the policy (a column's bits may depend on
     it: the interpreter's dot regroups a sum with the tile width). ``tma`` (prefill only) brings
     the key and value tiles in through Hopper TMA descriptors: the same tiles into the same dots.
+    ``preload_pages`` (decode only) loads a split's block ids once before its token loop
+    (``kernels.mla.preloaded_pages`` says how many, or none where a split spans too many pages):
+    the same rows into the same dots, so the same bits.
     """
 
     block_m: int
@@ -52,6 +55,7 @@ class MLATile:
     num_stages: int = 2
     dv_parts: int = 1
     tma: bool = False  # prefill only: key and value tiles through TMA descriptors
+    preload_pages: bool = False  # decode only: a split's block ids loaded before its token loop
 
     def __post_init__(self) -> None:
         check_block_size("block_m", self.block_m)
@@ -60,8 +64,9 @@ class MLATile:
         check_positive_int("num_stages", self.num_stages)
         if self.dv_parts not in (1, 2, 4, 8):
             raise ValueError(f"dv_parts: expected 1, 2, 4 or 8, got {self.dv_parts!r}")
-        if not isinstance(self.tma, bool):
-            raise ValueError(f"tma: expected a bool, got {self.tma!r}")
+        for name in ("tma", "preload_pages"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict:
         # Tiles without the newer options keep the file format they were written in.
@@ -70,6 +75,8 @@ class MLATile:
             del data["dv_parts"]
         if not self.tma:
             del data["tma"]
+        if not self.preload_pages:
+            del data["preload_pages"]
         return data
 
     @classmethod
@@ -135,8 +142,8 @@ def _parse_tuned_table(data: dict) -> MLATunedTable:
         tile = MLATile.from_dict(entry["config"])
         kind = entry["kind"]
         if kind == "prefill":
-            if tile.dv_parts != 1:
-                raise ValueError(f"prefill dv_parts {tile.dv_parts} != 1 (a decode-only field)")
+            if tile.dv_parts != 1 or tile.preload_pages:
+                raise ValueError(f"prefill {tile}: dv_parts and preload_pages are decode-only")
             prefill[(int(entry["qk_dim"]), int(entry["v_dim"]))] = tile
             continue
         if tile.tma:

@@ -556,3 +556,113 @@ def test_mla_prefill_config_tile_override() -> None:
     assert (cfg.block_d1, cfg.block_d2, cfg.block_dv) == (128, 64, 128)
     with pytest.raises(ValueError, match="^tile:"):
         mla_prefill_config(192, 128, torch.bfloat16, Mode.CORUN, tile=MLATile(64, 32, dv_parts=2))
+
+
+# ----------------------------------------------------------------------------------------------
+# decode: a split's block ids preloaded (MLATile.preload_pages)
+# ----------------------------------------------------------------------------------------------
+
+
+class _SplitPagesSpy:
+    """Stands in for ``_mla_decode_kernel``: records each launch's SPLIT_PAGES, then launches."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.split_pages = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.split_pages.append(kwargs["SPLIT_PAGES"])
+            return launch(*args, **kwargs)
+
+        return run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "mode,split_size,pages",
+    [(Mode.CORUN, 32, 2),  # page-aligned splits of 2 pages
+     (Mode.CORUN, 24, 4),  # splits starting inside a page: 1.5 pages + 1, rounded up to 4
+     (Mode.BATCH_INVARIANT, 64, 4),
+     # default: 70 tokens in 2 splits of 48 (3 pages) + 1 page for a split starting mid-page
+     (Mode.DEFAULT, 16, 4)],
+    ids=["corun-aligned", "corun-mid-page", "batch-invariant", "default"],
+)
+def test_mla_decode_preloaded_block_ids_keep_the_bits(mode, split_size, pages, dtype,
+                                                      monkeypatch) -> None:
+    """The split's block ids loaded before the token loop and gathered per tile give the same bits
+    as loading them tile by tile: on the direct and the partial + combine paths, with splits that
+    start inside a page, a sequence shorter than a page, the padded dummy slot, and tiles running
+    past a split's end."""
+    seq_lens, heads = [70, 9, 0, 33, 1], 20
+    q_latent, q_pe, cache, tables, lens = make_decode_inputs(
+        seq_lens, heads, 32, 16, 16, 6, dtype, seed=9
+    )
+    max_seq_len = max(seq_lens) if mode == Mode.DEFAULT else 96
+    spy = _SplitPagesSpy(mla_module._mla_decode_kernel)
+    monkeypatch.setattr(mla_module, "_mla_decode_kernel", spy)
+    tile = MLATile(16, 16, num_warps=4, num_stages=2)
+    outs = [mla_decode(q_latent, q_pe, cache, tables, lens, 0.2, max_seq_len=max_seq_len,
+                       mode=mode, split_size=split_size,
+                       tile=dataclasses.replace(tile, preload_pages=preload))
+            for preload in (False, True)]
+    assert spy.split_pages == [0, pages]
+    assert_bitwise_equal(outs[1], outs[0])
+    expected = mla_decode_reference(
+        q_latent.double(), q_pe.double(), cache.double(), tables, lens, 0.2
+    )
+    assert_close(outs[1], expected, dtype, reduce_dim=48)
+
+
+def test_preloaded_pages_cover_a_split_and_fall_back_past_the_cap() -> None:
+    def pages(mode, split_size, max_seq_len, page_size, preload=True, tile_n=32):
+        tile = MLATile(64, tile_n, num_warps=8, num_stages=3, preload_pages=preload)
+        cfg = mla_decode_config(8, 128, 512, 64, max_seq_len, torch.bfloat16, mode, split_size,
+                                tile=tile)
+        return mla_module.preloaded_pages(cfg, max_seq_len, page_size)
+
+    assert pages(Mode.CORUN, 512, 4096, 16) == 32  # the engine's split: 32 whole pages
+    assert pages(Mode.CORUN, 512, 4096, 16, preload=False) == 0
+    assert pages(Mode.CORUN, 520, 4096, 16) == 64  # 32.5 pages, starting mid-page: 34 -> 64
+    assert pages(Mode.CORUN, 1024, 4096, 16) == 64
+    assert pages(Mode.CORUN, 2048, 4096, 16) == 0  # 128 pages: past MAX_PRELOAD_PAGES
+    assert pages(Mode.CORUN, 2048, 4096, 64) == 32
+    # default: 8 sequences x 2 head blocks fill 16 programs -> 8 splits of 512 tokens at 4096
+    assert pages(Mode.DEFAULT, 512, 4096, 16) == 64
+    assert pages(Mode.DEFAULT, 512, 4096, 16, preload=False) == 0
+
+
+def test_mla_tile_preload_pages_is_decode_only(tmp_path) -> None:
+    tile = MLATile(64, 32, num_warps=8, num_stages=3, preload_pages=True)
+    assert MLATile.from_dict(tile.to_dict()) == tile
+    assert "preload_pages" not in MLATile(64, 32).to_dict()
+    with pytest.raises(ValueError, match="^preload_pages:"):
+        MLATile(64, 32, preload_pages=1)
+    path = tmp_path / "mla_h200.json"
+    _write_table(path, [{"kind": "prefill", "qk_dim": 192, "v_dim": 128,
+                         "config": MLATile(128, 64, preload_pages=True).to_dict()}])
+    with pytest.raises(ValueError, match="malformed MLA tuned table"):
+        load_mla_tuned(path)
+    with pytest.raises(ValueError, match="^tile:"):
+        mla_prefill_config(192, 128, torch.bfloat16, Mode.CORUN,
+                           tile=MLATile(128, 64, preload_pages=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSeek-V3's bf16 shapes need a GPU")
+def test_mla_decode_preloaded_block_ids_keep_the_bits_at_real_shapes_on_gpu() -> None:
+    """The sm_90a loop the preload changes (two latent buffers in flight): DeepSeek-V3's 128 heads,
+    latent 512 + rope 64, the engine's 512-token splits and default's, over scattered blocks."""
+    seq_lens = [4096, 1500, 0, 513, 1]
+    inputs = [t.cuda() for t in make_decode_inputs(seq_lens, 128, 512, 64, 16, 256,
+                                                   torch.bfloat16, seed=11)]
+    for mode, max_seq_len in ((Mode.CORUN, 4096), (Mode.DEFAULT, max(seq_lens))):
+        cfg = mla_decode_config(len(seq_lens), 128, 512, 64, max_seq_len, torch.bfloat16, mode,
+                                512)
+        tile = MLATile(cfg.block_h, cfg.block_n, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, dv_parts=cfg.dv_parts)
+        outs = [mla_decode(*inputs, 0.1, max_seq_len=max_seq_len, mode=mode, split_size=512,
+                           tile=dataclasses.replace(tile, preload_pages=preload))
+                for preload in (False, True)]
+        assert_bitwise_equal(outs[1], outs[0], f"{mode.value}")
