@@ -32,7 +32,6 @@ Timing: harness.bench_us (CUDA-graph replay medians), ours and the peer the same
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 
@@ -176,7 +175,11 @@ def _preload_record(x: dict, dims: dict, batch: int, ctx: int, peer_us: float,
 
     same_bits = torch.equal(run(tile), run())
     us = harness.bench_us(lambda: run(tile))
-    split_pages = preloaded_pages(dataclasses.replace(cfg, preload_pages=True), ctx, BLOCK_SIZE)
+    # What the launch passes (the launcher computes it the same way from the tile's config).
+    split_pages = preloaded_pages(
+        mla_decode_config(batch, dims["heads"], dims["latent"], dims["rope"], ctx, DTYPE,
+                          Mode.CORUN, ENGINE_SPLIT, tile=tile),
+        ctx, x["kv_cache"].shape[1])  # fmt: skip
     return harness.kernel_record(
         "mla_decode", f"corun_split{ENGINE_SPLIT}_preload", batch, dims["heads"], ctx, DTYPE, us,
         "torch_bmm_absorbed", peer_us, batch=batch, context=ctx, split_size=ENGINE_SPLIT,

@@ -28,8 +28,9 @@ stages), each also TMA-fed (``MLATile.tma``).
 Fixed and default decode share one compiled kernel (the split rule is a run-time argument), so the
 sweep compiles each candidate once. A wall-clock budget bounds it (checked before each shape):
 shapes past it are left to the literal policies and the header says ``complete: false``. The set is
-sized so that 260 s covers every shape (the H200 took 148 s on 2026-12-04, with one decode tile
-fewer than now; the header's ``complete`` says whether it did).
+sized so that 260 s covered every shape (the H200 took 148 s on 2026-12-04, with three decode
+tiles fewer than now: the two preload_pages tiles are newer; the header's ``complete`` says
+whether a run did).
 
     python -m experiments.tune_mla [--budget-s 260] [--out kernels/tuned/mla_h200.json]
     TRITON_INTERPRET=1 python -m experiments.tune_mla --dry-run --out /tmp/mla_tuned.json
@@ -58,8 +59,10 @@ from kernels.mla import (  # noqa: E402
     MLATile,
     literal_decode_tile,
     mla_decode,
+    mla_decode_config,
     mla_prefill_attention,
     mla_prefill_config,
+    preloaded_pages,
 )
 from kernels.mode import Mode  # noqa: E402
 
@@ -157,6 +160,13 @@ def _geomean_best(times: dict[MLATile, list[float]], points: int) -> MLATile | N
     return min(full, key=lambda t: sum(math.log(x) for x in full[t]))
 
 
+def _preloads(tile: MLATile, dims: dict, batch: int, ctx: int, mode: Mode, split: int) -> bool:
+    """Whether a preload_pages tile really preloads at this point (kernels.mla.preloaded_pages)."""
+    cfg = mla_decode_config(batch, dims["heads"], dims["latent"], dims["rope"], ctx, DTYPE, mode,
+                            split, tile=tile)  # fmt: skip
+    return preloaded_pages(cfg, ctx, bench_mla.BLOCK_SIZE) > 0
+
+
 def _decode_point(sweep: Sweep, batch: int, ctx: int) -> dict[tuple[str, int], dict]:
     """Times of every candidate at one (batch, ctx) for each split policy: {(kind, split): {tile:
     us}}."""
@@ -174,6 +184,8 @@ def _decode_point(sweep: Sweep, batch: int, ctx: int) -> dict[tuple[str, int], d
         expected = run(LITERAL_DECODE)
         timed = {}
         for tile in sweep.decode_candidates:
+            if tile.preload_pages and not _preloads(tile, dims, batch, ctx, mode, split):
+                continue  # a split past MAX_PRELOAD_PAGES: the same launch as the tile without
             us = _time_candidate(lambda t=tile: run(t), expected, f"{kind} {tile}", sweep.bench)
             if us is not None:
                 timed[tile] = us

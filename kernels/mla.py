@@ -158,7 +158,8 @@ def preloaded_pages(cfg: MLADecodeConfig, max_seq_len: int, page_size: int) -> i
     """The kernel's SPLIT_PAGES: block ids a program loads before its token loop, a power of two
     covering every page one split can touch, or 0 (ids loaded tile by tile) when the tile does not
     preload or a split spans more than MAX_PRELOAD_PAGES pages. A pure function of the launch's
-    shapes; the bits are the same either way."""
+    shapes; the bits are the same either way. Under default it relies on every sequence being at
+    most ``max_seq_len`` long (``mla_decode``'s contract, checked for host tensors)."""
     if not cfg.preload_pages:
         return 0
     if cfg.is_fixed_split:
@@ -166,7 +167,9 @@ def preloaded_pages(cfg: MLADecodeConfig, max_seq_len: int, page_size: int) -> i
     else:  # the batch's longest sequence has the longest splits (kernels' _split_len)
         split_len = max(cdiv(cdiv(max_seq_len, cfg.num_splits), cfg.block_n) * cfg.block_n,
                         cfg.block_n)
-        aligned = False  # a shorter sequence's split may start inside a page
+        # Every sequence's splits start at multiples of its split length, itself a multiple of
+        # the tile: on a page boundary where whole pages make up a tile.
+        aligned = cfg.block_n % page_size == 0
     # A split that starts inside a page touches one page more than its length fills.
     pages = next_power_of_2(cdiv(split_len, page_size) + (0 if aligned else 1))
     return pages if pages <= MAX_PRELOAD_PAGES else 0

@@ -581,28 +581,34 @@ class _SplitPagesSpy:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    "mode,split_size,pages",
-    [(Mode.CORUN, 32, 2),  # page-aligned splits of 2 pages
-     (Mode.CORUN, 24, 4),  # splits starting inside a page: 1.5 pages + 1, rounded up to 4
-     (Mode.BATCH_INVARIANT, 64, 4),
-     # default: 70 tokens in 2 splits of 48 (3 pages) + 1 page for a split starting mid-page
-     (Mode.DEFAULT, 16, 4)],
-    ids=["corun-aligned", "corun-mid-page", "batch-invariant", "default"],
+    "mode,split_size,block_n,page_size,pages",
+    [(Mode.CORUN, 32, 16, 16, 2),  # page-aligned splits of 2 pages
+     (Mode.CORUN, 24, 16, 16, 4),  # splits starting inside a page: 1.5 pages + 1 -> 4
+     (Mode.BATCH_INVARIANT, 64, 16, 16, 4),
+     # tiles longer than the split: their tokens past it reach past the loaded pages (clamped)
+     (Mode.CORUN, 16, 32, 16, 1),
+     (Mode.CORUN, 32, 64, 16, 2),
+     # default: 70 tokens in 2 splits of 48, page-aligned (16-token tiles on 16-token pages)
+     (Mode.DEFAULT, 16, 16, 16, 4),
+     # default, 16-token tiles on 32-token pages: 70 tokens' second split starts mid-page
+     (Mode.DEFAULT, 16, 16, 32, 4)],
+    ids=["corun-aligned", "corun-mid-page", "batch-invariant", "tile-past-split",
+         "tile-past-split-2", "default", "default-mid-page"],
 )
-def test_mla_decode_preloaded_block_ids_keep_the_bits(mode, split_size, pages, dtype,
-                                                      monkeypatch) -> None:
+def test_mla_decode_preloaded_block_ids_keep_the_bits(mode, split_size, block_n, page_size,
+                                                      pages, dtype, monkeypatch) -> None:
     """The split's block ids loaded before the token loop and gathered per tile give the same bits
     as loading them tile by tile: on the direct and the partial + combine paths, with splits that
     start inside a page, a sequence shorter than a page, the padded dummy slot, and tiles running
     past a split's end."""
     seq_lens, heads = [70, 9, 0, 33, 1], 20
     q_latent, q_pe, cache, tables, lens = make_decode_inputs(
-        seq_lens, heads, 32, 16, 16, 6, dtype, seed=9
+        seq_lens, heads, 32, 16, page_size, 96 // page_size, dtype, seed=9
     )
     max_seq_len = max(seq_lens) if mode == Mode.DEFAULT else 96
     spy = _SplitPagesSpy(mla_module._mla_decode_kernel)
     monkeypatch.setattr(mla_module, "_mla_decode_kernel", spy)
-    tile = MLATile(16, 16, num_warps=4, num_stages=2)
+    tile = MLATile(16, block_n, num_warps=4, num_stages=2)
     outs = [mla_decode(q_latent, q_pe, cache, tables, lens, 0.2, max_seq_len=max_seq_len,
                        mode=mode, split_size=split_size,
                        tile=dataclasses.replace(tile, preload_pages=preload))
@@ -628,8 +634,12 @@ def test_preloaded_pages_cover_a_split_and_fall_back_past_the_cap() -> None:
     assert pages(Mode.CORUN, 1024, 4096, 16) == 64
     assert pages(Mode.CORUN, 2048, 4096, 16) == 0  # 128 pages: past MAX_PRELOAD_PAGES
     assert pages(Mode.CORUN, 2048, 4096, 64) == 32
-    # default: 8 sequences x 2 head blocks fill 16 programs -> 8 splits of 512 tokens at 4096
-    assert pages(Mode.DEFAULT, 512, 4096, 16) == 64
+    # default: 8 sequences x 2 head blocks fill 16 programs -> 8 splits of 512 tokens at 4096,
+    # each starting on a page boundary (32-token tiles, 16-token pages): 32 pages
+    assert pages(Mode.DEFAULT, 512, 4096, 16) == 32
+    # 64-token pages wider than the 32-token tiles: a shorter sequence's split may start inside
+    # one, so 8 pages + 1, rounded up
+    assert pages(Mode.DEFAULT, 512, 4096, 64) == 16
     assert pages(Mode.DEFAULT, 512, 4096, 16, preload=False) == 0
 
 
