@@ -21,7 +21,7 @@ from kernels.gemm import (
 from kernels.mode import Mode
 from kernels.reference import gemm_reference
 from kernels.utils import tma_addressable
-from tests.utils import assert_bitwise_equal, assert_close
+from tests.utils import LaunchSpy, assert_bitwise_equal, assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
@@ -162,22 +162,6 @@ MASK_ROWS_CONFIGS = [
 ]
 
 
-class _LaunchSpy:
-    """Stands in for ``_gemm_kernel``: records each launch's MASK_ROWS, then launches."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.mask_rows = kernel, []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.mask_rows.append(kwargs["MASK_ROWS"])
-            return launch(*args, **kwargs)
-
-        return run
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("config", MASK_ROWS_CONFIGS,
                          ids=["plain", "split3", "persistent", "stream-k"])
@@ -188,14 +172,14 @@ def test_gemm_masked_rows_keep_the_bits_of_re_read_rows(config, dtype, m, monkey
     interpreter runs the serial-dot loads; the GPU's loads are the test below's."""
     if config.stream_k_programs and m > config.block_m:
         pytest.skip("stream-K runs one row tile: M <= block_m (kernels.gemm checks it)")
-    spy = _LaunchSpy(gemm_module._gemm_kernel)
+    spy = LaunchSpy(gemm_module._gemm_kernel, "MASK_ROWS")
     monkeypatch.setattr(gemm_module, "_gemm_kernel", spy)
     for k in (128, 150):
         x, w, b = _inputs(m, 48, k, dtype, seed=7, bias=True)
         plain = gemm(x, w, b, config=config)
         masked = gemm(x, w, b, config=dataclasses.replace(config, mask_rows=True))
         assert_bitwise_equal(masked, plain, f"K {k}")
-    assert spy.mask_rows == [False, True, False, True]
+    assert spy.values == [False, True, False, True]
 
 
 @pytest.mark.gpu

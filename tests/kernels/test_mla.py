@@ -23,7 +23,7 @@ from kernels.mla import (
 from kernels.mode import Mode
 from kernels.reference import mla_decode_reference, store_mla_kv_reference
 from kernels.utils import tma_addressable
-from tests.utils import assert_bitwise_equal, assert_close
+from tests.utils import LaunchSpy, assert_bitwise_equal, assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
@@ -563,22 +563,6 @@ def test_mla_prefill_config_tile_override() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-class _SplitPagesSpy:
-    """Stands in for ``_mla_decode_kernel``: records each launch's SPLIT_PAGES, then launches."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.split_pages = kernel, []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.split_pages.append(kwargs["SPLIT_PAGES"])
-            return launch(*args, **kwargs)
-
-        return run
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "mode,split_size,block_n,page_size,pages",
@@ -606,14 +590,14 @@ def test_mla_decode_preloaded_block_ids_keep_the_bits(mode, split_size, block_n,
         seq_lens, heads, 32, 16, page_size, 96 // page_size, dtype, seed=9
     )
     max_seq_len = max(seq_lens) if mode == Mode.DEFAULT else 96
-    spy = _SplitPagesSpy(mla_module._mla_decode_kernel)
+    spy = LaunchSpy(mla_module._mla_decode_kernel, "SPLIT_PAGES")
     monkeypatch.setattr(mla_module, "_mla_decode_kernel", spy)
     tile = MLATile(16, block_n, num_warps=4, num_stages=2)
     outs = [mla_decode(q_latent, q_pe, cache, tables, lens, 0.2, max_seq_len=max_seq_len,
                        mode=mode, split_size=split_size,
                        tile=dataclasses.replace(tile, preload_pages=preload))
             for preload in (False, True)]
-    assert spy.split_pages == [0, pages]
+    assert spy.values == [0, pages]
     assert_bitwise_equal(outs[1], outs[0])
     expected = mla_decode_reference(
         q_latent.double(), q_pe.double(), cache.double(), tables, lens, 0.2
