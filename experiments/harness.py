@@ -140,21 +140,27 @@ def kernels_replaced(modules: list, stand_in: Callable[[object], object]) -> Ite
             setattr(module, name, value)
 
 
-def bandwidth_card() -> str:
-    """The card whose measured copy bandwidth this machine's bounds use: this card, or the H200
-    where none was measured (the CPU's dry runs, another GPU), saying so."""
+def _measured_card() -> str:
+    """The card whose measurements this machine's bounds use: this card, or the H200 where none
+    was measured (the CPU's dry runs, another GPU)."""
     card = card_tag()
-    return card if card in COPY_BANDWIDTH_BYTES_PER_S else "h200 (none measured for this machine)"
+    return card if card in COPY_BANDWIDTH_BYTES_PER_S else "h200"
+
+
+def bandwidth_card() -> str:
+    """``_measured_card()`` as the headers record it, saying where it stands in for this one."""
+    card = _measured_card()
+    return card if card == card_tag() else f"{card} (none measured for this machine)"
 
 
 def copy_bandwidth() -> float:
-    """The measured copy bandwidth (bytes/s) of ``bandwidth_card()``."""
-    return COPY_BANDWIDTH_BYTES_PER_S[bandwidth_card().split()[0]]
+    """The measured copy bandwidth (bytes/s) of ``_measured_card()``."""
+    return COPY_BANDWIDTH_BYTES_PER_S[_measured_card()]
 
 
 def matmul_rate() -> float:
-    """The measured bf16 matmul rate (FLOP/s) of ``bandwidth_card()``."""
-    return MATMUL_FLOPS_PER_S[bandwidth_card().split()[0]]
+    """The measured bf16 matmul rate (FLOP/s) of ``_measured_card()``."""
+    return MATMUL_FLOPS_PER_S[_measured_card()]
 
 
 def bandwidth_label() -> str:
