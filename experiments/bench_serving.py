@@ -256,6 +256,11 @@ def _peak_concurrency(results: list[RequestResult]) -> int:
     return peak
 
 
+# The server's engine-step series: two by kind, one over all steps (corun.api.metrics).
+STEP_KIND_SERIES = ("corun:engine_steps_total", "corun:engine_step_seconds_sum")
+STEP_TOKENS_SERIES = "corun:engine_step_tokens_sum"
+
+
 def step_counters(base_url: str) -> dict[str, float] | None:
     """The server's engine-step series (``corun:engine_steps_total`` and
     ``corun:engine_step_seconds_sum`` by kind, ``corun:engine_step_tokens_sum``), or None
@@ -273,15 +278,14 @@ def step_counters(base_url: str) -> dict[str, float] | None:
         for family in text_string_to_metric_families(response.text):
             for sample in family.samples:
                 kind = sample.labels.get("kind")
-                if sample.name in ("corun:engine_steps_total", "corun:engine_step_seconds_sum"):
+                if sample.name in STEP_KIND_SERIES:
                     out[f"{sample.name}[{kind}]"] = sample.value
-                elif sample.name == "corun:engine_step_tokens_sum":
+                elif sample.name == STEP_TOKENS_SERIES:
                     out[sample.name] = sample.value
     except ValueError:  # not Prometheus text
         return None
-    wanted = {f"{name}[{kind}]" for name in ("corun:engine_steps_total",
-                                              "corun:engine_step_seconds_sum")
-              for kind in STEP_KINDS} | {"corun:engine_step_tokens_sum"}
+    wanted = {f"{name}[{kind}]" for name in STEP_KIND_SERIES for kind in STEP_KINDS}
+    wanted.add(STEP_TOKENS_SERIES)
     return out if wanted <= out.keys() else None  # all of a corun server's series, or none
 
 
