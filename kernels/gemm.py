@@ -297,20 +297,26 @@ def _gemm_config(table: TunedTable, m: int, n: int, k: int, dtype: torch.dtype,
     if m < 1 or n < 1 or k < 0:
         raise ValueError(f"shape: expected m >= 1, n >= 1, k >= 0, got ({m}, {n}, {k})")
     portable = table.batch_invariant or _BATCH_INVARIANT_16BIT
-    if mode is Mode.BATCH_INVARIANT:
+    if mode is Mode.BATCH_INVARIANT:  # never a function of m, so never masked
         return _for_dtype(portable, dtype)
+    return with_row_mask(_m_dependent_config(table, portable, m, n, k, dtype, mode), m)
+
+
+def _m_dependent_config(table: TunedTable, portable: GemmConfig, m: int, n: int, k: int,
+                        dtype: torch.dtype, mode: Mode) -> GemmConfig:
+    """The tile of every mode but ``batch_invariant``, before ``with_row_mask``."""
     if mode is Mode.BATCH_INVARIANT_TUNED:
         tuned = table.lookup(m, n, k, dtype, no_split=True)
         if tuned is not None:
-            return with_row_mask(_fit_smem(tuned, dtype.itemsize), m)
+            return _fit_smem(tuned, dtype.itemsize)
         tile = dataclasses.replace(_fallback_config(m, n, k), block_k=portable.block_k)
-        return with_row_mask(_for_dtype(tile, dtype), m)
+        return _for_dtype(tile, dtype)
     tuned = table.lookup(m, n, k, dtype)
     if tuned is not None:
-        return with_row_mask(_fit_smem(tuned, dtype.itemsize), m)
+        return _fit_smem(tuned, dtype.itemsize)
     config = _for_dtype(_fallback_config(m, n, k), dtype)
     split = auto_split_k(m, n, k, config.block_m, config.block_n, config.block_k)
-    return with_row_mask(dataclasses.replace(config, split_k=split), m)
+    return dataclasses.replace(config, split_k=split)
 
 
 def with_row_mask(config: GemmConfig, m: int) -> GemmConfig:
