@@ -13,7 +13,10 @@ cache blocks of 16 tokens scattered at random).
   programs of a small batch) and ``corun_lanes3`` at B <= 8 where it differs (the corun split over
   as many lanes as fit 3 resident programs an SM, ``DECODE_RESIDENT_PROGRAMS``, rather than about 2
   an SM), and ``corun_bn128_w4`` / ``_w8`` at B <= 8 (128-token KV tiles: half the dependent
-  steps of a split). Peer: SDPA with q length 1 over a contiguous cache (flash, else the
+  steps of a split), and ``corun_preload_s2`` / ``_s3`` at B <= 8 where a lane's block ids fit
+  ``kernels.utils.MAX_PRELOAD_PAGES`` (``DecodeAttentionConfig.preload_pages``: loaded before
+  the token loop, the same bits as the policy, ``same_bits_as_policy``; with 3 stages two KV
+  tiles are in flight). Peer: SDPA with q length 1 over a contiguous cache (flash, else the
   efficient backend).
   Bound (``bound_us``): K and V read once plus q and out, at the card's measured copy bandwidth
   (harness.copy_bandwidth: 4.3 TB/s on the H200); ``bw_fraction`` = bound_us / us. Issue 13's
@@ -48,6 +51,7 @@ from kernels.attention import (
     DECODE_RESIDENT_PROGRAMS,
     decode_attention,
     decode_attention_config,
+    decode_preloaded_pages,
     prefill_attention,
     store_kv,
 )
@@ -205,16 +209,35 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
         for warps in (4, 8):
             policies.append((f"corun_bn128_w{warps}", Mode.CORUN, dataclasses.replace(
                 corun_cfg, BLOCK_N=128, num_warps=warps)))
+        # A lane's block ids loaded before its token loop (the same bits): with 3 stages the
+        # compiled loop keeps two K and two V tiles in flight (sm_90a, Triton 3.6), where the
+        # policy's loop, and the preload at 2 stages, keep one and wait for it every step.
+        if decode_preloaded_pages(dataclasses.replace(corun_cfg, preload_pages=True),
+                                  BLOCK_SIZE):
+            for stages in (2, 3):
+                policies.append((f"corun_preload_s{stages}", Mode.CORUN, dataclasses.replace(
+                    corun_cfg, preload_pages=True, num_stages=stages)))
     # The fused combine's arrival counts, held across calls as an engine would (no memset).
     arrivals = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=device)
     records = []
+    policy_out = None
     for policy, mode, override in policies:
         # corun: the engine's max_model_len; here the context itself (the grid bound only).
         cfg = override or decode_attention_config(batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM,
                                                   context, DTYPE, mode)
-        us = bench_us(lambda mode=mode, override=override: decode_attention(
-            q, k_cache, v_cache, tables, seq_lens, SCALE, max_seq_len=context, mode=mode,
-            config=override, arrivals=arrivals))
+
+        def run(mode=mode, override=override) -> torch.Tensor:
+            return decode_attention(q, k_cache, v_cache, tables, seq_lens, SCALE,
+                                    max_seq_len=context, mode=mode, config=override,
+                                    arrivals=arrivals)
+
+        us = bench_us(run)
+        extra = {}
+        if policy == "corun":
+            policy_out = run()
+        elif cfg.preload_pages:  # speed only: the same bits as the policy, checked here
+            extra = {"lane_pages": decode_preloaded_pages(cfg, BLOCK_SIZE),
+                     "same_bits_as_policy": bool(torch.equal(run(), policy_out))}
         fraction = bound / us
         records.append(kernel_record(
             "decode_attention", policy, batch, NUM_Q_HEADS, HEAD_DIM, DTYPE, us,
@@ -229,6 +252,7 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
             meets_target=(fraction >= DECODE_TARGET_BW_FRACTION) if targeted else None,
             **({"copy_us": round(copy_us, 3), "copy_bw_fraction": round(bound / copy_us, 4)}
                if copy_us else {}),
+            **extra,
         ))
     return records
 

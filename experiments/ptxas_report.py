@@ -269,8 +269,9 @@ def gemm_reports(ms: tuple[int, ...] = (128, 256)) -> list[dict]:
 
 def decode_attention_reports(batches: tuple[int, ...] = (1, 8), ctx: int = 4096) -> list[dict]:
     """decode_attention's launches at Qwen3-8B's heads (32 q / 8 kv of 128, bf16, 16-token
-    blocks) under corun's 256-token splits: the two-launch path and the fused combine, which
-    is built as on a GPU (its fence included; the capture runs on CPU tensors)."""
+    blocks) under corun's 256-token splits: the two-launch path, the fused combine, which is
+    built as on a GPU (its fence included; the capture runs on CPU tensors), and the lanes'
+    block ids preloaded with 3 stages (bench_attention's ``corun_preload_s3``)."""
     from kernels import attention
     from kernels.mode import Mode
 
@@ -284,7 +285,9 @@ def decode_attention_reports(batches: tuple[int, ...] = (1, 8), ctx: int = 4096)
         lens = torch.full((batch,), ctx, dtype=torch.int32)
         policy = attention.decode_attention_config(batch, q_heads, kv_heads, head_dim, ctx,
                                                    torch.bfloat16, Mode.CORUN)
-        for cfg in (policy, dataclasses.replace(policy, fused_combine=True)):
+        variants = (policy, dataclasses.replace(policy, fused_combine=True),
+                    dataclasses.replace(policy, preload_pages=True, num_stages=3))
+        for cfg in variants:
             args = (q, cache, cache, tables, lens, 0.1)
             launches = capture_launches(attention, lambda args=args, cfg=cfg: (
                 attention.decode_attention(*args, max_seq_len=ctx, config=cfg)))
@@ -292,8 +295,9 @@ def decode_attention_reports(batches: tuple[int, ...] = (1, 8), ctx: int = 4096)
                 if "GPU_FENCE" in launch.kwargs:
                     launch = dataclasses.replace(launch, kwargs={**launch.kwargs,
                                                                  "GPU_FENCE": True})
+                preload = ", block ids preloaded, 3 stages" if cfg.preload_pages else ""
                 rows.append({"case": f"B {batch}, ctx {ctx}: {policy.num_split_programs} lanes"
-                                     f"{', fused combine' if cfg.fused_combine else ''}",
+                                     f"{', fused combine' if cfg.fused_combine else ''}{preload}",
                              **_report(launch)})
     return rows
 
@@ -323,7 +327,8 @@ TARGETS: dict[str, Callable[[], tuple[str, list[dict]]]] = {
     "gemm": lambda: ("the corun GEMM policy's launch (bf16) at M 128 and 256, and its tile "
                      "TMA-fed", gemm_reports()),
     "decode-attention": lambda: ("decode_attention at Qwen3-8B's heads, corun splits of 256: "
-                                 "the split and combine launches, and the fused combine",
+                                 "the split and combine launches, the fused combine, and the "
+                                 "block ids preloaded",
                                  decode_attention_reports()),
 }
 

@@ -62,6 +62,7 @@ from kernels.utils import (
     dot_precision,
     is_host_checkable,
     next_power_of_2,
+    preload_page_count,
     upcast_dot_operands,
 )
 
@@ -290,6 +291,24 @@ class DecodeAttentionConfig:
     # launch instead of two, the same bits (``_decode_split_kernel``). Off in every policy until
     # timed on the H200 (experiments/bench_attention.py's ``corun_fused`` rows).
     fused_combine: bool = False
+    # Each lane loads its block ids before its token loop (``_decode_split_kernel``'s
+    # LANE_PAGES; ``decode_preloaded_pages`` sizes it per launch): the same bits. Off in every
+    # policy until timed on the H200 (experiments/bench_attention.py's ``corun_preload`` rows).
+    preload_pages: bool = False
+
+
+def decode_preloaded_pages(cfg: DecodeAttentionConfig, block_size: int) -> int:
+    """The split kernel's LANE_PAGES: block ids a lane loads before its token loop, covering the
+    longest run of splits a lane can take (lane l of L takes splits l*n//L .. (l+1)*n//L - 1 of a
+    sequence's n <= max_num_splits: at most cdiv(max_num_splits, L)), or 0 (ids loaded tile by
+    tile) when the config does not preload or the run spans more than
+    ``kernels.utils.MAX_PRELOAD_PAGES`` pages. A pure function of the config and the page size."""
+    if not cfg.preload_pages:
+        return 0
+    splits_per_lane = cdiv(cfg.max_num_splits, cfg.num_split_programs)
+    # A lane's run starts at a multiple of split_size: on a page boundary when pages divide it.
+    return preload_page_count(splits_per_lane * cfg.split_size, block_size,
+                              cfg.split_size % block_size == 0)
 
 
 def _decode_block_n(split_size: int) -> int:
@@ -435,6 +454,7 @@ def decode_attention(
         BLOCK_N=cfg.BLOCK_N, BLOCK_H=cfg.BLOCK_H, BLOCK_D=head_dim,
         UPCAST=upcast_dot_operands(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
         FUSED_COMBINE=fused, COMBINE_BLOCK_S=DECODE_COMBINE_BLOCK_S, GPU_FENCE=q.is_cuda,
+        LANE_PAGES=decode_preloaded_pages(cfg, block_size),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.max_num_splits > 1 and not fused:

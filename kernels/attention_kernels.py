@@ -62,6 +62,23 @@ def _paged_offsets(table_row_ptr, tokens, token_mask, block_size, stride_cb, str
 
 
 @triton.jit
+def _preload_block_ids(table_row_ptr, first_page, end_token, page_size, PAGES: tl.constexpr):
+    """The block ids of pages first_page .. first_page + PAGES - 1 of one sequence (those from
+    the page holding ``end_token`` on read as 0): loaded once, before a token loop, so that no
+    tile's address waits on a load inside the loop."""
+    pages = first_page + tl.arange(0, PAGES)
+    return tl.load(table_row_ptr + pages, mask=pages < tl.cdiv(end_token, page_size), other=0)
+
+
+@triton.jit
+def _preloaded_block(block_ids, first_page, tokens, page_size, PAGES: tl.constexpr):
+    """The block id (int64) of each of ``tokens`` from ``_preload_block_ids``'s ids. Tokens past
+    the run's end (masked by the caller) take the last id: in range, never read."""
+    page = tl.minimum(tokens // page_size - first_page, PAGES - 1)
+    return tl.gather(block_ids, page, 0).to(tl.int64)
+
+
+@triton.jit
 def _zero_padding_rows(o_ptr, first_row, num_tokens, lane, num_lanes, col_off, dim, stride_ot,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Write zeros to rows [first_row, num_tokens), columns [col_off, col_off + dim) of the
@@ -218,6 +235,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, COMBINE_BLOCK_S: tl.constexpr, GPU_FENCE: tl.constexpr,
+    LANE_PAGES: tl.constexpr,
 ):
     """Stage 1: one program per (sequence, kv head, lane). The lane takes a contiguous run of the
     sequence's splits (lane l of L: splits l*n//L .. (l+1)*n//L - 1 of its n) and walks their
@@ -230,7 +248,13 @@ def _decode_split_kernel(
     FUSED_COMBINE (one launch, no stage 2): each lane, once its partials are written, counts its
     arrival in ``arrivals[b, kv head]``; the last of the min(lanes, splits) lanes to arrive
     combines the kv head's query heads with ``_combine_splits``, as stage 2 would (the same bits:
-    split order, whichever lane is last), and sets the count back to 0 for the next call."""
+    split order, whichever lane is last), and sets the count back to 0 for the next call.
+
+    LANE_PAGES > 0 (at most that many pages a lane): the lane's block ids are loaded before its
+    token loop and each tile gathers its own from them. Loaded tile by tile, each K/V tile's
+    address waits on a table load inside the loop, and the compiled loop (sm_90a, Triton 3.6)
+    keeps one K and one V buffer and waits for them at every step; preloaded, the next tile's
+    copies can be in flight during this tile's products. The same rows reach the same dots."""
     pid_b = tl.program_id(0)
     pid_kvh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -268,10 +292,18 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if LANE_PAGES > 0:
+        first_page = (first * split_size) // block_size
+        lane_ids = _preload_block_ids(table_row_ptr, first_page, end, block_size, LANE_PAGES)
     for start_n in range(first * split_size, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        kv_off = _paged_offsets(table_row_ptr, offs_n, n_mask, block_size, stride_cb, stride_co)
+        if LANE_PAGES > 0:
+            page = _preloaded_block(lane_ids, first_page, offs_n, block_size, LANE_PAGES)
+            kv_off = page * stride_cb + (offs_n % block_size).to(tl.int64) * stride_co
+        else:
+            kv_off = _paged_offsets(table_row_ptr, offs_n, n_mask, block_size, stride_cb,
+                                    stride_co)
         kv_off = kv_off[:, None] + kv_head_off + offs_d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None], other=0.0)

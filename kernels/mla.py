@@ -63,6 +63,7 @@ from kernels.utils import (
     dot_precision,
     is_host_checkable,
     next_power_of_2,
+    preload_page_count,
     tma_addressable,
     upcast_dot_operands,
 )
@@ -149,17 +150,13 @@ class MLADecodeConfig:
     preload_pages: bool = False  # MLATile.preload_pages; preloaded_pages sizes it per launch
 
 
-# The most block ids a decode program loads before its token loop (MLATile.preload_pages): a
-# split spanning more pages loads its ids tile by tile instead (a power of two, as tl.arange is).
-MAX_PRELOAD_PAGES = 64
-
-
 def preloaded_pages(cfg: MLADecodeConfig, max_seq_len: int, page_size: int) -> int:
     """The kernel's SPLIT_PAGES: block ids a program loads before its token loop, a power of two
     covering every page one split can touch, or 0 (ids loaded tile by tile) when the tile does not
-    preload or a split spans more than MAX_PRELOAD_PAGES pages. A pure function of the launch's
-    shapes; the bits are the same either way. Under default it relies on every sequence being at
-    most ``max_seq_len`` long (``mla_decode``'s contract, checked for host tensors)."""
+    preload or a split spans more than ``kernels.utils.MAX_PRELOAD_PAGES`` pages. A pure function
+    of the launch's shapes; the bits are the same either way. Under default it relies on every
+    sequence being at most ``max_seq_len`` long (``mla_decode``'s contract, checked for host
+    tensors)."""
     if not cfg.preload_pages:
         return 0
     if cfg.is_fixed_split:
@@ -170,9 +167,7 @@ def preloaded_pages(cfg: MLADecodeConfig, max_seq_len: int, page_size: int) -> i
         # Every sequence's splits start at multiples of its split length, itself a multiple of
         # the tile: on a page boundary where whole pages make up a tile.
         aligned = cfg.block_n % page_size == 0
-    # A split that starts inside a page touches one page more than its length fills.
-    pages = next_power_of_2(cdiv(split_len, page_size) + (0 if aligned else 1))
-    return pages if pages <= MAX_PRELOAD_PAGES else 0
+    return preload_page_count(split_len, page_size, aligned)
 
 
 def literal_decode_tile(num_heads: int, dtype: torch.dtype) -> MLATile:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.attention_kernels import _zero_padding_rows
+from kernels.attention_kernels import _preload_block_ids, _preloaded_block, _zero_padding_rows
 
 # log2(e): the kernels run their softmax in base 2 (exp2 is one instruction on the GPU).
 LOG2E = 1.4426950408889634
@@ -188,15 +188,12 @@ def _mla_decode_kernel(
     bt_ptr = block_tables_ptr + pid_b.to(tl.int64) * stride_bt_b
     if SPLIT_PAGES > 0:
         first_page = split_start // PAGE_SIZE
-        pages = first_page + tl.arange(0, SPLIT_PAGES)
-        split_ids = tl.load(bt_ptr + pages, mask=pages < tl.cdiv(split_end, PAGE_SIZE), other=0)
+        split_ids = _preload_block_ids(bt_ptr, first_page, split_end, PAGE_SIZE, SPLIT_PAGES)
     for start_n in range(split_start, split_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < split_end
         if SPLIT_PAGES > 0:
-            # Tokens past the split's end (masked below) take the last id: in range, never read.
-            page_in_split = tl.minimum(offs_n // PAGE_SIZE - first_page, SPLIT_PAGES - 1)
-            blocks = tl.gather(split_ids, page_in_split, 0).to(tl.int64)
+            blocks = _preloaded_block(split_ids, first_page, offs_n, PAGE_SIZE, SPLIT_PAGES)
         else:
             blocks = tl.load(bt_ptr + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
         rows = blocks * stride_cache_b + (offs_n % PAGE_SIZE) * stride_cache_t

@@ -119,6 +119,20 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+# The most block ids a decode program loads before its token loop (MLA's and decode attention's
+# ``preload_pages``): a span of more pages loads its ids tile by tile instead (a power of two, as
+# tl.arange is).
+MAX_PRELOAD_PAGES = 64
+
+
+def preload_page_count(span_tokens: int, page_size: int, page_aligned: bool) -> int:
+    """Block ids a program preloads for a run of at most ``span_tokens`` consecutive tokens: a
+    power of two covering every page the run can touch (one more when it may start inside a page,
+    ``page_aligned`` false), or 0 past MAX_PRELOAD_PAGES (ids then loaded tile by tile)."""
+    pages = next_power_of_2(cdiv(span_tokens, page_size) + (0 if page_aligned else 1))
+    return pages if pages <= MAX_PRELOAD_PAGES else 0
+
+
 # ----------------------------------------------------------------------------------------------
 # launch configs and their tuned tables (kernels/tuned/<op>_<device>.json)
 # ----------------------------------------------------------------------------------------------

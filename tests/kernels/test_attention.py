@@ -12,12 +12,14 @@ import dataclasses
 import pytest
 import torch
 
+from kernels import attention as attention_module
 from kernels.attention import (
     DECODE_TARGET_PROGRAMS,
     PrefillAttentionConfig,
     decode_attention,
     decode_attention_config,
     decode_lanes,
+    decode_preloaded_pages,
     prefill_attention,
     prefill_attention_config,
     store_kv,
@@ -28,7 +30,7 @@ from kernels.reference import (
     prefill_attention_reference,
     store_kv_reference,
 )
-from tests.utils import assert_bitwise_equal, assert_close
+from tests.utils import LaunchSpy, assert_bitwise_equal, assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SMALL_TILES = PrefillAttentionConfig(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -212,6 +214,62 @@ def test_decode_attention_lanes_walking_several_splits_keep_the_bits(dtype):
         assert_bitwise_equal(out, per_split, f"{lanes} lanes vs one per split")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "mode,split_size,block_size,lanes,fused,pages",
+    [(Mode.CORUN, 16, 8, None, False, 2),  # one lane a split: 2 whole pages
+     (Mode.CORUN, 16, 8, 3, False, 8),  # runs of up to 4 splits: 64 tokens, 8 pages
+     (Mode.CORUN, 16, 8, 3, True, 8),  # and the last lane combining
+     # 48-token splits on 32-token pages: a run may start inside a page (4 x 48 / 32 + 1 -> 8)
+     (Mode.CORUN, 48, 32, 1, False, 8),
+     (Mode.BATCH_INVARIANT, 32, 8, 2, False, 16),
+     # default: 150 tokens in splits of 64 (one lane each), on 8-token pages
+     (Mode.DEFAULT, 16, 8, None, False, 8)],
+    ids=["corun", "corun-3-lanes", "corun-3-lanes-fused", "corun-mid-page", "batch-invariant",
+         "default"],
+)
+def test_decode_attention_preloaded_block_ids_keep_the_bits(mode, split_size, block_size, lanes,
+                                                            fused, pages, dtype, monkeypatch):
+    """A lane's block ids loaded before its token loop and gathered per tile give the bits of
+    loading them tile by tile: one-split and several-split sequences, a dummy slot, runs that
+    start inside a page, tiles past a sequence's end, and the fused combine."""
+    lens = [150, 0, 16, 17, 64, 3]
+    k_cache, v_cache, tables, gen = make_paged(lens, 2, 32, block_size, dtype, seed=12)
+    q = torch.randn(len(lens), 8, 32, generator=gen).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    max_seq_len = max(lens) if mode == Mode.DEFAULT else 192
+    base = decode_attention_config(len(lens), 8, 2, 32, max_seq_len, dtype, mode,
+                                   split_size=split_size)
+    base = dataclasses.replace(base, num_split_programs=lanes or base.num_split_programs,
+                               fused_combine=fused)
+    spy = LaunchSpy(attention_module._decode_split_kernel, "LANE_PAGES")
+    monkeypatch.setattr(attention_module, "_decode_split_kernel", spy)
+    args = (q, k_cache, v_cache, tables, seq_lens, 0.2)
+    outs = [decode_attention(*args, max_seq_len=max_seq_len,
+                             config=dataclasses.replace(base, preload_pages=preload))
+            for preload in (False, True)]
+    assert spy.values == [0, pages]
+    assert_bitwise_equal(outs[1], outs[0])
+    expected = decode_attention_reference(*f64(q, k_cache, v_cache), tables, seq_lens, 0.2)
+    assert_close(outs[1], expected, dtype, reduce_dim=max(lens))
+
+
+def test_decode_preloaded_pages_cover_a_lane_and_fall_back_past_the_cap():
+    def pages(batch, max_seq_len, block_size, preload=True, mode=Mode.CORUN, split_size=256):
+        cfg = decode_attention_config(batch, 32, 8, 128, max_seq_len, torch.bfloat16, mode,
+                                      split_size=split_size)
+        return decode_preloaded_pages(dataclasses.replace(cfg, preload_pages=preload), block_size)
+
+    assert pages(1, 4096, 16) == 16  # 16 lanes, one 256-token split each: 16 pages
+    assert pages(1, 4096, 16, preload=False) == 0
+    assert pages(8, 4096, 16) == 64  # 5 lanes over 16 splits: runs of up to 4 (1024 tokens)
+    assert pages(8, 32768, 16) == 0  # 5 lanes over 128 splits: 26 splits, past the cap
+    # 33 lanes over 86 splits of 48: runs of up to 3 (144 tokens: 9 pages, 10 from inside one)
+    assert pages(1, 4096, 16, split_size=48) == 16
+    # default: one split of cdiv(4096, 33) rounded up to 64 tokens (128) a lane, 8 pages
+    assert pages(1, 4096, 16, mode=Mode.DEFAULT) == 8
+
+
 def test_decode_attention_fused_combine_checks_arrivals():
     args = _decode_args()
     cfg = dataclasses.replace(decode_attention_config(2, 4, 2, 16, 24, torch.float32, Mode.CORUN,
@@ -336,3 +394,27 @@ def test_prefill_attention_padding_only_step_gives_zeros(poisoned_outputs):
     out = prefill_attention(q, k_cache, v_cache, tables, torch.zeros(2, dtype=torch.int32),
                             torch.zeros(1, dtype=torch.int32), 0.25, max_q_len=0)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Qwen3-8B's bf16 shapes need a GPU")
+def test_decode_attention_preloaded_block_ids_keep_the_bits_at_real_shapes_on_gpu():
+    """The sm_90a loop the preload changes (with 3 stages, two K and two V tiles in flight):
+    Qwen3-8B's 32 q / 8 kv heads of 128, 16-token pages scattered, corun's 256-token splits at B 1
+    and 8 (one and several splits a lane) and default's, with the two-launch and fused combines."""
+    for batch, lens in ((1, [4096]), (8, [4096, 1500, 0, 513, 1, 256, 257, 3000])):
+        k_cache, v_cache, tables, gen = make_paged(lens, 8, 128, 16, torch.bfloat16, seed=13)
+        q = torch.randn(batch, 32, 128, generator=gen).to(torch.bfloat16)
+        args = [t.cuda() for t in (q, k_cache, v_cache, tables,
+                                   torch.tensor(lens, dtype=torch.int32))]
+        for mode, max_seq_len in ((Mode.CORUN, 4096), (Mode.DEFAULT, max(lens))):
+            base = decode_attention_config(batch, 32, 8, 128, max_seq_len, torch.bfloat16, mode)
+            for fused in (False, True):
+                cfgs = [dataclasses.replace(base, fused_combine=fused)]
+                cfgs += [dataclasses.replace(cfgs[0], preload_pages=True, num_stages=stages)
+                         for stages in (2, 3)]
+                assert decode_preloaded_pages(cfgs[1], 16) > 0
+                outs = [decode_attention(*args, 0.1, max_seq_len=max_seq_len, config=cfg)
+                        for cfg in cfgs]
+                for out in outs[1:]:
+                    assert_bitwise_equal(out, outs[0], f"B {batch} {mode.value} fused {fused}")
