@@ -293,7 +293,7 @@ class DecodeAttentionConfig:
     fused_combine: bool = False
     # Each lane loads its block ids before its token loop (``_decode_split_kernel``'s
     # LANE_PAGES; ``decode_preloaded_pages`` sizes it per launch): the same bits. Off in every
-    # policy until timed on the H200 (experiments/bench_attention.py's ``corun_preload`` rows).
+    # policy until timed (experiments/bench_attention.py's ``corun_preload_s2`` / ``_s3`` rows).
     preload_pages: bool = False
 
 

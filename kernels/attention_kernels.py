@@ -58,6 +58,12 @@ def _store_kv_kernel(
 def _paged_offsets(table_row_ptr, tokens, token_mask, block_size, stride_cb, stride_co):
     """Element offsets (int64) of ``tokens`` of one sequence in a paged cache (head 0, dim 0)."""
     page = tl.load(table_row_ptr + tokens // block_size, mask=token_mask, other=0).to(tl.int64)
+    return _token_offsets(page, tokens, block_size, stride_cb, stride_co)
+
+
+@triton.jit
+def _token_offsets(page, tokens, block_size, stride_cb, stride_co):
+    """Element offsets (int64) of ``tokens`` whose block ids (int64) are ``page``."""
     return page * stride_cb + (tokens % block_size).to(tl.int64) * stride_co
 
 
@@ -300,7 +306,7 @@ def _decode_split_kernel(
         n_mask = offs_n < end
         if LANE_PAGES > 0:
             page = _preloaded_block(lane_ids, first_page, offs_n, block_size, LANE_PAGES)
-            kv_off = page * stride_cb + (offs_n % block_size).to(tl.int64) * stride_co
+            kv_off = _token_offsets(page, offs_n, block_size, stride_cb, stride_co)
         else:
             kv_off = _paged_offsets(table_row_ptr, offs_n, n_mask, block_size, stride_cb,
                                     stride_co)
