@@ -13,11 +13,12 @@ cache blocks of 16 tokens scattered at random).
   programs of a small batch) and ``corun_lanes3`` at B <= 8 where it differs (the corun split over
   as many lanes as fit 3 resident programs an SM, ``DECODE_RESIDENT_PROGRAMS``, rather than about 2
   an SM), and ``corun_bn128_w4`` / ``_w8`` at B <= 8 (128-token KV tiles: half the dependent
-  steps of a split), and ``corun_preload_s2`` / ``_s3`` at B <= 8 where a lane's block ids fit
-  ``kernels.utils.MAX_PRELOAD_PAGES`` (``DecodeAttentionConfig.preload_pages``: loaded before
-  the token loop, the same bits as the policy, ``same_bits_as_policy``; with 3 stages two KV
-  tiles are in flight). Peer: SDPA with q length 1 over a contiguous cache (flash, else the
-  efficient backend).
+  steps of a split). Where the corun policy preloads a lane's block ids
+  (``DecodeAttentionConfig.preload_pages``: where they fit ``kernels.utils.MAX_PRELOAD_PAGES``,
+  at 3 stages where the grid fits two programs an SM), ``corun_table_ids`` times the loop that
+  loads them tile by tile (2 stages, the policy before 2026-12-06) and ``corun_preload_s2`` /
+  ``_s3`` the other stage count, each with ``same_bits_as_policy``. Peer: SDPA with q length 1
+  over a contiguous cache (flash, else the efficient backend).
   Bound (``bound_us``): K and V read once plus q and out, at the card's measured copy bandwidth
   (harness.copy_bandwidth: 4.3 TB/s on the H200); ``bw_fraction`` = bound_us / us. Issue 13's
   target for B <= 8 is bw_fraction >= 0.6
@@ -194,7 +195,7 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
                 ("corun_fused", Mode.CORUN, dataclasses.replace(corun_cfg, fused_combine=True))]
     if batch <= 8:
         policies.append(("corun_stages5", Mode.CORUN,
-                         dataclasses.replace(corun_cfg, num_stages=5)))
+                         dataclasses.replace(corun_cfg, num_stages=5, preload_pages=False)))
         # The same splits over lanes sized to the programs an H200 holds at once (3 an SM)
         # rather than two per SM: fewer rounds of splits per lane where the split count allows.
         lanes = max(1, min(corun_cfg.max_num_splits,
@@ -208,15 +209,16 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
         # fixed.
         for warps in (4, 8):
             policies.append((f"corun_bn128_w{warps}", Mode.CORUN, dataclasses.replace(
-                corun_cfg, BLOCK_N=128, num_warps=warps)))
-        # A lane's block ids loaded before its token loop (the same bits): with 3 stages the
-        # compiled loop keeps two K and two V tiles in flight (sm_90a, Triton 3.6), where the
-        # policy's loop, and the preload at 2 stages, keep one and wait for it every step.
-        if decode_preloaded_pages(dataclasses.replace(corun_cfg, preload_pages=True),
-                                  BLOCK_SIZE):
-            for stages in (2, 3):
-                policies.append((f"corun_preload_s{stages}", Mode.CORUN, dataclasses.replace(
-                    corun_cfg, preload_pages=True, num_stages=stages)))
+                corun_cfg, BLOCK_N=128, num_warps=warps, num_stages=2, preload_pages=False)))
+    if corun_cfg.preload_pages:
+        # The policy's preloaded block ids against the loop that loads them tile by tile (its
+        # 2 stages: one K and one V buffer, waited for every step) and at the other stage count
+        # (3 stages keep two of each in flight): speed only, the same bits.
+        other = 2 if corun_cfg.num_stages == 3 else 3
+        policies += [("corun_table_ids", Mode.CORUN,
+                      dataclasses.replace(corun_cfg, preload_pages=False, num_stages=2)),
+                     (f"corun_preload_s{other}", Mode.CORUN,
+                      dataclasses.replace(corun_cfg, num_stages=other))]
     # The fused combine's arrival counts, held across calls as an engine would (no memset).
     arrivals = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=device)
     records = []
@@ -235,9 +237,11 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
         extra = {}
         if policy == "corun":
             policy_out = run()
-        elif cfg.preload_pages:  # speed only: the same bits as the policy, checked here
-            extra = {"lane_pages": decode_preloaded_pages(cfg, BLOCK_SIZE),
-                     "same_bits_as_policy": bool(torch.equal(run(), policy_out))}
+        elif policy == "corun_table_ids" or policy.startswith("corun_preload"):
+            # speed only: the same bits as the policy, checked here
+            extra = {"same_bits_as_policy": bool(torch.equal(run(), policy_out))}
+        if cfg.preload_pages:
+            extra["lane_pages"] = decode_preloaded_pages(cfg, BLOCK_SIZE)
         fraction = bound / us
         records.append(kernel_record(
             "decode_attention", policy, batch, NUM_Q_HEADS, HEAD_DIM, DTYPE, us,

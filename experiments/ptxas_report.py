@@ -271,7 +271,7 @@ def decode_attention_reports(batches: tuple[int, ...] = (1, 8), ctx: int = 4096)
     """decode_attention's launches at Qwen3-8B's heads (32 q / 8 kv of 128, bf16, 16-token
     blocks) under corun's 256-token splits: the two-launch path, the fused combine, which is
     built as on a GPU (its fence included; the capture runs on CPU tensors), and the lanes'
-    block ids preloaded with 3 stages (bench_attention's ``corun_preload_s3``)."""
+    block ids loaded tile by tile at 2 stages and preloaded at 3, where the policy differs."""
     from kernels import attention
     from kernels.mode import Mode
 
@@ -285,8 +285,10 @@ def decode_attention_reports(batches: tuple[int, ...] = (1, 8), ctx: int = 4096)
         lens = torch.full((batch,), ctx, dtype=torch.int32)
         policy = attention.decode_attention_config(batch, q_heads, kv_heads, head_dim, ctx,
                                                    torch.bfloat16, Mode.CORUN)
-        variants = (policy, dataclasses.replace(policy, fused_combine=True),
-                    dataclasses.replace(policy, preload_pages=True, num_stages=3))
+        variants = dict.fromkeys((
+            policy, dataclasses.replace(policy, fused_combine=True),
+            dataclasses.replace(policy, preload_pages=False, num_stages=2),
+            dataclasses.replace(policy, preload_pages=True, num_stages=3)))
         for cfg in variants:
             args = (q, cache, cache, tables, lens, 0.1)
             launches = capture_launches(attention, lambda args=args, cfg=cfg: (
@@ -295,9 +297,11 @@ def decode_attention_reports(batches: tuple[int, ...] = (1, 8), ctx: int = 4096)
                 if "GPU_FENCE" in launch.kwargs:
                     launch = dataclasses.replace(launch, kwargs={**launch.kwargs,
                                                                  "GPU_FENCE": True})
-                preload = ", block ids preloaded, 3 stages" if cfg.preload_pages else ""
-                rows.append({"case": f"B {batch}, ctx {ctx}: {policy.num_split_programs} lanes"
-                                     f"{', fused combine' if cfg.fused_combine else ''}{preload}",
+                ids = "ids preloaded" if cfg.preload_pages else "ids tile by tile"
+                rows.append({"case": f"B {batch}, ctx {ctx}: {policy.num_split_programs} lanes, "
+                                     f"{ids}, {cfg.num_stages} stages"
+                                     f"{', fused combine' if cfg.fused_combine else ''}"
+                                     f"{' (the policy)' if cfg == policy else ''}",
                              **_report(launch)})
     return rows
 

@@ -74,6 +74,10 @@ DECODE_TARGET_PROGRAMS = 2 * NUM_SMS
 # threads (experiments/results/ptxas-decode-attention-sm90.json). experiments/bench_attention.py's
 # ``corun_lanes3`` rows time as many lanes as fit it instead of about DECODE_TARGET_PROGRAMS.
 DECODE_RESIDENT_PROGRAMS = 3 * NUM_SMS
+# Stage-1 programs up to which a preloading split launch runs 3 stages: its two K and two V
+# buffers (76 KB of shared memory, experiments/results/ptxas-decode-attention-sm90.json) fit two
+# programs an SM, so a larger grid would take a second wave (``_with_preload``).
+DECODE_PRELOAD_3_STAGE_PROGRAMS = 2 * NUM_SMS
 # Cap on the default mode's splits, bounding the partial-output buffer and the combine loop.
 DECODE_MAX_SPLITS_DEFAULT = 64
 # Splits the combine loads per unrolled step. They are added one at a time in split order
@@ -292,8 +296,8 @@ class DecodeAttentionConfig:
     # timed on the H200 (experiments/bench_attention.py's ``corun_fused`` rows).
     fused_combine: bool = False
     # Each lane loads its block ids before its token loop (``_decode_split_kernel``'s
-    # LANE_PAGES; ``decode_preloaded_pages`` sizes it per launch): the same bits. Off in every
-    # policy until timed (experiments/bench_attention.py's ``corun_preload_s2`` / ``_s3`` rows).
+    # LANE_PAGES; ``decode_preloaded_pages`` sizes it per launch): the same bits. The fixed-split
+    # policies turn it on where the ids fit (``_with_preload``).
     preload_pages: bool = False
 
 
@@ -332,12 +336,15 @@ def decode_attention_config(
     dtype: torch.dtype,
     mode: Mode,
     split_size: int = 256,
+    block_size: int = 16,
 ) -> DecodeAttentionConfig:
-    """Split-KV policy of decode attention.
+    """Split-KV policy of decode attention (``block_size``: the cache's tokens a page).
 
     - corun / batch_invariant: the split size is ``split_size`` (a multiple of 16), whatever the
       batch, so a sequence's split count is cdiv(its length, split_size). ``max_seq_len`` and the
-      batch only size the grid (lanes), which never changes a split's arithmetic.
+      batch only size the grid (lanes), which never changes a split's arithmetic. A lane loads its
+      block ids before its token loop wherever they fit (``decode_preloaded_pages``), at 3
+      stages where the grid fits ``DECODE_PRELOAD_3_STAGE_PROGRAMS``: speed only, the same bits.
     - default: the split count fills the GPU from (batch, num_kv_heads, max_seq_len): about
       DECODE_TARGET_PROGRAMS stage-1 programs, split size cdiv(max_seq_len, num_splits) rounded up
       to BLOCK_N. A sequence's splits then follow the batch's longest sequence: not invariant.
@@ -362,10 +369,26 @@ def decode_attention_config(
         # Enough lanes to fill the GPU; programs loop over the remaining splits.
         lanes = decode_lanes(max_num_splits, programs_per_split, DECODE_TARGET_PROGRAMS)
     num_warps = 4 if head_dim <= 128 else 8
-    return DecodeAttentionConfig(
+    cfg = DecodeAttentionConfig(
         split_size=size, max_num_splits=max_num_splits, num_split_programs=max(1, lanes),
         BLOCK_N=block_n, BLOCK_H=block_h, num_warps=num_warps, num_stages=2,
     )
+    return cfg if mode == Mode.DEFAULT else _with_preload(cfg, programs_per_split, block_size)
+
+
+def _with_preload(cfg: DecodeAttentionConfig, programs_per_split: int,
+                  block_size: int) -> DecodeAttentionConfig:
+    """The fixed-split policies' preload: on an H100 (kernels-h100.json's ``corun_preload_s2`` /
+    ``_s3`` rows, 2026-12-06) the preload at 2 stages took less time at every point where a
+    lane's ids fit (1.03-1.10x as fast), and 3 stages more where the grid fit two programs an SM
+    (B 1 and B 8 at 512 tokens: 1.05-1.17x) but less past it (B 8 from 2048 tokens: 5 lanes,
+    320 programs, 0.91-0.98x)."""
+    preloaded = dataclasses.replace(cfg, preload_pages=True)
+    if not decode_preloaded_pages(preloaded, block_size):
+        return cfg
+    if programs_per_split * cfg.num_split_programs <= DECODE_PRELOAD_3_STAGE_PROGRAMS:
+        return dataclasses.replace(preloaded, num_stages=3)
+    return preloaded
 
 
 def decode_attention(
@@ -424,7 +447,7 @@ def decode_attention(
         return out
     num_kv_heads = k_cache.shape[2]
     cfg = config or decode_attention_config(num_seqs, num_q_heads, num_kv_heads, head_dim,
-                                            max_seq_len, q.dtype, mode, split_size)
+                                            max_seq_len, q.dtype, mode, split_size, block_size)
     if fused_combine and config is None:
         cfg = dataclasses.replace(cfg, fused_combine=True)
     if cfg.max_num_splits > 1:

@@ -270,6 +270,24 @@ def test_decode_preloaded_pages_cover_a_lane_and_fall_back_past_the_cap():
     assert pages(1, 4096, 16, mode=Mode.DEFAULT) == 8
 
 
+def test_decode_attention_policy_preloads_where_the_ids_fit():
+    """The fixed-split policies preload wherever a lane's ids fit, at 3 stages while the grid
+    fits two programs an SM (264 on the H200's count); default never; the page size counts."""
+    def policy(batch, max_seq_len, mode=Mode.CORUN, block_size=16):
+        cfg = decode_attention_config(batch, 32, 8, 128, max_seq_len, torch.bfloat16, mode,
+                                      block_size=block_size)
+        return cfg.preload_pages, cfg.num_stages, batch * 8 * cfg.num_split_programs
+
+    assert policy(1, 4096) == (True, 3, 128)
+    assert policy(1, 32768) == (True, 3, 264)  # 33 lanes of up to 4 splits: 64 pages
+    assert policy(8, 512) == (True, 3, 128)
+    assert policy(8, 4096) == (True, 2, 320)  # 5 lanes: past two programs an SM
+    assert policy(8, 4096, Mode.BATCH_INVARIANT) == (True, 2, 320)
+    assert policy(8, 32768) == (False, 2, 320)  # 26 splits a lane: past the cap
+    assert policy(1, 32768, block_size=8) == (False, 2, 264)  # 128 pages of 8 tokens
+    assert policy(1, 4096, Mode.DEFAULT)[:2] == (False, 2)
+
+
 def test_decode_attention_fused_combine_checks_arrivals():
     args = _decode_args()
     cfg = dataclasses.replace(decode_attention_config(2, 4, 2, 16, 24, torch.float32, Mode.CORUN,
