@@ -118,11 +118,14 @@ def merge_runs(base: list[dict], new: list[dict]) -> list[dict]:
     families = new_head.get("families")
     runs.append({"command": new_head.get("command"), "date": new_head.get("date"),
                  "families": families.split(",") if isinstance(families, str) else families,
-                 "run": run_name, "timing": new_head.get("timing")})
+                 "run": run_name, "timing": new_head.get("timing"),
+                 # what was done to the run's records after it (a relabelling), kept with it
+                 **({"note": new_head["note"]} if new_head.get("note") else {})})
     kept = [r for r in base_records if r.get("op") not in new_ops]
     live = {r.get("run") for r in kept} | {run_name}
     runs = [run for run in runs if run["run"] in live]  # a run every record replaced is gone
-    head = {key: value for key, value in new_head.items() if key not in ("families", "quick")}
+    head = {key: value for key, value in new_head.items()
+            if key not in ("families", "quick", "note")}
     head.update(
         command=f"merged from {len(runs)} runs of experiments/bench_kernels.py on the "
                 f"{new_head.get('machine')} (bash experiments/run_h200.sh kernels): each op from "

@@ -34,6 +34,17 @@ def test_merge_replaces_ops_and_keeps_each_records_run(tmp_path):
     assert {(r["op"], r["run"]) for r in again[1:]} == {("mla_decode", "run2"), ("gemm", "run3")}
 
 
+def test_a_runs_note_stays_with_its_run_through_later_merges():
+    """A note on a run's header (what was done to its records after it ran) travels into its
+    ``runs`` entry, not the merged header, and survives a later run's merge."""
+    noted = _run("d2", "attention", {"decode_attention": 1})
+    noted[0]["note"] = "relabelled"
+    merged = bench_kernels.merge_runs(_run("d1", "gemm", {"gemm": 2}), noted)
+    assert "note" not in merged[0] and merged[0]["runs"][1]["note"] == "relabelled"
+    again = bench_kernels.merge_runs(merged, _run("d3", "mla", {"mla_decode": 1}))
+    assert [r.get("note") for r in again[0]["runs"]] == [None, "relabelled", None]
+
+
 def test_merge_from_files_writes_the_merged_file(tmp_path):
     base, new = tmp_path / "kernels-h200.json", tmp_path / "new.json"
     base.write_text(json.dumps(_run("d1", "gemm", {"gemm": 2})))
