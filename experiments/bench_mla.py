@@ -153,21 +153,21 @@ def _decode_records(dims: dict, batch: int, ctx: int) -> list[dict]:
             target=f"bw_fraction >= {DECODE_TARGET_BW_FRACTION}" if targeted else None,
             meets_target=(fraction >= DECODE_TARGET_BW_FRACTION) if targeted else None,
         ))  # fmt: skip
-    records.append(_preload_record(x, dims, batch, ctx, peer_us, bound_us))
+    records.append(_reload_record(x, dims, batch, ctx, peer_us, bound_us))
     return records
 
 
-def _preload_record(x: dict, dims: dict, batch: int, ctx: int, peer_us: float,
-                    bound_us: float) -> dict:
-    """The engine split's policy tile with its splits' block ids loaded before the token loop
-    (MLATile.preload_pages, not yet in the tuned table): its time, and whether its bits equal the
-    policy's (they must)."""
-    from kernels.mla import MLATile, mla_decode, mla_decode_config, preloaded_pages
+def _reload_record(x: dict, dims: dict, batch: int, ctx: int, peer_us: float,
+                   bound_us: float) -> dict:
+    """The engine split's policy tile with P.V's latent rows loaded again a step late instead of
+    carried in registers (MLATile.reload_values, not yet in the tuned table): its time, and
+    whether its bits equal the policy's (they must)."""
+    from kernels.mla import MLATile, mla_decode, mla_decode_config
 
     cfg = mla_decode_config(batch, dims["heads"], dims["latent"], dims["rope"], ctx, DTYPE,
                             Mode.CORUN, ENGINE_SPLIT)  # fmt: skip
     tile = MLATile(cfg.block_h, cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                   dv_parts=cfg.dv_parts, preload_pages=True)  # fmt: skip
+                   dv_parts=cfg.dv_parts, reload_values=True)  # fmt: skip
 
     def run(tile: MLATile | None = None) -> torch.Tensor:
         return mla_decode(**x, scale=dims["scale"], max_seq_len=ctx, mode=Mode.CORUN,
@@ -175,15 +175,10 @@ def _preload_record(x: dict, dims: dict, batch: int, ctx: int, peer_us: float,
 
     same_bits = torch.equal(run(tile), run())
     us = harness.bench_us(lambda: run(tile))
-    # What the launch passes (the launcher computes it the same way from the tile's config).
-    split_pages = preloaded_pages(
-        mla_decode_config(batch, dims["heads"], dims["latent"], dims["rope"], ctx, DTYPE,
-                          Mode.CORUN, ENGINE_SPLIT, tile=tile),
-        ctx, x["kv_cache"].shape[1])  # fmt: skip
     return harness.kernel_record(
-        "mla_decode", f"corun_split{ENGINE_SPLIT}_preload", batch, dims["heads"], ctx, DTYPE, us,
+        "mla_decode", f"corun_split{ENGINE_SPLIT}_reload", batch, dims["heads"], ctx, DTYPE, us,
         "torch_bmm_absorbed", peer_us, batch=batch, context=ctx, split_size=ENGINE_SPLIT,
-        split_pages=split_pages, block_h=cfg.block_h, block_n=cfg.block_n,
+        block_h=cfg.block_h, block_n=cfg.block_n, dv_parts=cfg.dv_parts,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, same_bits_as_policy=same_bits,
         bound_us=round(bound_us, 3), bw_fraction=round(bound_us / us, 4),
     )  # fmt: skip

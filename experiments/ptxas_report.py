@@ -208,7 +208,8 @@ def _tile_label(tile) -> str:
     parts = f", {tile.dv_parts} value parts" if tile.dv_parts > 1 else ""
     return (f"{tile.block_m} x {tile.block_n}, {tile.num_warps} warps, {tile.num_stages} "
             f"stages{parts}{', TMA-fed' if tile.tma else ''}"
-            f"{', block ids preloaded' if tile.preload_pages else ''}")
+            f"{', block ids preloaded' if tile.preload_pages else ''}"
+            f"{', values reloaded' if tile.reload_values else ''}")
 
 
 def moe_align_reports(experts: tuple[int, ...] = (128, 192, 256), top_k: int = 8,

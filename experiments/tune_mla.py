@@ -29,7 +29,7 @@ Fixed and default decode share one compiled kernel (the split rule is a run-time
 sweep compiles each candidate once. A wall-clock budget bounds it (checked before each shape):
 shapes past it are left to the literal policies and the header says ``complete: false``. The set is
 sized so that 260 s covered every shape (the H200 took 148 s on 2026-12-04, with three decode
-tiles fewer than now: the two preload_pages tiles are newer; the header's ``complete`` says
+tiles fewer than now: the two reload_values tiles are newer; the header's ``complete`` says
 whether a run did).
 
     python -m experiments.tune_mla [--budget-s 260] [--out kernels/tuned/mla_h200.json]
@@ -59,10 +59,8 @@ from kernels.mla import (  # noqa: E402
     MLATile,
     literal_decode_tile,
     mla_decode,
-    mla_decode_config,
     mla_prefill_attention,
     mla_prefill_config,
-    preloaded_pages,
 )
 from kernels.mode import Mode  # noqa: E402
 
@@ -87,12 +85,13 @@ DECODE_CANDIDATES = (
     MLATile(64, 16, num_warps=8, num_stages=3, dv_parts=2),
     MLATile(64, 32, num_warps=4, num_stages=2, dv_parts=4),
     MLATile(64, 16, num_warps=4, num_stages=3, dv_parts=4),
-    # A split's block ids loaded before its token loop (the same bits): with the ids loaded per
-    # tile, each latent tile's address waits on a load in the loop, and the compiled loop keeps
-    # one latent buffer and waits for it before every step (sm_90a TTGIR, Triton 3.6); preloaded,
-    # it keeps two and the next tile's load stays in flight.
-    dataclasses.replace(LITERAL_DECODE, preload_pages=True),
-    MLATile(64, 16, num_warps=8, num_stages=3, preload_pages=True),
+    # P.V's latent rows loaded again a step late instead of carried in registers and written
+    # back to shared memory every step (the same bits): offline, the literal tile's spills drop
+    # from 160 to 48 bytes and the 16-token tiles' to none. The split's block ids preloaded
+    # (MLATile.preload_pages) took 1.27-1.39x as long on an H100 (2026-12-06) and is not a
+    # candidate.
+    dataclasses.replace(LITERAL_DECODE, reload_values=True),
+    MLATile(64, 16, num_warps=8, num_stages=3, reload_values=True),
 )
 LITERAL_PREFILL = MLATile(128, 64, num_warps=8, num_stages=3)
 _PREFILL_TILES = (
@@ -160,13 +159,6 @@ def _geomean_best(times: dict[MLATile, list[float]], points: int) -> MLATile | N
     return min(full, key=lambda t: sum(math.log(x) for x in full[t]))
 
 
-def _preloads(tile: MLATile, dims: dict, batch: int, ctx: int, mode: Mode, split: int) -> bool:
-    """Whether a preload_pages tile really preloads at this point (kernels.mla.preloaded_pages)."""
-    cfg = mla_decode_config(batch, dims["heads"], dims["latent"], dims["rope"], ctx, DTYPE, mode,
-                            split, tile=tile)  # fmt: skip
-    return preloaded_pages(cfg, ctx, bench_mla.BLOCK_SIZE) > 0
-
-
 def _decode_point(sweep: Sweep, batch: int, ctx: int) -> dict[tuple[str, int], dict]:
     """Times of every candidate at one (batch, ctx) for each split policy: {(kind, split): {tile:
     us}}."""
@@ -184,8 +176,6 @@ def _decode_point(sweep: Sweep, batch: int, ctx: int) -> dict[tuple[str, int], d
         expected = run(LITERAL_DECODE)
         timed = {}
         for tile in sweep.decode_candidates:
-            if tile.preload_pages and not _preloads(tile, dims, batch, ctx, mode, split):
-                continue  # a split past MAX_PRELOAD_PAGES: the same launch as the tile without
             us = _time_candidate(lambda t=tile: run(t), expected, f"{kind} {tile}", sweep.bench)
             if us is not None:
                 timed[tile] = us

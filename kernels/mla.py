@@ -148,6 +148,7 @@ class MLADecodeConfig:
     num_warps: int
     num_stages: int
     preload_pages: bool = False  # MLATile.preload_pages; preloaded_pages sizes it per launch
+    reload_values: bool = False  # MLATile.reload_values
 
 
 def preloaded_pages(cfg: MLADecodeConfig, max_seq_len: int, page_size: int) -> int:
@@ -234,6 +235,7 @@ def mla_decode_config(
         dv_parts=tile.dv_parts, num_splits=num_splits, split_size=split_size,
         is_fixed_split=is_fixed,
         num_warps=tile.num_warps, num_stages=tile.num_stages, preload_pages=tile.preload_pages,
+        reload_values=tile.reload_values,
     )  # fmt: skip
 
 
@@ -344,6 +346,7 @@ def mla_decode(
         UPCAST=upcast_dot_operands(q_latent.dtype),
         DOT_PRECISION=dot_precision(q_latent.dtype), DV_PARTS=cfg.dv_parts,
         SPLIT_PAGES=preloaded_pages(cfg, max_seq_len, kv_cache.shape[1]),
+        RELOAD_VALUES=cfg.reload_values,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if cfg.num_splits > 1:
@@ -395,9 +398,9 @@ def mla_prefill_config(
     block_d1 = max(16, block_d1)
     wide = dtype.itemsize > 2
     if tile is not None and (not isinstance(tile, MLATile) or tile.dv_parts != 1
-                             or tile.preload_pages):
-        raise ValueError(f"tile: expected an MLATile with dv_parts 1 and no preload_pages (decode "
-                         f"only), got {tile!r}")
+                             or tile.preload_pages or tile.reload_values):
+        raise ValueError(f"tile: expected an MLATile with dv_parts 1 and no preload_pages or "
+                         f"reload_values (decode only), got {tile!r}")
     tile = tile or (table or checked_in_table()).prefill_tile(qk_dim, v_dim, dtype) or MLATile(
         block_m=64 if wide else 128, block_n=32 if wide else 64,
         num_warps=4 if wide else 8, num_stages=2 if wide else 3,

@@ -101,6 +101,16 @@ def _load_rows(base_ptr, rows, offs_d, row_mask, D_END: tl.constexpr, D_FULL: tl
 
 
 @triton.jit
+def _value_rows(base_ptr, rows, offs_v, row_mask, D_END: tl.constexpr, D_FULL: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """A latent tile's own value columns (``_load_rows``), upcast where the interpreter needs it."""
+    tile = _load_rows(base_ptr, rows, offs_v, row_mask, D_END, D_FULL, True)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
 def _split_len(seq_len, split_size, num_splits, BLOCK_N: tl.constexpr):
     """Tokens per split of one sequence: exactly ``split_size`` when it is > 0 (corun /
     batch_invariant), else the sequence spread over ``num_splits`` splits rounded up to whole
@@ -128,7 +138,7 @@ def _mla_decode_kernel(
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DV_PARTS: tl.constexpr,
-    SPLIT_PAGES: tl.constexpr,
+    SPLIT_PAGES: tl.constexpr, RELOAD_VALUES: tl.constexpr,
 ):
     """Program (head block x value part, sequence, split): online softmax over the split's tokens
     for BLOCK_H heads, accumulating BLOCK_DV / DV_PARTS of the latent output columns (every part
@@ -138,7 +148,12 @@ def _mla_decode_kernel(
     split's block ids (at most that many pages) are loaded before the token loop and each tile
     gathers its own from them, so no latent tile's address waits on a load inside the loop and
     the compiler can keep the next tile's load in flight during this tile's products (compiled
-    for sm_90a: two latent buffers instead of one); the same rows reach the same dots."""
+    for sm_90a: two latent buffers instead of one); the same rows reach the same dots.
+    RELOAD_VALUES: the latent rows P.V takes one step late are loaded again in that step (from
+    L2 or L1) instead of carried in registers: carried, the [BLOCK_N, BLOCK_DV / DV_PARTS] tile
+    holds registers across the step and is written back to shared memory for its wgmma every
+    step (sm_90a TTGIR, Triton 3.6); reloaded, it is copied into shared memory like the others.
+    The same rows reach the same dots."""
     # Head blocks and value parts on the fastest grid axis: the programs that read the same cache
     # tiles (one sequence, one split, every head block and part) run together, so re-reads hit L2.
     pid_h = tl.program_id(0) // DV_PARTS
@@ -176,6 +191,9 @@ def _mla_decode_kernel(
     # late (module docstring): zeros before the first tile, so its product adds exact zeros.
     p_prev = tl.zeros([BLOCK_H, BLOCK_N], dtype=kv_dtype)
     v_prev = tl.zeros([BLOCK_N, BLOCK_VP], dtype=kv_dtype)
+    # RELOAD_VALUES: where the previous tile's rows sit (none before the first: zeros are read)
+    rows_prev = tl.zeros([BLOCK_N], dtype=tl.int64)
+    mask_prev = tl.zeros([BLOCK_N], dtype=tl.int1)
     if UPCAST:  # interpreter only: its bf16 tl.dot is wrong (kernels.utils.upcast_dot_operands)
         q = q.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
@@ -198,20 +216,20 @@ def _mla_decode_kernel(
             blocks = tl.load(bt_ptr + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
         rows = blocks * stride_cache_b + (offs_n % PAGE_SIZE) * stride_cache_t
         # The latent rows are the key (with k_pe) and, next iteration, the value: one load when
-        # the program accumulates every column, else its own columns again (an L1/L2 hit).
+        # the program accumulates every column and carries them, else its own columns again.
         c = _load_rows(kv_cache_ptr, rows, offs_d, mask_n, LATENT_DIM, BLOCK_DV <= LATENT_DIM,
                        True)
         k_pe = _load_rows(kv_cache_ptr + LATENT_DIM, rows, offs_r, mask_n, ROPE_DIM,
                           BLOCK_R <= ROPE_DIM, True)
-        if DV_PARTS == 1:
-            v = c
-        else:
-            v = _load_rows(kv_cache_ptr, rows, offs_v, mask_n, LATENT_DIM,
-                           BLOCK_VP * DV_PARTS <= LATENT_DIM, True)
+        if RELOAD_VALUES:  # the previous tile's value columns, again (an L2 or L1 hit)
+            v_prev = _value_rows(kv_cache_ptr, rows_prev, offs_v, mask_prev, LATENT_DIM,
+                                 BLOCK_VP * DV_PARTS <= LATENT_DIM, UPCAST)
+        elif DV_PARTS > 1:  # this tile's own value columns, for the next step's product
+            v = _value_rows(kv_cache_ptr, rows, offs_v, mask_n, LATENT_DIM,
+                            BLOCK_VP * DV_PARTS <= LATENT_DIM, UPCAST)
         if UPCAST:
             c = c.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
-            v = v.to(tl.float32)
         acc = tl.dot(p_prev, v_prev, acc * alpha_prev[:, None], input_precision=DOT_PRECISION)
         # Two products, each scaled before the sum: no dot consumes another dot's result, so the
         # compiler splits this one's tokens across the warp groups instead of computing it twice.
@@ -226,7 +244,16 @@ def _mla_decode_kernel(
         p_prev = p.to(kv_dtype)
         if UPCAST:
             p_prev = p_prev.to(tl.float32)
-        v_prev = v
+        if not RELOAD_VALUES:  # carried into the next step
+            if DV_PARTS == 1:
+                v_prev = c
+            else:
+                v_prev = v
+        rows_prev = rows
+        mask_prev = mask_n
+    if RELOAD_VALUES:
+        v_prev = _value_rows(kv_cache_ptr, rows_prev, offs_v, mask_prev, LATENT_DIM,
+                             BLOCK_VP * DV_PARTS <= LATENT_DIM, UPCAST)
     acc = tl.dot(p_prev, v_prev, acc * alpha_prev[:, None], input_precision=DOT_PRECISION)
 
     mask_o = mask_h[:, None] & mask_v[None, :]

@@ -46,7 +46,9 @@ class MLATile:
     the key and value tiles in through Hopper TMA descriptors: the same tiles into the same dots.
     ``preload_pages`` (decode only) loads a split's block ids once before its token loop
     (``kernels.mla.preloaded_pages`` says how many, or none where a split spans too many pages):
-    the same rows into the same dots, so the same bits.
+    the same rows into the same dots, so the same bits. ``reload_values`` (decode only) loads the
+    latent rows that P.V takes one step late again in that step instead of carrying them in
+    registers: the same rows into the same dots too.
     """
 
     block_m: int
@@ -56,6 +58,7 @@ class MLATile:
     dv_parts: int = 1
     tma: bool = False  # prefill only: key and value tiles through TMA descriptors
     preload_pages: bool = False  # decode only: a split's block ids loaded before its token loop
+    reload_values: bool = False  # decode only: P.V's latent rows loaded again, not carried
 
     def __post_init__(self) -> None:
         check_block_size("block_m", self.block_m)
@@ -64,7 +67,7 @@ class MLATile:
         check_positive_int("num_stages", self.num_stages)
         if self.dv_parts not in (1, 2, 4, 8):
             raise ValueError(f"dv_parts: expected 1, 2, 4 or 8, got {self.dv_parts!r}")
-        for name in ("tma", "preload_pages"):
+        for name in ("tma", "preload_pages", "reload_values"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
@@ -75,8 +78,9 @@ class MLATile:
             del data["dv_parts"]
         if not self.tma:
             del data["tma"]
-        if not self.preload_pages:
-            del data["preload_pages"]
+        for name in ("preload_pages", "reload_values"):
+            if not data[name]:
+                del data[name]
         return data
 
     @classmethod
@@ -142,8 +146,9 @@ def _parse_tuned_table(data: dict) -> MLATunedTable:
         tile = MLATile.from_dict(entry["config"])
         kind = entry["kind"]
         if kind == "prefill":
-            if tile.dv_parts != 1 or tile.preload_pages:
-                raise ValueError(f"prefill {tile}: dv_parts and preload_pages are decode-only")
+            if tile.dv_parts != 1 or tile.preload_pages or tile.reload_values:
+                raise ValueError(f"prefill {tile}: dv_parts, preload_pages and reload_values are "
+                                 "decode-only")
             prefill[(int(entry["qk_dim"]), int(entry["v_dim"]))] = tile
             continue
         if tile.tma:

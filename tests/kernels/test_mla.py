@@ -627,7 +627,41 @@ def test_preloaded_pages_cover_a_split_and_fall_back_past_the_cap() -> None:
     assert pages(Mode.DEFAULT, 512, 4096, 16, preload=False) == 0
 
 
-def test_mla_tile_preload_pages_is_decode_only(tmp_path) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "mode,split_size,block_n,dv_parts,preload",
+    [(Mode.CORUN, 32, 16, 1, False),
+     (Mode.CORUN, 24, 16, 2, False),  # splits starting inside a tile's page, two value parts
+     (Mode.BATCH_INVARIANT, 64, 16, 1, True),  # with the block ids preloaded too
+     (Mode.CORUN, 16, 32, 1, False),  # tiles longer than the split
+     (Mode.DEFAULT, 16, 16, 2, False)],
+    ids=["corun", "corun-2-parts", "batch-invariant-preload", "tile-past-split", "default-2-parts"],
+)
+def test_mla_decode_reloaded_values_keep_the_bits(mode, split_size, block_n, dv_parts, preload,
+                                                  dtype) -> None:
+    """P.V's latent rows loaded again a step late instead of carried give the same bits: on the
+    direct and the partial + combine paths, one and several value parts, a sequence shorter than
+    a tile, the padded dummy slot, and a split of a single tile (whose reload reads the zeros
+    before the first tile and the rows of the only one)."""
+    seq_lens, heads = [70, 9, 0, 33, 1], 20
+    q_latent, q_pe, cache, tables, lens = make_decode_inputs(
+        seq_lens, heads, 32, 16, 16, 6, dtype, seed=10
+    )
+    max_seq_len = max(seq_lens) if mode == Mode.DEFAULT else 96
+    tile = MLATile(16, block_n, num_warps=4, num_stages=2, dv_parts=dv_parts,
+                   preload_pages=preload)
+    outs = [mla_decode(q_latent, q_pe, cache, tables, lens, 0.2, max_seq_len=max_seq_len,
+                       mode=mode, split_size=split_size,
+                       tile=dataclasses.replace(tile, reload_values=reload))
+            for reload in (False, True)]
+    assert_bitwise_equal(outs[1], outs[0])
+    expected = mla_decode_reference(
+        q_latent.double(), q_pe.double(), cache.double(), tables, lens, 0.2
+    )
+    assert_close(outs[1], expected, dtype, reduce_dim=48)
+
+
+def test_mla_tile_preload_pages_and_reload_values_are_decode_only(tmp_path) -> None:
     tile = MLATile(64, 32, num_warps=8, num_stages=3, preload_pages=True)
     assert MLATile.from_dict(tile.to_dict()) == tile
     assert "preload_pages" not in MLATile(64, 32).to_dict()
@@ -641,12 +675,21 @@ def test_mla_tile_preload_pages_is_decode_only(tmp_path) -> None:
     with pytest.raises(ValueError, match="^tile:"):
         mla_prefill_config(192, 128, torch.bfloat16, Mode.CORUN,
                            tile=MLATile(128, 64, preload_pages=True))
+    reload = MLATile(64, 32, num_warps=8, num_stages=3, reload_values=True)
+    assert MLATile.from_dict(reload.to_dict()) == reload
+    assert "reload_values" not in MLATile(64, 32).to_dict()
+    with pytest.raises(ValueError, match="^reload_values:"):
+        MLATile(64, 32, reload_values=1)
+    with pytest.raises(ValueError, match="^tile:"):
+        mla_prefill_config(192, 128, torch.bfloat16, Mode.CORUN,
+                           tile=MLATile(128, 64, reload_values=True))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSeek-V3's bf16 shapes need a GPU")
-def test_mla_decode_preloaded_block_ids_keep_the_bits_at_real_shapes_on_gpu() -> None:
-    """The sm_90a loop the preload changes (two latent buffers in flight): DeepSeek-V3's 128 heads,
+def test_mla_decode_preloaded_ids_and_reloaded_values_keep_the_bits_at_real_shapes_on_gpu() -> None:
+    """The sm_90a loops the preload and the reload change (two latent buffers in flight; the
+    values copied to shared memory rather than carried): DeepSeek-V3's 128 heads,
     latent 512 + rope 64, the engine's 512-token splits and default's, over scattered blocks."""
     seq_lens = [4096, 1500, 0, 513, 1]
     inputs = [t.cuda() for t in make_decode_inputs(seq_lens, 128, 512, 64, 16, 256,
@@ -657,6 +700,7 @@ def test_mla_decode_preloaded_block_ids_keep_the_bits_at_real_shapes_on_gpu() ->
         tile = MLATile(cfg.block_h, cfg.block_n, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, dv_parts=cfg.dv_parts)
         outs = [mla_decode(*inputs, 0.1, max_seq_len=max_seq_len, mode=mode, split_size=512,
-                           tile=dataclasses.replace(tile, preload_pages=preload))
-                for preload in (False, True)]
-        assert_bitwise_equal(outs[1], outs[0], f"{mode.value}")
+                           tile=dataclasses.replace(tile, **change))
+                for change in ({}, {"preload_pages": True}, {"reload_values": True})]
+        assert_bitwise_equal(outs[1], outs[0], f"{mode.value} preloaded ids")
+        assert_bitwise_equal(outs[2], outs[0], f"{mode.value} reloaded values")
