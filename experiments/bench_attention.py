@@ -201,8 +201,8 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
         lanes = max(1, min(corun_cfg.max_num_splits,
                            DECODE_RESIDENT_PROGRAMS // (batch * NUM_KV_HEADS)))
         if lanes != corun_cfg.num_split_programs:
-            policies.append(("corun_lanes3", Mode.CORUN,
-                             dataclasses.replace(corun_cfg, num_split_programs=lanes)))
+            policies.append(("corun_lanes3", Mode.CORUN, dataclasses.replace(
+                corun_cfg, num_split_programs=lanes, preload_pages=False, num_stages=2)))
         # Half the dependent steps a split takes (a small batch's programs walk their splits
         # one latency-bound KV tile after another: B = 1 takes 11.6-12.5 us from 512 to 4096
         # tokens on an H100), with 4 and 8 warps; other bits than the 64-token policy's, and as

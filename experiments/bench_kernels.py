@@ -111,7 +111,7 @@ def merge_runs(base: list[dict], new: list[dict]) -> list[dict]:
     runs = list(base_head.get("runs") or [])
     if not runs:
         runs = [{key: base_head.get(key) for key in ("command", "date", "families", "timing")}
-                | {"run": "run1"}]
+                | {"run": "run1"} | ({"note": base_head["note"]} if base_head.get("note") else {})]
         base_records = [{**r, "run": r.get("run", "run1")} for r in base_records]
     run_name = f"run{max(int(r['run'].removeprefix('run')) for r in runs) + 1}"
     new_ops = {r["op"] for r in new_records if "op" in r}

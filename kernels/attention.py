@@ -300,7 +300,8 @@ class DecodeAttentionConfig:
     fused_combine: bool = False
     # Each lane loads its block ids before its token loop (``_decode_split_kernel``'s
     # LANE_PAGES; ``decode_preloaded_pages`` sizes it per launch): the same bits. The fixed-split
-    # policies turn it on where the ids fit (``_with_preload``).
+    # policies turn it on up to DECODE_PRELOAD_MAX_BATCH where the ids fit (``_with_preload``);
+    # default never does.
     preload_pages: bool = False
 
 

@@ -69,9 +69,9 @@ def _token_offsets(page, tokens, block_size, stride_cb, stride_co):
 
 @triton.jit
 def _preload_block_ids(table_row_ptr, first_page, end_token, page_size, PAGES: tl.constexpr):
-    """The block ids of pages first_page .. first_page + PAGES - 1 of one sequence (those from
-    the page holding ``end_token`` on read as 0): loaded once, before a token loop, so that no
-    tile's address waits on a load inside the loop."""
+    """The block ids of pages first_page .. first_page + PAGES - 1 of one sequence (pages at or
+    past cdiv(end_token, page_size), which hold no token before ``end_token``, read as 0):
+    loaded once, before a token loop, so that no tile's address waits on a load inside it."""
     pages = first_page + tl.arange(0, PAGES)
     return tl.load(table_row_ptr + pages, mask=pages < tl.cdiv(end_token, page_size), other=0)
 
@@ -79,7 +79,8 @@ def _preload_block_ids(table_row_ptr, first_page, end_token, page_size, PAGES: t
 @triton.jit
 def _preloaded_block(block_ids, first_page, tokens, page_size, PAGES: tl.constexpr):
     """The block id (int64) of each of ``tokens`` from ``_preload_block_ids``'s ids. Tokens past
-    the run's end (masked by the caller) take the last id: in range, never read."""
+    the run's end (masked by the caller) get their page's id, 0, or, beyond the PAGES loaded,
+    the last one: in range either way, never read."""
     page = tl.minimum(tokens // page_size - first_page, PAGES - 1)
     return tl.gather(block_ids, page, 0).to(tl.int64)
 

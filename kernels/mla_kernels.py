@@ -161,6 +161,7 @@ def _mla_decode_kernel(
     pid_b = tl.program_id(1)
     pid_s = tl.program_id(2)
     BLOCK_VP: tl.constexpr = BLOCK_DV // DV_PARTS
+    V_FULL: tl.constexpr = BLOCK_VP * DV_PARTS <= LATENT_DIM  # every value column is real
     seq_len = tl.load(seq_lens_ptr + pid_b)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
@@ -223,10 +224,10 @@ def _mla_decode_kernel(
                           BLOCK_R <= ROPE_DIM, True)
         if RELOAD_VALUES:  # the previous tile's value columns, again (an L2 or L1 hit)
             v_prev = _value_rows(kv_cache_ptr, rows_prev, offs_v, mask_prev, LATENT_DIM,
-                                 BLOCK_VP * DV_PARTS <= LATENT_DIM, UPCAST)
+                                 V_FULL, UPCAST)
         elif DV_PARTS > 1:  # this tile's own value columns, for the next step's product
             v = _value_rows(kv_cache_ptr, rows, offs_v, mask_n, LATENT_DIM,
-                            BLOCK_VP * DV_PARTS <= LATENT_DIM, UPCAST)
+                            V_FULL, UPCAST)
         if UPCAST:
             c = c.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
@@ -253,7 +254,7 @@ def _mla_decode_kernel(
         mask_prev = mask_n
     if RELOAD_VALUES:
         v_prev = _value_rows(kv_cache_ptr, rows_prev, offs_v, mask_prev, LATENT_DIM,
-                             BLOCK_VP * DV_PARTS <= LATENT_DIM, UPCAST)
+                             V_FULL, UPCAST)
     acc = tl.dot(p_prev, v_prev, acc * alpha_prev[:, None], input_precision=DOT_PRECISION)
 
     mask_o = mask_h[:, None] & mask_v[None, :]

@@ -43,6 +43,9 @@ def test_a_runs_note_stays_with_its_run_through_later_merges():
     assert "note" not in merged[0] and merged[0]["runs"][1]["note"] == "relabelled"
     again = bench_kernels.merge_runs(merged, _run("d3", "mla", {"mla_decode": 1}))
     assert [r.get("note") for r in again[0]["runs"]] == [None, "relabelled", None]
+    # a single-run base keeps its own note as run1's
+    first = bench_kernels.merge_runs(noted, _run("d3", "mla", {"mla_decode": 1}))
+    assert [r.get("note") for r in first[0]["runs"]] == ["relabelled", None]
 
 
 def test_merge_from_files_writes_the_merged_file(tmp_path):

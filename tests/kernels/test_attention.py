@@ -220,8 +220,9 @@ def test_decode_attention_lanes_walking_several_splits_keep_the_bits(dtype):
     [(Mode.CORUN, 16, 8, None, False, 2),  # one lane a split: 2 whole pages
      (Mode.CORUN, 16, 8, 3, False, 8),  # runs of up to 4 splits: 64 tokens, 8 pages
      (Mode.CORUN, 16, 8, 3, True, 8),  # and the last lane combining
-     # 48-token splits on 32-token pages: a run may start inside a page (4 x 48 / 32 + 1 -> 8)
-     (Mode.CORUN, 48, 32, 1, False, 8),
+     # 48-token splits on 32-token pages, 3 lanes over 4 splits: lane 1's run starts at token 48,
+     # inside a page (2 x 48 / 32 + 1 -> 4)
+     (Mode.CORUN, 48, 32, 3, False, 4),
      (Mode.BATCH_INVARIANT, 32, 8, 2, False, 16),
      # default: 150 tokens in splits of 64 (one lane each), on 8-token pages
      (Mode.DEFAULT, 16, 8, None, False, 8)],
@@ -428,7 +429,11 @@ def test_decode_attention_preloaded_block_ids_keep_the_bits_at_real_shapes_on_gp
         args = [t.cuda() for t in (q, k_cache, v_cache, tables,
                                    torch.tensor(lens, dtype=torch.int32))]
         for mode, max_seq_len in ((Mode.CORUN, 4096), (Mode.DEFAULT, max(lens))):
-            base = decode_attention_config(batch, 32, 8, 128, max_seq_len, torch.bfloat16, mode)
+            # the ids tile by tile at 2 stages against the preload at 2 and 3 (the policy
+            # itself preloads at some of these shapes)
+            base = dataclasses.replace(
+                decode_attention_config(batch, 32, 8, 128, max_seq_len, torch.bfloat16, mode),
+                preload_pages=False, num_stages=2)
             for fused in (False, True):
                 cfgs = [dataclasses.replace(base, fused_combine=fused)]
                 cfgs += [dataclasses.replace(cfgs[0], preload_pages=True, num_stages=stages)

@@ -638,7 +638,7 @@ def test_preloaded_pages_cover_a_split_and_fall_back_past_the_cap() -> None:
     ids=["corun", "corun-2-parts", "batch-invariant-preload", "tile-past-split", "default-2-parts"],
 )
 def test_mla_decode_reloaded_values_keep_the_bits(mode, split_size, block_n, dv_parts, preload,
-                                                  dtype) -> None:
+                                                  dtype, monkeypatch) -> None:
     """P.V's latent rows loaded again a step late instead of carried give the same bits: on the
     direct and the partial + combine paths, one and several value parts, a sequence shorter than
     a tile, the padded dummy slot, and a split of a single tile (whose reload reads the zeros
@@ -650,10 +650,13 @@ def test_mla_decode_reloaded_values_keep_the_bits(mode, split_size, block_n, dv_
     max_seq_len = max(seq_lens) if mode == Mode.DEFAULT else 96
     tile = MLATile(16, block_n, num_warps=4, num_stages=2, dv_parts=dv_parts,
                    preload_pages=preload)
+    spy = LaunchSpy(mla_module._mla_decode_kernel, "RELOAD_VALUES")
+    monkeypatch.setattr(mla_module, "_mla_decode_kernel", spy)
     outs = [mla_decode(q_latent, q_pe, cache, tables, lens, 0.2, max_seq_len=max_seq_len,
                        mode=mode, split_size=split_size,
                        tile=dataclasses.replace(tile, reload_values=reload))
             for reload in (False, True)]
+    assert spy.values == [False, True]
     assert_bitwise_equal(outs[1], outs[0])
     expected = mla_decode_reference(
         q_latent.double(), q_pe.double(), cache.double(), tables, lens, 0.2
