@@ -17,7 +17,8 @@ cache blocks of 16 tokens scattered at random).
   (``DecodeAttentionConfig.preload_pages``: where they fit ``kernels.utils.MAX_PRELOAD_PAGES``,
   at 3 stages where the grid fits two programs an SM), ``corun_table_ids`` times the loop that
   loads them tile by tile (2 stages, the policy before 2026-12-06) and ``corun_preload_s2`` /
-  ``_s3`` the other stage count, each with ``same_bits_as_policy``. Peer: SDPA with q length 1
+  ``_s3`` the other stage count, each with ``same_bits_as_policy``; past B 8, where a lane's
+  ids fit, ``corun_preload_s2`` beside the policy. Peer: SDPA with q length 1
   over a contiguous cache (flash, else the efficient backend).
   Bound (``bound_us``): K and V read once plus q and out, at the card's measured copy bandwidth
   (harness.copy_bandwidth: 4.3 TB/s on the H200); ``bw_fraction`` = bound_us / us. Issue 13's
@@ -210,6 +211,14 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
         for warps in (4, 8):
             policies.append((f"corun_bn128_w{warps}", Mode.CORUN, dataclasses.replace(
                 corun_cfg, BLOCK_N=128, num_warps=warps, num_stages=2, preload_pages=False)))
+    preloadable = decode_preloaded_pages(dataclasses.replace(corun_cfg, preload_pages=True),
+                                         BLOCK_SIZE) > 0
+    if preloadable and not corun_cfg.preload_pages:
+        # Past DECODE_PRELOAD_MAX_BATCH the policy loads the ids tile by tile: the preload at the
+        # policy's 2 stages beside it, where a lane's ids fit (short contexts), to say whether
+        # the policy should take it there too.
+        policies.append(("corun_preload_s2", Mode.CORUN,
+                         dataclasses.replace(corun_cfg, preload_pages=True)))
     if corun_cfg.preload_pages:
         # The policy's preloaded block ids against the loop that loads them tile by tile (its
         # 2 stages: one K and one V buffer, waited for every step) and at the other stage count
