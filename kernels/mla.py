@@ -397,8 +397,7 @@ def mla_prefill_config(
     block_d2 = max(16, next_power_of_2(rest)) if rest > 0 else 0
     block_d1 = max(16, block_d1)
     wide = dtype.itemsize > 2
-    if tile is not None and (not isinstance(tile, MLATile) or tile.dv_parts != 1
-                             or tile.preload_pages or tile.reload_values):
+    if tile is not None and (not isinstance(tile, MLATile) or tile.has_decode_options):
         raise ValueError(f"tile: expected an MLATile with dv_parts 1 and no preload_pages or "
                          f"reload_values (decode only), got {tile!r}")
     tile = tile or (table or checked_in_table()).prefill_tile(qk_dim, v_dim, dtype) or MLATile(

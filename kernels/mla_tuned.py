@@ -71,14 +71,17 @@ class MLATile:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
+    @property
+    def has_decode_options(self) -> bool:
+        """Whether the tile sets an option only decode has (a prefill tile must not)."""
+        return self.dv_parts != 1 or self.preload_pages or self.reload_values
+
     def to_dict(self) -> dict:
         # Tiles without the newer options keep the file format they were written in.
         data = dataclasses.asdict(self)
         if self.dv_parts == 1:
             del data["dv_parts"]
-        if not self.tma:
-            del data["tma"]
-        for name in ("preload_pages", "reload_values"):
+        for name in ("tma", "preload_pages", "reload_values"):
             if not data[name]:
                 del data[name]
         return data
@@ -146,7 +149,7 @@ def _parse_tuned_table(data: dict) -> MLATunedTable:
         tile = MLATile.from_dict(entry["config"])
         kind = entry["kind"]
         if kind == "prefill":
-            if tile.dv_parts != 1 or tile.preload_pages or tile.reload_values:
+            if tile.has_decode_options:
                 raise ValueError(f"prefill {tile}: dv_parts, preload_pages and reload_values are "
                                  "decode-only")
             prefill[(int(entry["qk_dim"]), int(entry["v_dim"]))] = tile
