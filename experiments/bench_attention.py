@@ -211,14 +211,6 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
         for warps in (4, 8):
             policies.append((f"corun_bn128_w{warps}", Mode.CORUN, dataclasses.replace(
                 corun_cfg, BLOCK_N=128, num_warps=warps, num_stages=2, preload_pages=False)))
-    preloadable = decode_preloaded_pages(dataclasses.replace(corun_cfg, preload_pages=True),
-                                         BLOCK_SIZE) > 0
-    if preloadable and not corun_cfg.preload_pages:
-        # Past DECODE_PRELOAD_MAX_BATCH the policy loads the ids tile by tile: the preload at the
-        # policy's 2 stages beside it, where a lane's ids fit (short contexts), to say whether
-        # the policy should take it there too.
-        policies.append(("corun_preload_s2", Mode.CORUN,
-                         dataclasses.replace(corun_cfg, preload_pages=True)))
     if corun_cfg.preload_pages:
         # The policy's preloaded block ids against the loop that loads them tile by tile (its
         # 2 stages: one K and one V buffer, waited for every step) and at the other stage count
@@ -228,6 +220,12 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
                       dataclasses.replace(corun_cfg, preload_pages=False, num_stages=2)),
                      (f"corun_preload_s{other}", Mode.CORUN,
                       dataclasses.replace(corun_cfg, num_stages=other))]
+    elif decode_preloaded_pages(preloaded := dataclasses.replace(corun_cfg, preload_pages=True),
+                                BLOCK_SIZE):
+        # Past DECODE_PRELOAD_MAX_BATCH the policy loads the ids tile by tile: the preload at the
+        # policy's 2 stages beside it, where a lane's ids fit (short contexts), to say whether
+        # the policy should take it there too.
+        policies.append(("corun_preload_s2", Mode.CORUN, preloaded))
     # The fused combine's arrival counts, held across calls as an engine would (no memset).
     arrivals = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=device)
     records = []
