@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import triton
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Measured device-to-device copy bandwidth, bytes read and written (the device tool's KINDS.md):
@@ -184,6 +185,29 @@ def copy_reference_us(num_bytes: int, **bench_kwargs: object) -> float:
     src = torch.randn(elements, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     return bench_us(lambda: dst.copy_(src), **bench_kwargs)
+
+
+@triton.jit
+def _empty_kernel(unused_ptr):
+    pass
+
+
+def launch_floor_us(grids: list[tuple[int, ...]], num_warps: int = 4,
+                    **bench_kwargs: object) -> float:
+    """The graph-replayed time (``bench_us``) of an empty Triton kernel launched once per grid of
+    ``grids``, in order, with ``num_warps`` warps a program: what a kernel sequence of those
+    launches pays before it moves a byte (each launch's start and drain, every program scheduled,
+    the wait of each launch on the one before). A kernel of those launches whose first launch
+    reads B bytes takes at least about this plus B at the bound. Needs CUDA."""
+    if not grids:
+        raise ValueError("grids: expected at least one launch grid")
+    anchor = torch.empty(1, device="cuda")
+
+    def launches() -> None:
+        for grid in grids:
+            _empty_kernel[grid](anchor, num_warps=num_warps)
+
+    return bench_us(launches, **bench_kwargs)
 
 
 def header(command: str | None = None, **extra: object) -> dict:

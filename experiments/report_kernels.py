@@ -131,6 +131,24 @@ def _copy_note(rows: list[dict], threshold: float) -> str:
             f"({len(copied)} of {len(rows)} rows measured)")
 
 
+def _launch_floor_note(rows: list[dict], threshold: float) -> str:
+    """What the rows' own launches cost with empty kernels at the same grids (``launch_floor_us``,
+    graph-replayed like the kernel), and the most a kernel of those launches then reaches: its
+    bytes at the bound on top of that fixed cost, bound / (bound + floor). Empty where the rows
+    predate the measurement."""
+    floored = [r for r in rows if r.get("launch_floor_us")]
+    if not floored:
+        return ""
+    floor = _stats([r["launch_floor_us"] for r in floored])
+    ceilings = [r["bound_us"] / (r["bound_us"] + r["launch_floor_us"]) for r in floored]
+    low, mid, high = _stats(ceilings)
+    short = sum(c < threshold for c in ceilings)
+    return (f". Their launches with empty kernels at the same grids take median {floor[1]:.2f} "
+            f"us ({floor[0]:.2f}-{floor[2]:.2f}); with the bytes at the bound on top, those "
+            f"launches reach at most median {mid:.2f} ({low:.2f}-{high:.2f}) of the bound, "
+            f"under the target's {threshold} at {short} of {len(floored)} rows")
+
+
 def _rows(records: list[dict]) -> list[list[str]]:
     rows = _gemm_rows(records)
     sample = _stats([r["ratio"] for r in _timed(records, "sample", policy="corun", target=True)])
@@ -147,13 +165,14 @@ def _rows(records: list[dict]) -> list[list[str]]:
     target = DECODE_ATTENTION_TARGET_BW_FRACTION
     row = _span_row("decode attention at B <= 8 (the benchmark's target rows)",
                     f">= {target} of the bound", [r["bw_fraction"] for r in attention], target)
-    rows.append((*row[:2], row[2] + _l2_resident_note(attention) + _copy_note(attention, target),
-                 row[3]))
-    fused = [r["bw_fraction"] for r in _timed(records, "decode_attention", policy="corun_fused")
+    rows.append((*row[:2], row[2] + _l2_resident_note(attention) + _copy_note(attention, target)
+                 + _launch_floor_note(attention, target), row[3]))
+    fused = [r for r in _timed(records, "decode_attention", policy="corun_fused")
              if r.get("target")]
     if fused:  # the one-launch combine, opt-in until it is measured faster
-        rows.append(_span_row("decode attention at B <= 8, fused combine (one launch)",
-                              f">= {target} of the bound", fused, target))
+        row = _span_row("decode attention at B <= 8, fused combine (one launch)",
+                        f">= {target} of the bound", [r["bw_fraction"] for r in fused], target)
+        rows.append((*row[:2], row[2] + _launch_floor_note(fused, target), row[3]))
     rows.append(("MoE token sort before the grouped GEMM", "one kernel, graph-capturable",
                  *_moe_align_measured(records)))
     return [[what, target, measured,

@@ -18,8 +18,13 @@ def cpu_decode(monkeypatch):
     monkeypatch.setattr(bench, "DTYPE", torch.float32)  # the interpreter's bf16 dot is wrong
     monkeypatch.setattr(bench, "bench_us", lambda fn, **kwargs: (fn(), 2.0)[1])
     monkeypatch.setattr(bench, "copy_reference_us", lambda num_bytes, **kwargs: 1.0)
+    # a launch's stand-in cost, so each row's floor says which grids it was given
+    monkeypatch.setattr(bench, "launch_floor_us",
+                        lambda grids, **kwargs: sum(1000.0 ** i * g[-1] for i, g in
+                                                    enumerate(grids)))
     monkeypatch.setattr(bench, "memory_bound_us", lambda num_bytes: 4.0)
     monkeypatch.setattr(bench, "bandwidth_label", lambda: "a stub bandwidth")
+    monkeypatch.setattr(bench, "DECODE_TARGET_MIN_BOUND_US", 0.0)  # every B <= 8 row targeted
     return lambda batch, context: {r["policy"]: r for r in bench._bench_decode(
         batch, context, torch.device("cpu"))}
 
@@ -42,3 +47,13 @@ def test_past_batch_8_the_preload_is_timed_beside_the_policy(cpu_decode):
     assert rows["corun_preload_s2"]["same_bits_as_policy"] is True
     assert rows["corun_preload_s2"]["lane_pages"] == 16
     assert "corun_table_ids" not in rows
+
+
+def test_target_rows_carry_the_floor_of_their_own_launches(cpu_decode):
+    """Each targeted row's launch floor is timed at its own grids: the split over its lanes,
+    then the combine over (B, q heads), or the split alone where the combine is fused; past
+    B 8 no row is targeted and none is timed."""
+    rows = cpu_decode(1, 512)  # 2 splits of 256 over 2 lanes; the combine over 4 q heads
+    assert rows["corun"]["launch_floor_us"] == 2 + 1000 * 4 and rows["corun"]["launches"] == 2
+    assert rows["corun_fused"]["launch_floor_us"] == 2 and rows["corun_fused"]["launches"] == 1
+    assert all("launch_floor_us" not in r for r in cpu_decode(9, 512).values())

@@ -156,3 +156,32 @@ def test_rope_and_attention_rows_read_their_limit_off_the_device_copy(tmp_path, 
     plain = render_block(tmp_path, monkeypatch, "kernels-h100", head, older,
                          block="kernels-h100-targets")
     assert "device copy" not in plain
+
+
+def test_attention_rows_say_what_their_launches_cost_empty(tmp_path, monkeypatch):
+    """Rows that carry ``launch_floor_us`` (their launches with empty kernels at the same grids)
+    say the floor and the most those launches reach with the bytes at the bound on top,
+    bound / (bound + floor), counting the rows where that is under the target; the fused row says
+    its own; rows without it say nothing more."""
+    attention = {"op": "decode_attention", "target": "bw_fraction >= 0.6", "bound_us": 6.0}
+    records = [
+        {**attention, "policy": "corun", "us": 12.0, "bw_fraction": 0.5,
+         "launch_floor_us": 6.0},  # at most 6 / 12 = 0.5
+        {**attention, "policy": "corun", "us": 8.0, "bw_fraction": 0.75,
+         "launch_floor_us": 2.0},  # at most 6 / 8 = 0.75
+        {**attention, "policy": "corun_fused", "us": 10.0, "bw_fraction": 0.6,
+         "launch_floor_us": 4.0},  # at most 6 / 10 = 0.6: not under the target
+    ]
+    text = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, records,
+                        block="kernels-h200-targets")
+    assert _row(text, "decode attention at B <= 8 (")[2].endswith(
+        ". Their launches with empty kernels at the same grids take median 4.00 us (2.00-6.00); "
+        "with the bytes at the bound on top, those launches reach at most median 0.62 "
+        "(0.50-0.75) of the bound, under the target's 0.6 at 1 of 2 rows")
+    assert _row(text, "decode attention at B <= 8, fused")[2].endswith(
+        "reach at most median 0.60 (0.60-0.60) of the bound, under the target's 0.6 at 0 of 1 "
+        "rows")
+    older = [{k: v for k, v in r.items() if k != "launch_floor_us"} for r in records]
+    plain = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, older,
+                         block="kernels-h200-targets")
+    assert "empty kernels" not in plain
