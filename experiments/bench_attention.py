@@ -196,46 +196,49 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
     copy_us = copy_reference_us(moved_bytes) if targeted else None
     corun_cfg = decode_attention_config(batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, context,
                                         DTYPE, Mode.CORUN)
-    policies = [("corun", Mode.CORUN, None), ("default", Mode.DEFAULT, None),
-                ("corun_fused", Mode.CORUN, dataclasses.replace(corun_cfg, fused_combine=True))]
+    # (row name, mode, config override, whether its bits are checked against the policy's)
+    policies = [("corun", Mode.CORUN, None, False), ("default", Mode.DEFAULT, None, False),
+                ("corun_fused", Mode.CORUN, dataclasses.replace(corun_cfg, fused_combine=True),
+                 False)]
     if batch <= 8:
         policies.append(("corun_stages5", Mode.CORUN,
-                         dataclasses.replace(corun_cfg, num_stages=5, preload_pages=False)))
+                         dataclasses.replace(corun_cfg, num_stages=5, preload_pages=False), False))
         # The same splits over lanes sized to the programs an H200 holds at once (3 an SM)
         # rather than two per SM: fewer rounds of splits per lane where the split count allows.
         lanes = max(1, min(corun_cfg.max_num_splits,
                            DECODE_RESIDENT_PROGRAMS // (batch * NUM_KV_HEADS)))
         if lanes != corun_cfg.num_split_programs:
             policies.append(("corun_lanes3", Mode.CORUN, dataclasses.replace(
-                corun_cfg, num_split_programs=lanes, preload_pages=False, num_stages=2)))
+                corun_cfg, num_split_programs=lanes, preload_pages=False, num_stages=2), False))
         # Half the dependent steps a split takes (a small batch's programs walk their splits
         # one latency-bound KV tile after another: B = 1 takes 11.6-12.5 us from 512 to 4096
         # tokens on an H100), with 4 and 8 warps; other bits than the 64-token policy's, and as
         # fixed.
         for warps in (4, 8):
             policies.append((f"corun_bn128_w{warps}", Mode.CORUN, dataclasses.replace(
-                corun_cfg, BLOCK_N=128, num_warps=warps, num_stages=2, preload_pages=False)))
+                corun_cfg, BLOCK_N=128, num_warps=warps, num_stages=2, preload_pages=False),
+                False))
     if corun_cfg.preload_pages:
         # The policy's preloaded block ids against the loop that loads them tile by tile (its
         # 2 stages: one K and one V buffer, waited for every step) and at the other stage count
         # (3 stages keep two of each in flight): speed only, the same bits.
         other = 2 if corun_cfg.num_stages == 3 else 3
         policies += [("corun_table_ids", Mode.CORUN,
-                      dataclasses.replace(corun_cfg, preload_pages=False, num_stages=2)),
+                      dataclasses.replace(corun_cfg, preload_pages=False, num_stages=2), True),
                      (f"corun_preload_s{other}", Mode.CORUN,
-                      dataclasses.replace(corun_cfg, num_stages=other))]
+                      dataclasses.replace(corun_cfg, num_stages=other), True)]
     elif decode_preloaded_pages(preloaded := dataclasses.replace(corun_cfg, preload_pages=True),
                                 BLOCK_SIZE):
         # Past DECODE_PRELOAD_MAX_BATCH the policy loads the ids tile by tile: the preload at the
         # policy's 2 stages beside it, where a lane's ids fit (short contexts), to say whether
         # the policy should take it there too.
-        policies.append(("corun_preload_s2", Mode.CORUN, preloaded))
+        policies.append(("corun_preload_s2", Mode.CORUN, preloaded, True))
     # The fused combine's arrival counts, held across calls as an engine would (no memset).
     arrivals = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=device)
     records = []
     policy_out = None
     floors: dict[tuple, float] = {}  # launch_floor_us by (grids, warps): variants share grids
-    for policy, mode, override in policies:
+    for policy, mode, override, same_bits in policies:
         # corun: the engine's max_model_len; here the context itself (the grid bound only).
         cfg = override or decode_attention_config(batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM,
                                                   context, DTYPE, mode)
@@ -249,8 +252,7 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
         extra = {}
         if policy == "corun":
             policy_out = run()
-        elif policy == "corun_table_ids" or policy.startswith("corun_preload"):
-            # speed only: the same bits as the policy, checked here
+        elif same_bits:  # speed only: the same bits as the policy, checked here
             extra = {"same_bits_as_policy": bool(torch.equal(run(), policy_out))}
         if cfg.preload_pages:
             extra["lane_pages"] = decode_preloaded_pages(cfg, BLOCK_SIZE)
