@@ -17,15 +17,15 @@ cache blocks of 16 tokens scattered at random).
   (``DecodeAttentionConfig.preload_pages``: where they fit ``kernels.utils.MAX_PRELOAD_PAGES``,
   at 3 stages where the grid fits two programs an SM), ``corun_table_ids`` times the loop that
   loads them tile by tile (2 stages, the policy before 2026-12-06) and ``corun_preload_s2`` /
-  ``_s3`` the other stage count, each with ``same_bits_as_policy``; past B 8, where a lane's
-  ids fit, ``corun_preload_s2`` beside the policy. Peer: SDPA with q length 1
+  ``_s3`` the other stage count, each with ``same_bits_as_policy``. Peer: SDPA with q length 1
   over a contiguous cache (flash, else the efficient backend).
   Bound (``bound_us``): K and V read once plus q and out, at the card's measured copy bandwidth
   (harness.copy_bandwidth: 4.3 TB/s on the H200); ``bw_fraction`` = bound_us / us. Issue 13's
   target for B <= 8 is bw_fraction >= 0.6
   (``meets_target``), set where the bound is at least 3 us: below it the fixed cost of the
-  split's two graph-replayed launches (split and combine; ``launch_floor_us`` below) is most of
-  bound / 0.6 (5 us at a 3 us bound). The target rows also carry ``copy_us``:
+  split's two graph-replayed launches (split and combine; ``launch_floor_us`` below, 2.0-2.2 us
+  on an H100) takes a large share of bound / 0.6 (5 us at a 3 us bound). The target rows also
+  carry ``copy_us``:
   torch's device copy of the same bytes, graph-replayed (``harness.copy_reference_us``), and its
   ``copy_bw_fraction`` of the bound: a reference for what one launch moving those bytes reaches
   (half of a copy's bytes are writes, so a kernel that mostly reads can beat it), and
@@ -227,12 +227,6 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
                       dataclasses.replace(corun_cfg, preload_pages=False, num_stages=2), True),
                      (f"corun_preload_s{other}", Mode.CORUN,
                       dataclasses.replace(corun_cfg, num_stages=other), True)]
-    elif decode_preloaded_pages(preloaded := dataclasses.replace(corun_cfg, preload_pages=True),
-                                BLOCK_SIZE):
-        # Past DECODE_PRELOAD_MAX_BATCH the policy loads the ids tile by tile: the preload at the
-        # policy's 2 stages beside it, where a lane's ids fit (short contexts), to say whether
-        # the policy should take it there too.
-        policies.append(("corun_preload_s2", Mode.CORUN, preloaded, True))
     # The fused combine's arrival counts, held across calls as an engine would (no memset).
     arrivals = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=device)
     records = []

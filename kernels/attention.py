@@ -74,9 +74,6 @@ DECODE_TARGET_PROGRAMS = 2 * NUM_SMS
 # threads (experiments/results/ptxas-decode-attention-sm90.json). experiments/bench_attention.py's
 # ``corun_lanes3`` rows time as many lanes as fit it instead of about DECODE_TARGET_PROGRAMS.
 DECODE_RESIDENT_PROGRAMS = 3 * NUM_SMS
-# The batches the preload was timed at (bench_attention's decode rows at B <= 8); larger ones
-# load their block ids tile by tile until timed.
-DECODE_PRELOAD_MAX_BATCH = 8
 # Stage-1 programs up to which a preloading split launch runs 3 stages: its two K and two V
 # buffers (76 KB of shared memory, experiments/results/ptxas-decode-attention-sm90.json) fit two
 # programs an SM, so a larger grid would take a second wave (``_with_preload``).
@@ -300,8 +297,7 @@ class DecodeAttentionConfig:
     fused_combine: bool = False
     # Each lane loads its block ids before its token loop (``_decode_split_kernel``'s
     # LANE_PAGES; ``decode_preloaded_pages`` sizes it per launch): the same bits. The fixed-split
-    # policies turn it on up to DECODE_PRELOAD_MAX_BATCH where the ids fit (``_with_preload``);
-    # default never does.
+    # policies turn it on wherever the ids fit (``_with_preload``); default never does.
     preload_pages: bool = False
 
 
@@ -346,10 +342,9 @@ def decode_attention_config(
 
     - corun / batch_invariant: the split size is ``split_size`` (a multiple of 16), whatever the
       batch, so a sequence's split count is cdiv(its length, split_size). ``max_seq_len`` and the
-      batch only size the grid (lanes), which never changes a split's arithmetic. Up to
-      ``DECODE_PRELOAD_MAX_BATCH`` sequences a lane loads its block ids before its token loop
-      wherever they fit (``decode_preloaded_pages``), at 3 stages where the grid fits
-      ``DECODE_PRELOAD_3_STAGE_PROGRAMS``: speed only, the same bits.
+      batch only size the grid (lanes), which never changes a split's arithmetic. A lane loads
+      its block ids before its token loop wherever they fit (``decode_preloaded_pages``), at 3
+      stages where the grid fits ``DECODE_PRELOAD_3_STAGE_PROGRAMS``: speed only, the same bits.
     - default: the split count fills the GPU from (batch, num_kv_heads, max_seq_len): about
       DECODE_TARGET_PROGRAMS stage-1 programs, split size cdiv(max_seq_len, num_splits) rounded up
       to BLOCK_N. A sequence's splits then follow the batch's longest sequence: not invariant.
@@ -378,7 +373,7 @@ def decode_attention_config(
         split_size=size, max_num_splits=max_num_splits, num_split_programs=max(1, lanes),
         BLOCK_N=block_n, BLOCK_H=block_h, num_warps=num_warps, num_stages=2,
     )
-    if mode == Mode.DEFAULT or batch > DECODE_PRELOAD_MAX_BATCH:
+    if mode == Mode.DEFAULT:
         return cfg
     return _with_preload(cfg, programs_per_split, block_size)
 
@@ -389,7 +384,9 @@ def _with_preload(cfg: DecodeAttentionConfig, programs_per_split: int,
     ``_s3`` rows, 2026-12-06) the preload at 2 stages took less time at every point where a
     lane's ids fit (1.03-1.10x as fast), and 3 stages more where the grid fit two programs an SM
     (B 1 and B 8 at 512 tokens: 1.05-1.17x) but less past it (B 8 from 2048 tokens: 5 lanes,
-    320 programs, 0.91-0.98x)."""
+    320 programs, 0.91-0.98x). Past B 8, where a lane's ids fit only at short contexts, the
+    preload at 2 stages took 1.01-1.04x less time (B 32, 64 and 128 at 512 tokens, B 32 at 2048:
+    run8 of the same file)."""
     preloaded = dataclasses.replace(cfg, preload_pages=True)
     if not decode_preloaded_pages(preloaded, block_size):
         return cfg

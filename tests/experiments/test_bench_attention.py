@@ -1,6 +1,6 @@
 """bench_attention's decode rows on the CPU (interpreter, small heads, timing stubbed): which
-variants sit beside the corun policy where it preloads a lane's block ids (B <= 8) and where it
-could (past B 8), and that each is checked for the policy's bits."""
+variants sit beside the corun policy where it preloads a lane's block ids, that each is checked
+for the policy's bits, and the launch floor each target row carries."""
 
 from __future__ import annotations
 
@@ -41,12 +41,11 @@ def test_where_the_policy_preloads_the_tile_by_tile_loop_is_timed_beside_it(cpu_
     assert "lane_pages" not in rows["corun_stages5"]
 
 
-def test_past_batch_8_the_preload_is_timed_beside_the_policy(cpu_decode):
+def test_past_batch_8_the_policy_preloads_where_the_ids_fit(cpu_decode):
     rows = cpu_decode(9, 512)
-    assert "lane_pages" not in rows["corun"]  # the policy loads the ids tile by tile here
-    assert rows["corun_preload_s2"]["same_bits_as_policy"] is True
-    assert rows["corun_preload_s2"]["lane_pages"] == 16
-    assert "corun_table_ids" not in rows
+    assert rows["corun"]["lane_pages"] == 16  # 2 lanes of one 256-token split: 16 pages
+    assert rows["corun_table_ids"]["same_bits_as_policy"] is True
+    assert "corun_stages5" not in rows  # the small-batch variants stop at B 8
 
 
 def test_target_rows_carry_the_floor_of_their_own_launches(cpu_decode):

@@ -272,9 +272,9 @@ def test_decode_preloaded_pages_cover_a_lane_and_fall_back_past_the_cap():
 
 
 def test_decode_attention_policy_preloads_where_the_ids_fit():
-    """The fixed-split policies preload up to B 8 wherever a lane's ids fit, at 3 stages while
-    the grid fits two programs an SM (264 on the H200's count); default never; the page size
-    counts."""
+    """The fixed-split policies preload wherever a lane's ids fit, whatever the batch, at 3
+    stages while the grid fits two programs an SM (264 on the H200's count); default never; the
+    page size counts."""
     def policy(batch, max_seq_len, mode=Mode.CORUN, block_size=16):
         cfg = decode_attention_config(batch, 32, 8, 128, max_seq_len, torch.bfloat16, mode,
                                       block_size=block_size)
@@ -288,7 +288,9 @@ def test_decode_attention_policy_preloads_where_the_ids_fit():
     assert policy(8, 32768) == (False, 2, 320)  # 26 splits a lane: past the cap
     assert policy(1, 32768, block_size=8) == (False, 2, 264)  # 128 pages of 8 tokens
     assert policy(1, 4096, Mode.DEFAULT)[:2] == (False, 2)
-    assert policy(32, 512)[:2] == (False, 2)  # untimed past B 8: the ids tile by tile
+    assert policy(32, 512) == (True, 2, 512)  # 2 lanes of one split: 16 pages
+    assert policy(16, 512) == (True, 3, 256)
+    assert policy(128, 4096)[:2] == (False, 2)  # one lane of 16 splits: 256 pages
 
 
 def test_decode_attention_fused_combine_checks_arrivals():
