@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -55,6 +56,7 @@ from experiments.harness import (
 )
 from kernels.attention import (
     DECODE_RESIDENT_PROGRAMS,
+    DecodeAttentionConfig,
     decode_attention,
     decode_attention_config,
     decode_preloaded_pages,
@@ -166,6 +168,16 @@ def _bench_prefill(length: int, device: torch.device) -> dict:
     )
 
 
+class _Variant(NamedTuple):
+    """A decode row: its name, mode, config (None: the mode's policy) and whether its output is
+    checked against the policy's bits (``same_bits_as_policy``: variants that change speed only)."""
+
+    name: str
+    mode: Mode
+    config: DecodeAttentionConfig | None = None
+    same_bits: bool = False
+
+
 def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
     from torch.nn.attention import SDPBackend
 
@@ -196,37 +208,35 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
     copy_us = copy_reference_us(moved_bytes) if targeted else None
     corun_cfg = decode_attention_config(batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, context,
                                         DTYPE, Mode.CORUN)
-    # (row name, mode, config override, whether its bits are checked against the policy's)
-    policies = [("corun", Mode.CORUN, None, False), ("default", Mode.DEFAULT, None, False),
-                ("corun_fused", Mode.CORUN, dataclasses.replace(corun_cfg, fused_combine=True),
-                 False)]
+    policies = [_Variant("corun", Mode.CORUN), _Variant("default", Mode.DEFAULT),
+                _Variant("corun_fused", Mode.CORUN,
+                         dataclasses.replace(corun_cfg, fused_combine=True))]
     if batch <= 8:
-        policies.append(("corun_stages5", Mode.CORUN,
-                         dataclasses.replace(corun_cfg, num_stages=5, preload_pages=False), False))
+        policies.append(_Variant("corun_stages5", Mode.CORUN, dataclasses.replace(
+            corun_cfg, num_stages=5, preload_pages=False)))
         # The same splits over lanes sized to the programs an H200 holds at once (3 an SM)
         # rather than two per SM: fewer rounds of splits per lane where the split count allows.
         lanes = max(1, min(corun_cfg.max_num_splits,
                            DECODE_RESIDENT_PROGRAMS // (batch * NUM_KV_HEADS)))
         if lanes != corun_cfg.num_split_programs:
-            policies.append(("corun_lanes3", Mode.CORUN, dataclasses.replace(
-                corun_cfg, num_split_programs=lanes, preload_pages=False, num_stages=2), False))
+            policies.append(_Variant("corun_lanes3", Mode.CORUN, dataclasses.replace(
+                corun_cfg, num_split_programs=lanes, preload_pages=False, num_stages=2)))
         # Half the dependent steps a split takes (a small batch's programs walk their splits
         # one latency-bound KV tile after another: B = 1 takes 11.6-12.5 us from 512 to 4096
         # tokens on an H100), with 4 and 8 warps; other bits than the 64-token policy's, and as
         # fixed.
         for warps in (4, 8):
-            policies.append((f"corun_bn128_w{warps}", Mode.CORUN, dataclasses.replace(
-                corun_cfg, BLOCK_N=128, num_warps=warps, num_stages=2, preload_pages=False),
-                False))
+            policies.append(_Variant(f"corun_bn128_w{warps}", Mode.CORUN, dataclasses.replace(
+                corun_cfg, BLOCK_N=128, num_warps=warps, num_stages=2, preload_pages=False)))
     if corun_cfg.preload_pages:
         # The policy's preloaded block ids against the loop that loads them tile by tile (its
         # 2 stages: one K and one V buffer, waited for every step) and at the other stage count
         # (3 stages keep two of each in flight): speed only, the same bits.
         other = 2 if corun_cfg.num_stages == 3 else 3
-        policies += [("corun_table_ids", Mode.CORUN,
-                      dataclasses.replace(corun_cfg, preload_pages=False, num_stages=2), True),
-                     (f"corun_preload_s{other}", Mode.CORUN,
-                      dataclasses.replace(corun_cfg, num_stages=other), True)]
+        policies += [_Variant("corun_table_ids", Mode.CORUN, dataclasses.replace(
+                         corun_cfg, preload_pages=False, num_stages=2), same_bits=True),
+                     _Variant(f"corun_preload_s{other}", Mode.CORUN, dataclasses.replace(
+                         corun_cfg, num_stages=other), same_bits=True)]
     # The fused combine's arrival counts, held across calls as an engine would (no memset).
     arrivals = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=device)
     records = []

@@ -212,8 +212,6 @@ def launch_floor_us(grids: list[tuple[int, ...]], num_warps: int = 4,
 
 def header(command: str | None = None, **extra: object) -> dict:
     """The first record of every results file."""
-    import triton
-
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name()
     else:  # platform.processor() is empty on some Linux machines

@@ -380,13 +380,12 @@ def decode_attention_config(
 
 def _with_preload(cfg: DecodeAttentionConfig, programs_per_split: int,
                   block_size: int) -> DecodeAttentionConfig:
-    """The fixed-split policies' preload: on an H100 (kernels-h100.json's ``corun_preload_s2`` /
-    ``_s3`` rows, 2026-12-06) the preload at 2 stages took less time at every point where a
-    lane's ids fit (1.03-1.10x as fast), and 3 stages more where the grid fit two programs an SM
-    (B 1 and B 8 at 512 tokens: 1.05-1.17x) but less past it (B 8 from 2048 tokens: 5 lanes,
-    320 programs, 0.91-0.98x). Past B 8, where a lane's ids fit only at short contexts, the
-    preload at 2 stages took 1.01-1.04x less time (B 32, 64 and 128 at 512 tokens, B 32 at 2048:
-    run8 of the same file)."""
+    """The fixed-split policies' preload, from an H100's rows (kernels-h100.json's run8,
+    2026-12-06: ``corun`` and its ``corun_preload_s2`` / ``_s3`` variants against
+    ``corun_table_ids``, the loop that loads the ids tile by tile): at 2 stages the preload took
+    less time at all 12 points where a lane's ids fit, B 1 to 128 (1.01-1.09x as fast); 3 stages
+    more where the grid fit two programs an SM (B 1 at every context, B 8 at 512 tokens: 1.05-1.17x) but less
+    past it (B 8 from 2048 tokens: 5 lanes, 320 programs, 0.91-0.97x)."""
     preloaded = dataclasses.replace(cfg, preload_pages=True)
     if not decode_preloaded_pages(preloaded, block_size):
         return cfg
