@@ -1,0 +1,153 @@
+"""How fast MLA decode's loop of two products runs in Triton with nothing else in it.
+
+Issue 13 asks MLA decode (128 heads, absorbed, B >= 32, ctx >= 1024) for >= 0.5 of the memory
+bound, which at DeepSeek-V3's dims is 0.37-0.45 of the measured dense MMA peak on an H100 and
+0.53-0.65 on an H200 (the kernel runs at 0.16-0.24 of it). This probe times the kernel's loop
+with everything but the products taken out: a contiguous cache (no block table), no softmax
+(the scores go to bf16 as they are), no scaling, no split or partials, one program per (64-head
+block, sequence) over the whole context, with the real kernel's step order (each tile's P.V runs
+one step late, so its Q.K splits across the warp groups: ``kernels/mla_kernels.py``'s docstring)
+and its literal tile (64 heads x 32 tokens, 8 warps, 3 stages). Beside it, at each point,
+``mla_decode`` under ``default`` (one split at these batches, no partials) and the MMA floor (the
+FLOPs at the card's measured rate): if the products alone stay under the target's share of the
+peak, this Triton structure cannot reach it whatever the softmax and paging cost.
+
+    python -m experiments.probe_mla_dots   -> experiments/results/probe-mla-dots-<card>.json
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+if __package__ in (None, ""):  # run as a file: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments import harness  # noqa: E402
+
+POINTS = ((32, 4096), (64, 4096), (128, 4096), (64, 16384))  # (batch, context)
+BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 32, 8, 3  # the literal tile (kernels/mla.py)
+
+
+@triton.jit
+def _mla_dots_kernel(q_ptr, kv_ptr, out_ptr, ctx, scale, stride_q_b, stride_kv_b, stride_o_b,
+                     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """Program (head block, sequence): acc = sum over tiles of (q . K^T) . V, with K = V the
+    latent rows plus k_pe for the scores, P.V one step late as in ``_mla_decode_kernel``."""
+    pid_h = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    entry: tl.constexpr = LATENT + ROPE
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, LATENT)
+    offs_r = tl.arange(0, ROPE)
+    q_rows = q_ptr + pid_b * stride_q_b + offs_h[:, None] * entry
+    q = tl.load(q_rows + offs_d[None, :])
+    q_pe = tl.load(q_rows + LATENT + offs_r[None, :])
+    kv_base = kv_ptr + pid_b * stride_kv_b
+    p_prev = tl.zeros([BLOCK_H, BLOCK_N], dtype=kv_ptr.dtype.element_ty)
+    v_prev = tl.zeros([BLOCK_N, LATENT], dtype=kv_ptr.dtype.element_ty)
+    acc = tl.zeros([BLOCK_H, LATENT], dtype=tl.float32)
+    for start_n in range(0, ctx, BLOCK_N):
+        rows = kv_base + (start_n + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None] * entry
+        c = tl.load(rows + offs_d[None, :])
+        k_pe = tl.load(rows + LATENT + offs_r[None, :])
+        acc = tl.dot(p_prev, v_prev, acc)
+        # Each product scaled before the sum, as in the kernel: a sum of the bare products
+        # would make the first the second's accumulator, and with one dot feeding another
+        # Triton gives the first to both warp groups (the sm_90a TTGIR's warpsPerCTA [8, 1]).
+        qk = tl.dot(q, tl.trans(c)) * scale + tl.dot(q_pe, tl.trans(k_pe)) * scale
+        p_prev = qk.to(kv_ptr.dtype.element_ty)
+        v_prev = c
+    acc = tl.dot(p_prev, v_prev, acc)
+    o_ptrs = out_ptr + pid_b * stride_o_b + offs_h[:, None] * LATENT + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
+
+
+def mla_dots(q: torch.Tensor, kv: torch.Tensor, latent: int, block_h: int = BLOCK_H,
+             block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
+             num_stages: int = NUM_STAGES) -> torch.Tensor:
+    """q [B, H, latent + rope], kv [B, ctx, latent + rope] (contiguous) -> [B, H, latent] =
+    (q . kv^T) . kv[..., :latent], the scores rounded to kv's dtype; H a multiple of ``block_h``,
+    ctx of ``block_n`` (the probe's shapes; no masks)."""
+    batch, heads, entry = q.shape
+    ctx = kv.shape[1]
+    if heads % block_h or ctx % block_n or kv.shape != (batch, ctx, entry):
+        raise ValueError(f"mla_dots: heads % {block_h}, ctx % {block_n} must be 0 and kv "
+                         f"[B, ctx, {entry}]; got q {tuple(q.shape)}, kv {tuple(kv.shape)}")
+    q, kv = q.contiguous(), kv.contiguous()
+    out = torch.empty(batch, heads, latent, dtype=q.dtype, device=q.device)
+    _mla_dots_kernel[(heads // block_h, batch)](
+        q, kv, out, ctx, 1.0, q.stride(0), kv.stride(0), out.stride(0),
+        LATENT=latent, ROPE=entry - latent, BLOCK_H=block_h, BLOCK_N=block_n,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def mla_dots_reference(q: torch.Tensor, kv: torch.Tensor, latent: int) -> torch.Tensor:
+    scores = torch.bmm(q.float(), kv.float().transpose(1, 2)).to(kv.dtype)
+    return torch.bmm(scores.float(), kv[..., :latent].float()).to(q.dtype)
+
+
+def collect() -> list[dict]:
+    from experiments.bench_mla import DTYPE, decode_inputs, v3_dims
+    from kernels.mla import mla_decode
+    from kernels.mode import Mode
+
+    dims = v3_dims()
+    entry = dims["latent"] + dims["rope"]
+    records = []
+    for batch, ctx in POINTS:
+        x = decode_inputs(dims, [ctx] * batch, ctx, seed=batch * 100003 + ctx)
+        contiguous = x["kv_cache"][x["block_tables"].long()].reshape(batch, -1, entry)[:, :ctx]
+        contiguous = contiguous.contiguous()
+        q_full = torch.cat([x["q_latent"], x["q_pe"]], dim=-1)
+        dots_us = harness.bench_us(
+            lambda q=q_full, kv=contiguous: mla_dots(q, kv, dims["latent"]))
+        kernel_us = harness.bench_us(lambda x=x, ctx=ctx: mla_decode(
+            **x, scale=dims["scale"], max_seq_len=ctx, mode=Mode.DEFAULT))
+        flops = 2 * batch * dims["heads"] * ctx * (entry + dims["latent"])
+        floor_us = flops / harness.matmul_rate() * 1e6
+        elem = contiguous.element_size()
+        moved = batch * ctx * entry * elem + batch * dims["heads"] * (entry + dims["latent"]) * elem
+        bound_us = harness.memory_bound_us(moved)
+        records.append({
+            "probe": "mla_dots", "batch": batch, "context": ctx, "heads": dims["heads"],
+            "dtype": str(DTYPE).removeprefix("torch."),
+            "tile": {"block_h": BLOCK_H, "block_n": BLOCK_N, "num_warps": NUM_WARPS,
+                     "num_stages": NUM_STAGES},
+            "dots_us": round(dots_us, 3), "mla_decode_default_us": round(kernel_us, 3),
+            "mma_floor_us": round(floor_us, 3), "bound_us": round(bound_us, 3),
+            "dots_of_peak": round(floor_us / dots_us, 4),
+            "kernel_of_peak": round(floor_us / kernel_us, 4),
+            "target_of_peak": round(floor_us / bound_us / 2, 4),
+            "dots_of_bound": round(bound_us / dots_us, 4),
+            "assumes": f"MMA floor at {harness.matmul_rate() / 1e12:.0f} TFLOP/s (the card's "
+                       f"measured dense bf16 rate); bound: cache + q + out once at "
+                       f"{harness.bandwidth_label()}; target_of_peak: 0.5 of the bound as a "
+                       "share of the peak",
+        })
+        print(f"B {batch:4d} ctx {ctx:6d}: dots {dots_us:9.1f} us ({floor_us / dots_us:.2f} of "
+              f"peak), mla_decode default {kernel_us:9.1f} us ({floor_us / kernel_us:.2f}), "
+              f"target asks {floor_us / bound_us / 2:.2f}")
+    return records
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("probe_mla_dots needs a CUDA device; none found", file=sys.stderr)
+        return 2
+    path = harness.write_results(
+        f"probe-mla-dots-{harness.card_tag()}", collect(),
+        timing="harness.bench_us: CUDA-graph replay medians after a back-to-back warm-up")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
