@@ -8,9 +8,9 @@ with everything but the products taken out: a contiguous cache (no block table),
 block, sequence) over the whole context, with the real kernel's step order (each tile's P.V runs
 one step late, so its Q.K splits across the warp groups: ``kernels/mla_kernels.py``'s docstring)
 and its literal tile (64 heads x 32 tokens, 8 warps, 3 stages). Beside it, at each point,
-``mla_decode`` under ``default`` (one split at these batches, no partials) and the MMA floor (the
-FLOPs at the card's measured rate): if the products alone stay under the target's share of the
-peak, this Triton structure cannot reach it whatever the softmax and paging cost.
+``mla_decode`` under ``default`` (one split from B 64 on, no partials; two at B 32) and the MMA
+floor (the FLOPs at the card's measured rate): if the products alone stay under the target's
+share of the peak, this Triton structure cannot reach it whatever the softmax and paging cost.
 
     python -m experiments.probe_mla_dots   -> experiments/results/probe-mla-dots-<card>.json
 """

@@ -455,6 +455,12 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("decode_steps", "decode steps"),
     ]),
     **{name: native_tests_block(name) for name in ("native-tests-h200", "native-tests-h100")},
+    **{name: columns_block(name, [
+        ("batch", "B"), ("context", "context"), ("dots_us", "products only (us)"),
+        ("mla_decode_default_us", "mla_decode, default (us)"), ("mma_floor_us", "MMA floor (us)"),
+        ("dots_of_peak", "products only, of the peak"), ("kernel_of_peak", "kernel, of the peak"),
+        ("target_of_peak", "the target, of the peak"),
+    ]) for name in ("probe-mla-dots-h100", "probe-mla-dots-h200")},
     **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
        for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "decode-attention")},
 }
