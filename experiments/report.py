@@ -460,7 +460,9 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("mla_decode_default_us", "mla_decode, default (us)"), ("mma_floor_us", "MMA floor (us)"),
         ("dots_of_peak", "products only, of the peak"), ("kernel_of_peak", "kernel, of the peak"),
         ("target_of_peak", "the target, of the peak"),
-    ]) for name in ("probe-mla-dots-h100", "probe-mla-dots-h200")},
+    ], optional=[("softmax_of_peak", "+ softmax, of the peak"),
+                 ("paged_softmax_of_peak", "+ softmax + paging, of the peak")])
+       for name in ("probe-mla-dots-h100", "probe-mla-dots-h200")},
     **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
        for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "decode-attention")},
 }
