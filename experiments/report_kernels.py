@@ -52,6 +52,26 @@ def _gemm_rows(records: list[dict]) -> list[tuple[str, str, str, bool | None]]:
     return rows
 
 
+# The probe's points where its grid (two 64-head blocks a sequence) fills the card.
+MLA_PROBE_FULL_GRID_BATCH = 64
+
+
+def _mla_probe_note(probe: list[dict] | None, name: str) -> str:
+    """What the MLA decode loop's two products alone reach of the dense peak
+    (experiments/probe_mla_dots.py) where the grid fills the card, beside the share of the peak
+    the target asks at those points: the products are a ceiling for the kernel's structure."""
+    full = [r for r in probe or [] if r["batch"] >= MLA_PROBE_FULL_GRID_BATCH]
+    if not full:
+        return ""
+    low, _, high = _stats([r["dots_of_peak"] for r in full])
+    ask_low, _, ask_high = _stats([r["target_of_peak"] for r in full])
+    verdict = "under" if high < ask_low else "not under"
+    return (f". The loop's two products alone (`experiments/results/{name}.json`: the literal "
+            f"tile and step order, a contiguous cache, no softmax or splits) reach "
+            f"{low:.2f}-{high:.2f} of the peak at B >= {MLA_PROBE_FULL_GRID_BATCH}, {verdict} the "
+            f"{ask_low:.2f}-{ask_high:.2f} the target asks at those points")
+
+
 def _mla_decode_row(records: list[dict], policy: str) -> tuple[str, str, str, bool | None]:
     rows = [r for r in _timed(records, "mla_decode", policy=policy)
             if r["batch"] >= 32 and r["context"] >= 1024]
@@ -149,14 +169,18 @@ def _launch_floor_note(rows: list[dict], threshold: float) -> str:
             f"under the target's {threshold} at {short} of {len(floored)} rows")
 
 
-def _rows(records: list[dict]) -> list[list[str]]:
+def _rows(records: list[dict], mla_probe: tuple[str, list[dict]] | None = None
+          ) -> list[list[str]]:
     rows = _gemm_rows(records)
     sample = _stats([r["ratio"] for r in _timed(records, "sample", policy="corun", target=True)])
     rows.append(("sampling vs torch softmax + exponential race (vocab 152k and 129k, B 1-256)",
                  "median >= 1.0, min >= 0.8",
                  *((f"median {sample[1]:.2f}, min {sample[0]:.2f}",
                     sample[1] >= 1.0 and sample[0] >= 0.8) if sample else NOT_MEASURED)))
-    rows += [_mla_decode_row(records, policy) for policy in ("corun_split512", "default")]
+    probe_note = _mla_probe_note(mla_probe[1], mla_probe[0]) if mla_probe else ""
+    for policy in ("corun_split512", "default"):
+        what, target, measured, met = _mla_decode_row(records, policy)
+        rows.append((what, target, measured + (probe_note if met is not None else ""), met))
     rows.append(_span_row("MLA prefill vs SDPA (v padded)", ">= 0.9",
                           [r["ratio"] for r in _timed(records, "mla_prefill", policy="corun")],
                           0.9))
@@ -210,9 +234,13 @@ def _moe_align_measured(records: list[dict]) -> tuple[str, bool | str | None]:
 
 def kernels_targets_block(head: dict, records: list[dict], name: str = "kernels-h200") -> str:
     """Issue 13's target rows, each computed from the records named beside it (the H200's
-    file, or another card's: ``name``)."""
+    file, or another card's: ``name``); the MLA decode rows add the same card's
+    ``probe-mla-dots`` file where there is one."""
+    probe_name = "probe-mla-dots-" + name.removeprefix("kernels-")
+    probe = _load(probe_name)
+    rows = _rows(records, (probe_name, probe[1]) if probe else None)
     return "\n".join([_source(head, name), "",
-                      _table(["kernel", "target", "measured", "met"], _rows(records))])
+                      _table(["kernel", "target", "measured", "met"], rows)])
 
 
 def decode_step_change_block(head: dict, records: list[dict],

@@ -185,3 +185,28 @@ def test_attention_rows_say_what_their_launches_cost_empty(tmp_path, monkeypatch
     plain = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, older,
                          block="kernels-h200-targets")
     assert "empty kernels" not in plain
+
+
+def test_mla_decode_rows_add_the_products_alone_from_the_same_cards_probe(tmp_path, monkeypatch):
+    """With the card's probe-mla-dots file beside its kernels file, each MLA decode row says what
+    the loop's two products alone reach of the peak where the grid fills the card (B >= 64; the
+    B 32 point is left out) against what the target asks there; another card's file (or none)
+    adds nothing."""
+    probe = {"probe": "mla_dots", "context": 4096}
+    (tmp_path / "probe-mla-dots-h100.json").write_text(json.dumps([HEAD, *[
+        {**probe, "batch": 32, "dots_of_peak": 0.2, "target_of_peak": 0.43},
+        {**probe, "batch": 64, "dots_of_peak": 0.40, "target_of_peak": 0.43},
+        {**probe, "batch": 128, "dots_of_peak": 0.41, "target_of_peak": 0.45},
+    ]]))
+    head = {**HEAD, "machine": "NVIDIA H100 80GB HBM3"}
+    text = render_block(tmp_path, monkeypatch, "kernels-h100", head, _records(0.9),
+                        block="kernels-h100-targets")
+    note = ("The loop's two products alone (`experiments/results/probe-mla-dots-h100.json`: the "
+            "literal tile and step order, a contiguous cache, no softmax or splits) reach "
+            "0.40-0.41 of the peak at B >= 64, under the 0.43-0.45 the target asks at those "
+            "points")
+    assert _row(text, "MLA decode, corun_split512")[2].endswith(note)
+    assert _row(text, "MLA decode, default")[2].endswith(note)
+    other = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, _records(0.9),
+                         block="kernels-h200-targets")
+    assert "products alone" not in other
