@@ -461,6 +461,7 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("dots_of_peak", "products only, of the peak"), ("kernel_of_peak", "kernel, of the peak"),
         ("target_of_peak", "the target, of the peak"),
     ], optional=[("softmax_of_peak", "+ softmax, of the peak"),
+                 ("softmax_lazy_rescale_of_peak", "+ softmax, lazy rescale, of the peak"),
                  ("paged_softmax_of_peak", "+ softmax + paging, of the peak")])
        for name in ("probe-mla-dots-h100", "probe-mla-dots-h200")},
     **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
