@@ -59,6 +59,7 @@ from kernels.attention import (
     DecodeAttentionConfig,
     decode_attention,
     decode_attention_config,
+    decode_launch_grids,
     decode_preloaded_pages,
     prefill_attention,
     store_kv,
@@ -260,9 +261,7 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
             extra = {"same_bits_as_policy": bool(torch.equal(run(), policy_out))}
         if cfg.preload_pages:
             extra["lane_pages"] = decode_preloaded_pages(cfg, BLOCK_SIZE)
-        launches = [(batch, NUM_KV_HEADS, cfg.num_split_programs)]
-        if cfg.max_num_splits > 1 and not cfg.fused_combine:
-            launches.append((batch, NUM_Q_HEADS))  # the combine's grid
+        launches = decode_launch_grids(cfg, batch, NUM_Q_HEADS, NUM_KV_HEADS)
         if targeted:
             # The fixed cost of this row's launches whatever their kernels do (empty kernels,
             # each at the split's warps); with the bytes at the bound on top, the least it takes.

@@ -315,6 +315,17 @@ def decode_preloaded_pages(cfg: DecodeAttentionConfig, block_size: int) -> int:
                               cfg.split_size % block_size == 0)
 
 
+def decode_launch_grids(cfg: DecodeAttentionConfig, num_seqs: int, num_q_heads: int,
+                        num_kv_heads: int) -> list[tuple[int, ...]]:
+    """The grids ``decode_attention`` launches with ``cfg``, in order: the split kernel's
+    (sequence, kv head, lane), then the combine's (sequence, q head) unless every sequence is one
+    split or the combine is fused into the split launch."""
+    grids = [(num_seqs, num_kv_heads, cfg.num_split_programs)]
+    if cfg.max_num_splits > 1 and not cfg.fused_combine:
+        grids.append((num_seqs, num_q_heads))
+    return grids
+
+
 def _decode_block_n(split_size: int) -> int:
     return next(bn for bn in (64, 32, 16) if split_size % bn == 0)
 
@@ -469,7 +480,8 @@ def decode_attention(
             raise ValueError(f"arrivals: expected >= {num_seqs * num_kv_heads} counts "
                              f"(B x kv heads), got {arrivals.numel()}")
         check_same_device(q=q, arrivals=arrivals)
-    _decode_split_kernel[(num_seqs, num_kv_heads, cfg.num_split_programs)](
+    split_grid, *combine_grid = decode_launch_grids(cfg, num_seqs, num_q_heads, num_kv_heads)
+    _decode_split_kernel[split_grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
         arrivals if fused else mid_lse,
         num_q_heads // num_kv_heads, block_size, cfg.split_size, cfg.num_split_programs,
@@ -483,8 +495,8 @@ def decode_attention(
         LANE_PAGES=decode_preloaded_pages(cfg, block_size),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if cfg.max_num_splits > 1 and not fused:
-        _decode_combine_kernel[(num_seqs, num_q_heads)](
+    if combine_grid:
+        _decode_combine_kernel[combine_grid[0]](
             mid_o, mid_lse, seq_lens, out,
             head_dim, cfg.split_size,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
