@@ -107,23 +107,37 @@ def torch_absorbed_decode(q_full: torch.Tensor, cache: torch.Tensor, scale: floa
     return torch.bmm(probs, cache[..., :latent])
 
 
+def contiguous_cache(x: dict, ctx: int) -> torch.Tensor:
+    """``decode_inputs``' paged cache as the peer reads it: every sequence's blocks gathered in
+    order, [B, ctx, latent + rope] (not timed)."""
+    batch, entry = x["block_tables"].shape[0], x["kv_cache"].shape[-1]
+    return x["kv_cache"][x["block_tables"].long()].reshape(batch, -1, entry)[:, :ctx]
+
+
+def decode_cost(dims: dict, batch: int, ctx: int, elem: int) -> dict:
+    """What absorbed decode at (batch, ctx) must move and compute: the cache bytes, the memory
+    bound (cache, q in and out back once at the card's copy rate) and the FLOPs of its two
+    products with their floor at the timed card's measured matmul rate."""
+    entry = dims["latent"] + dims["rope"]
+    cache_bytes = batch * ctx * entry * elem
+    io_bytes = batch * dims["heads"] * (entry + dims["latent"]) * elem  # q in, out back
+    flops = 2 * batch * dims["heads"] * ctx * (entry + dims["latent"])
+    return {"cache_bytes": cache_bytes, "bound_us": harness.memory_bound_us(cache_bytes + io_bytes),
+            "flops": flops, "compute_floor_us": flops / harness.matmul_rate() * 1e6}
+
+
 def _decode_records(dims: dict, batch: int, ctx: int) -> list[dict]:
     from kernels.mla import mla_decode, mla_decode_config
 
     x = decode_inputs(dims, [ctx] * batch, ctx, seed=batch * 100003 + ctx)
-    entry = dims["latent"] + dims["rope"]
-    # The peer's contiguous cache: every sequence's blocks gathered in order (not timed).
-    contiguous = x["kv_cache"][x["block_tables"].long()].reshape(batch, -1, entry)[:, :ctx]
+    contiguous = contiguous_cache(x, ctx)
     q_full = torch.cat([x["q_latent"], x["q_pe"]], dim=-1)
     peer_us = harness.bench_us(
         lambda: torch_absorbed_decode(q_full, contiguous, dims["scale"], dims["latent"])
     )
-    elem = x["kv_cache"].element_size()
-    cache_bytes = batch * ctx * entry * elem
-    io_bytes = batch * dims["heads"] * (entry + dims["latent"]) * elem  # q in, out back
-    bound_us = harness.memory_bound_us(cache_bytes + io_bytes)
-    flops = 2 * batch * dims["heads"] * ctx * (entry + dims["latent"])
-    compute_floor_us = flops / harness.matmul_rate() * 1e6  # the timed card's measured rate
+    cost = decode_cost(dims, batch, ctx, x["kv_cache"].element_size())
+    cache_bytes, bound_us = cost["cache_bytes"], cost["bound_us"]
+    flops, compute_floor_us = cost["flops"], cost["compute_floor_us"]
     targeted = batch >= 32 and ctx >= 1024
     records = []
     for policy, mode, split_size in DECODE_POLICIES:

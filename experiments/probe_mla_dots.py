@@ -150,17 +150,15 @@ def mla_dots_reference(q: torch.Tensor, kv: torch.Tensor, latent: int,
 
 
 def collect() -> list[dict]:
-    from experiments.bench_mla import DTYPE, decode_inputs, v3_dims
+    from experiments.bench_mla import DTYPE, contiguous_cache, decode_cost, decode_inputs, v3_dims
     from kernels.mla import mla_decode
     from kernels.mode import Mode
 
     dims = v3_dims()
-    entry = dims["latent"] + dims["rope"]
     records = []
     for batch, ctx in POINTS:
         x = decode_inputs(dims, [ctx] * batch, ctx, seed=batch * 100003 + ctx)
-        contiguous = x["kv_cache"][x["block_tables"].long()].reshape(batch, -1, entry)[:, :ctx]
-        contiguous = contiguous.contiguous()
+        contiguous = contiguous_cache(x, ctx).contiguous()
         q_full = torch.cat([x["q_latent"], x["q_pe"]], dim=-1)
         dots_us = harness.bench_us(
             lambda q=q_full, kv=contiguous: mla_dots(q, kv, dims["latent"]))
@@ -173,11 +171,8 @@ def collect() -> list[dict]:
             ctx=ctx))
         kernel_us = harness.bench_us(lambda x=x, ctx=ctx: mla_decode(
             **x, scale=dims["scale"], max_seq_len=ctx, mode=Mode.DEFAULT))
-        flops = 2 * batch * dims["heads"] * ctx * (entry + dims["latent"])
-        floor_us = flops / harness.matmul_rate() * 1e6
-        elem = contiguous.element_size()
-        moved = batch * ctx * entry * elem + batch * dims["heads"] * (entry + dims["latent"]) * elem
-        bound_us = harness.memory_bound_us(moved)
+        cost = decode_cost(dims, batch, ctx, contiguous.element_size())
+        floor_us, bound_us = cost["compute_floor_us"], cost["bound_us"]
         records.append({
             "probe": "mla_dots", "batch": batch, "context": ctx, "heads": dims["heads"],
             "dtype": str(DTYPE).removeprefix("torch."),
