@@ -169,18 +169,16 @@ def _launch_floor_note(rows: list[dict], threshold: float) -> str:
             f"under the target's {threshold} at {short} of {len(floored)} rows")
 
 
-def _rows(records: list[dict], mla_probe: tuple[str, list[dict]] | None = None
-          ) -> list[list[str]]:
+def _rows(records: list[dict], mla_probe_note: str = "") -> list[list[str]]:
     rows = _gemm_rows(records)
     sample = _stats([r["ratio"] for r in _timed(records, "sample", policy="corun", target=True)])
     rows.append(("sampling vs torch softmax + exponential race (vocab 152k and 129k, B 1-256)",
                  "median >= 1.0, min >= 0.8",
                  *((f"median {sample[1]:.2f}, min {sample[0]:.2f}",
                     sample[1] >= 1.0 and sample[0] >= 0.8) if sample else NOT_MEASURED)))
-    probe_note = _mla_probe_note(mla_probe[1], mla_probe[0]) if mla_probe else ""
     for policy in ("corun_split512", "default"):
         what, target, measured, met = _mla_decode_row(records, policy)
-        rows.append((what, target, measured + (probe_note if met is not None else ""), met))
+        rows.append((what, target, measured + (mla_probe_note if met is not None else ""), met))
     rows.append(_span_row("MLA prefill vs SDPA (v padded)", ">= 0.9",
                           [r["ratio"] for r in _timed(records, "mla_prefill", policy="corun")],
                           0.9))
@@ -238,7 +236,7 @@ def kernels_targets_block(head: dict, records: list[dict], name: str = "kernels-
     ``probe-mla-dots`` file where there is one."""
     probe_name = "probe-mla-dots-" + name.removeprefix("kernels-")
     probe = _load(probe_name)
-    rows = _rows(records, (probe_name, probe[1]) if probe else None)
+    rows = _rows(records, _mla_probe_note(probe[1], probe_name) if probe else "")
     return "\n".join([_source(head, name), "",
                       _table(["kernel", "target", "measured", "met"], rows)])
 
