@@ -148,7 +148,9 @@ def _sdpa(q, k, v, backend, is_causal):
         return run_rep, "repeat_interleave"
 
 
-def _bench_prefill(length: int, device: torch.device) -> dict:
+def prefill_case(length: int, device: torch.device):
+    """One prompt of ``length`` tokens in a scattered paged cache: (ours, peer, how the peer does
+    GQA); ``ours`` runs the corun prefill, ``peer`` SDPA flash on the contiguous K/V."""
     from torch.nn.attention import SDPBackend
 
     k_cache, v_cache, tables, k, v = _paged_cache([length], [length], device)
@@ -156,10 +158,18 @@ def _bench_prefill(length: int, device: torch.device) -> dict:
     q = torch.randn(length, NUM_Q_HEADS, HEAD_DIM, generator=gen, device=device).to(DTYPE)
     cu = torch.tensor([0, length], dtype=torch.int32, device=device)
     ctx = torch.tensor([length], dtype=torch.int32, device=device)
-    us = bench_us(lambda: prefill_attention(q, k_cache, v_cache, tables, cu, ctx, SCALE,
-                                            max_q_len=length, mode=Mode.CORUN))
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
     peer_fn, gqa = _sdpa(q4, k4, v4, SDPBackend.FLASH_ATTENTION, is_causal=True)
+
+    def ours() -> torch.Tensor:
+        return prefill_attention(q, k_cache, v_cache, tables, cu, ctx, SCALE, max_q_len=length,
+                                 mode=Mode.CORUN)  # fmt: skip
+    return ours, peer_fn, gqa
+
+
+def _bench_prefill(length: int, device: torch.device) -> dict:
+    ours, peer_fn, gqa = prefill_case(length, device)
+    us = bench_us(ours)
     peer_us = bench_us(peer_fn)
     flops = 2 * 2 * NUM_Q_HEADS * HEAD_DIM * length * (length + 1) / 2  # causal: half the scores
     return kernel_record(

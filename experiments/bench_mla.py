@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -220,9 +221,18 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     return torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
 
 
-def _prefill_record(dims: dict, length: int) -> dict:
+def sdpa_prefill(x: dict, dims: dict) -> Callable[[], torch.Tensor]:
+    """The prefill peer: causal SDPA over one sequence's ``prefill_inputs``. SDPA wants one head
+    dim for v too, so v is padded to the qk dim here, once, outside what the caller times."""
     import torch.nn.functional as F
 
+    q4, k4 = (t.transpose(0, 1).unsqueeze(0) for t in (x["q"], x["k"]))
+    v_pad = F.pad(x["v"], (0, dims["qk_dim"] - dims["v_dim"])).transpose(0, 1).unsqueeze(0)
+    return lambda: F.scaled_dot_product_attention(
+        q4, k4, v_pad, is_causal=True, scale=dims["scale"])[..., : dims["v_dim"]]  # fmt: skip
+
+
+def _prefill_record(dims: dict, length: int) -> dict:
     from kernels.mla import mla_prefill_attention, mla_prefill_config
 
     x = prefill_inputs(dims, length, seed=length)
@@ -232,14 +242,7 @@ def _prefill_record(dims: dict, length: int) -> dict:
             x["q"], x["k"], x["v"], cu, cu, dims["scale"], max_q_len=length, mode=Mode.CORUN
         )
     )
-    # SDPA wants one head dim for v too: pad v to 192 once, outside the timed region.
-    q4, k4 = (t.transpose(0, 1).unsqueeze(0) for t in (x["q"], x["k"]))
-    v_pad = F.pad(x["v"], (0, dims["qk_dim"] - dims["v_dim"])).transpose(0, 1).unsqueeze(0)
-    peer_us = harness.bench_us(
-        lambda: F.scaled_dot_product_attention(q4, k4, v_pad, is_causal=True, scale=dims["scale"])[
-            ..., : dims["v_dim"]
-        ]
-    )
+    peer_us = harness.bench_us(sdpa_prefill(x, dims))
     flops = dims["heads"] * length * length * (dims["qk_dim"] + dims["v_dim"])  # causal half of 4x
     cfg = mla_prefill_config(dims["qk_dim"], dims["v_dim"], DTYPE, Mode.CORUN)
     return harness.kernel_record(

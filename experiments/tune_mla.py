@@ -24,7 +24,10 @@ memory a block may have); and the 16- and 32-token steps with the latent output 
 over 2 programs (8 warps) or 4 (4 warps), which shrinks the accumulator and spills nothing
 (205-232 registers). BLOCK_H 32 has no wgmma tile and spills kilobytes. Prefill 128 x 64 /
 128 x 32 on 8 warps or 64 x 64 on 4 (128 x 128 needs more shared memory than an SM has at 3
-stages), each also TMA-fed (``MLATile.tma``).
+stages), and 64 x 64 at 2 stages or 64 x 32 at 3 on 4 warps, small enough for two programs an
+SM; each also TMA-fed (``MLATile.tma``). The prefill entry keeps every candidate's times and
+the peer's (causal SDPA, v padded, as experiments/bench_mla.py times it) beside the pick;
+``--no-decode --out FILE`` runs the prefill sweep alone (on any card, into a results file).
 Fixed and default decode share one compiled kernel (the split rule is a run-time argument), so the
 sweep compiles each candidate once. A wall-clock budget bounds it (checked before each shape):
 shapes past it are left to the literal policies and the header says ``complete: false``. The set is
@@ -33,6 +36,7 @@ tiles fewer than now: the two reload_values tiles are newer; the header's ``comp
 whether a run did).
 
     python -m experiments.tune_mla [--budget-s 260] [--out kernels/tuned/mla_h200.json]
+    python -m experiments.tune_mla --no-decode --out experiments/results/tune-mla-prefill-h100.json
     TRITON_INTERPRET=1 python -m experiments.tune_mla --dry-run --out /tmp/mla_tuned.json
 """
 
@@ -99,6 +103,11 @@ _PREFILL_TILES = (
     MLATile(128, 64, num_warps=8, num_stages=2),
     MLATile(128, 32, num_warps=8, num_stages=3),
     MLATile(64, 64, num_warps=4, num_stages=3),
+    # One warp group a program in little enough shared memory and registers for two programs an
+    # SM (offline: 106 KB and 254 registers, 86 KB and 226): one program's softmax can run under
+    # the other's products, as FlashAttention-3's two ping-pong warp groups do.
+    MLATile(64, 64, num_warps=4, num_stages=2),
+    MLATile(64, 32, num_warps=4, num_stages=3),
 )
 # Each also with its key and value tiles through TMA descriptors (the same bits).
 PREFILL_CANDIDATES = _PREFILL_TILES + tuple(
@@ -233,6 +242,7 @@ def tune_prefill(sweep: Sweep, deadline: float) -> tuple[list[dict], bool]:
     """One prefill tile (every length, every mode): the lowest geometric mean over the lengths."""
     dims = sweep.dims
     times: dict[MLATile, list[float]] = {}
+    peer_us: list[float] = []
     done, complete = 0, True
     for length in sweep.prefill_lens:
         if time.monotonic() > deadline:
@@ -248,6 +258,7 @@ def tune_prefill(sweep: Sweep, deadline: float) -> tuple[list[dict], bool]:
                                          max_q_len=length, config=cfg)  # fmt: skip
 
         expected = run(LITERAL_PREFILL)
+        peer_us.append(sweep.bench(bench_mla.sdpa_prefill(x, dims)))
         for tile in sweep.prefill_candidates:
             us = _time_candidate(lambda t=tile: run(t), expected, f"prefill {tile}", sweep.bench)
             if us is not None:
@@ -258,14 +269,19 @@ def tune_prefill(sweep: Sweep, deadline: float) -> tuple[list[dict], bool]:
         if best is not None:
             literal_us = _round(times.get(LITERAL_PREFILL, [None])[-1])
             print(f"  prefill len {length:5d} best {times[best][-1]:9.1f} us  literal "
-                  f"{literal_us} us  {best}", flush=True)  # fmt: skip
+                  f"{literal_us} us  sdpa {peer_us[-1]:.1f} us  {best}", flush=True)  # fmt: skip
     best = _geomean_best(times, done)
     if best is None:
         return [], complete
     entry = {"kind": "prefill", "qk_dim": dims["qk_dim"], "v_dim": dims["v_dim"],
              "lengths": list(sweep.prefill_lens[:done]), "config": best.to_dict(),
              "us": _rounds(times[best]),
-             "literal_us": _rounds(times.get(LITERAL_PREFILL, []))}  # fmt: skip
+             "literal_us": _rounds(times.get(LITERAL_PREFILL, [])),
+             # the peer (bench_mla's causal SDPA, v padded) and every tile that ran at every
+             # length, timed the same way in the same run: how far the pick is from the others
+             "sdpa_us": _rounds(peer_us[:done]),
+             "candidates": [{"config": tile.to_dict(), "us": _rounds(us)}
+                            for tile, us in times.items() if len(us) == done]}  # fmt: skip
     print(f"  prefill: {best} over lengths {sweep.prefill_lens[:done]}")
     return [entry], complete
 
@@ -310,7 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on the CPU interpreter (logic check only)")  # fmt: skip
     parser.add_argument("--no-prefill", action="store_true", help="decode only")
+    parser.add_argument("--no-decode", action="store_true",
+                        help="prefill only (needs --out: the table's decode entries would be lost)")
     args = parser.parse_args(argv)
+    if args.no_decode and (args.no_prefill or args.out is None):
+        parser.error("--no-decode needs --out and no --no-prefill")
     if args.dry_run:
         if args.out is None:
             parser.error("--dry-run needs --out (never overwrite the checked-in table)")
@@ -328,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     # Decode gets most of the budget (it is the 0.07-of-bound kernel); prefill the rest.
     decode_deadline = t0 + args.budget_s * (1.0 if args.no_prefill else 0.75)
-    entries, complete = tune_decode(sweep, decode_deadline)
+    entries, complete = ([], True) if args.no_decode else tune_decode(sweep, decode_deadline)
     if not args.no_prefill:
         prefill, prefill_complete = tune_prefill(sweep, t0 + args.budget_s)
         entries += prefill

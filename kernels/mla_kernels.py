@@ -354,10 +354,12 @@ def _mla_prefill_tile(
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-    qk = scores * qk_scale
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # The row max of the raw scores, scaled once: rounding is monotone, so it is the max of the
+    # scaled scores bit for bit, without a multiply per score for the max alone (the exponent's
+    # `scores * qk_scale - m` is one FMA).
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
+    p = tl.math.exp2(scores * qk_scale - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     v_rows = (k_start + offs_n).to(tl.int64) * stride_v_t + v_head_off
     if TMA:
