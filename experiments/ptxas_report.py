@@ -134,6 +134,9 @@ def compile_report(launch: Launch, capability: int = 90) -> dict:
         "shared_bytes": shared,
         "fits_shared": shared <= SHARED_MEMORY_LIMIT,
         "wgmma": ptx.count("wgmma.mma_async"),
+        # waits that leave some wgmma in flight (wait_group N > 0): what lets a product overlap
+        # the instructions after it; 0 means every product is waited for before its result is read
+        "wgmma_deferred_waits": len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+[1-9]", ptx)),
         "mma_sync": ptx.count("mma.sync"),
         "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
         "tma_loads": ptx.count("cp.async.bulk.tensor"),

@@ -368,16 +368,23 @@ def ptxas_block(name: str) -> Callable[[dict, list[dict]], str]:
     """experiments/ptxas_report.py: per launch, what ptxas reports for sm_90a (compiled offline)."""
 
     def render(head: dict, records: list[dict]) -> str:
+        # files written before the deferred-wait count keep their columns
+        waits = any("wgmma_deferred_waits" in r for r in records)
         rows = [[r["case"], r.get("kernel", ""), _fmt(r.get("registers")),
                  _fmt(r.get("spill_store_bytes")), _fmt(r.get("spill_load_bytes")),
                  _fmt(r.get("shared_bytes")), "yes" if r.get("fits_shared") else "no",
-                 _fmt(r.get("wgmma")), _fmt(r.get("cp_async")), _fmt(r.get("tma_loads")),
-                 r.get("error", "")] for r in records]
+                 _fmt(r.get("wgmma"))]
+                + ([_fmt(r.get("wgmma_deferred_waits"))] if waits else [])
+                + [_fmt(r.get("cp_async")), _fmt(r.get("tma_loads")), r.get("error", "")]
+                for r in records]
+        header = (["launch", "kernel", "registers", "spill stores (B)", "spill loads (B)",
+                   "shared (B)", "fits", "wgmma"] + (["wgmma waits leaving one in flight"]
+                                                     if waits else [])
+                  + ["cp.async", "TMA loads", "error"])
         return "\n".join([
             _source(head, name), "", f"ptxas {head.get('ptxas', '?')}; {head.get('shape', '')}; "
             f"shared memory limit {head.get('shared_limit_bytes', '?')} bytes a block.", "",
-            _table(["launch", "kernel", "registers", "spill stores (B)", "spill loads (B)",
-                    "shared (B)", "fits", "wgmma", "cp.async", "TMA loads", "error"], rows),
+            _table(header, rows),
         ])
 
     return render
