@@ -27,6 +27,8 @@ def _load(name: str) -> tuple[dict, list[dict]] | None:
     if not path.exists():
         return None
     records = json.loads(path.read_text())
+    if isinstance(records, dict):  # a tuned table's layout: {"header": {...}, "entries": [...]}
+        return records.get("header", {}), records.get("entries", [])
     head = next((r for r in records if r.get("header")), {})
     return head, [r for r in records if not r.get("header")]
 
@@ -390,6 +392,30 @@ def ptxas_block(name: str) -> Callable[[dict, list[dict]], str]:
     return render
 
 
+def tuned_prefill_block(name: str) -> Callable[[dict, list[dict]], str]:
+    """tune_mla's prefill entry: every candidate tile's time at each length and its share of
+    the peer's speed (SDPA's time / the tile's), the peer first and the pick marked."""
+
+    def render(head: dict, records: list[dict]) -> str:
+        entry = next(r for r in records if r.get("kind") == "prefill")
+        peer = entry["sdpa_us"]
+
+        def label(config: dict) -> str:
+            extras = ", TMA-fed" if config.get("tma") else ""
+            pick = " (the pick)" if config == entry["config"] else ""
+            return (f"{config['block_m']} x {config['block_n']}, {config['num_warps']} warps, "
+                    f"{config['num_stages']} stages{extras}{pick}")
+
+        rows = [["SDPA (v padded), the peer", *(f"{us:.1f}" for us in peer)]]
+        rows += [[label(c["config"]), *(f"{us:.1f} ({p / us:.2f})"
+                                        for us, p in zip(c["us"], peer, strict=True))]
+                 for c in sorted(entry["candidates"], key=lambda c: c["us"][-1])]
+        return _source(head, name) + "\n\n" + _table(
+            ["tile", *(f"{n} tokens: us (of SDPA's speed)" for n in entry["lengths"])], rows)
+
+    return render
+
+
 def native_tests_block(name: str) -> Callable[[dict, list[dict]], str]:
     """experiments/native_tests.py: each driver stage's latest native pytest run."""
     return lambda head, records: _native_tests_table(name, head, records)
@@ -471,6 +497,21 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
                  ("softmax_lazy_rescale_of_peak", "+ softmax, lazy rescale, of the peak"),
                  ("paged_softmax_of_peak", "+ softmax + paging, of the peak")])
        for name in ("probe-mla-dots-h100", "probe-mla-dots-h200")},
+    **{name: columns_block(name, [
+        ("length", "tokens"), ("dots_us", "products only (us)"),
+        ("mla_prefill_us", "mla_prefill (us)"), ("sdpa_us", "SDPA, v padded (us)"),
+        ("dots_of_sdpa", "products only, of SDPA's speed"),
+        ("kernel_of_sdpa", "kernel, of SDPA's speed"),
+        ("softmax_share", "the softmax's share of the kernel's time"),
+    ]) for name in ("probe-mla-prefill-h100", "probe-mla-prefill-h200")},
+    **{name: tuned_prefill_block(name)
+       for name in ("tune-mla-prefill-h100", "tune-mla-prefill-h200")},
+    **{name: columns_block(name, [
+        ("point", "point"), ("us", "working tree (us)"), ("baseline_us", "baseline (us)"),
+        ("speedup", "baseline / working tree"), ("peer", "peer"), ("peer_us", "peer (us)"),
+        ("ratio", "of the peer's speed"), ("baseline_ratio", "baseline, of the peer's speed"),
+        ("same_bits", "same bits"),
+    ]) for name in ("ab-softmax-fold-h100", "ab-softmax-fold-h200")},
     **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
        for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "decode-attention")},
 }

@@ -175,3 +175,29 @@ def test_bounds_are_computed_at_the_timed_card_s_copy_rate(monkeypatch):
     monkeypatch.setattr(harness, "card_tag", lambda: "x86_64")  # none measured: the H200's
     assert harness.memory_bound_us(4.3e6) == 1.0
     assert harness.header()["copy_bandwidth_card"].startswith("h200 (none measured")
+
+
+def test_tuned_prefill_table_renders_every_candidate_beside_the_peer(tmp_path, monkeypatch):
+    """A tuned table's layout ({"header", "entries"}) loads like a records file; tune_mla's prefill
+    entry renders the peer first, then each tile by its time at the longest length, each time
+    with its share of the peer's speed, the pick marked."""
+    import json
+
+    from experiments import report
+
+    pick = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "tma": True}
+    other = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+    entry = {"kind": "prefill", "lengths": [512, 4096], "config": pick, "sdpa_us": [50.0, 1400.0],
+             "candidates": [{"config": pick, "us": [55.0, 1700.0]},
+                            {"config": other, "us": [60.0, 1600.0]}]}
+    (tmp_path / "tune-mla-prefill-h100.json").write_text(
+        json.dumps({"header": HEAD, "entries": [entry]}))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    text = report.render_readme("<!-- results:tune-mla-prefill-h100 -->\n"
+                                "<!-- /results:tune-mla-prefill-h100 -->")
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "tile" not in line]
+    assert rows == [
+        "| SDPA (v padded), the peer | 50.0 | 1400.0 |",
+        "| 128 x 64, 8 warps, 3 stages | 60.0 (0.83) | 1600.0 (0.88) |",
+        "| 64 x 64, 4 warps, 2 stages, TMA-fed (the pick) | 55.0 (0.91) | 1700.0 (0.82) |",
+    ]

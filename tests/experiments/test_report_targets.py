@@ -210,3 +210,25 @@ def test_mla_decode_rows_add_the_products_alone_from_the_same_cards_probe(tmp_pa
     other = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, _records(0.9),
                          block="kernels-h200-targets")
     assert "products alone" not in other
+
+
+def test_mla_prefill_row_adds_the_products_alone_from_the_same_cards_probe(tmp_path, monkeypatch):
+    """With the card's probe-mla-prefill file beside its kernels file, the MLA prefill row says
+    what the loop reaches of SDPA's speed with the softmax taken out and the softmax's share of
+    the kernel's time (equal ends print once); another card's file (or none) adds nothing."""
+    probe = {"probe": "mla_prefill_dots"}
+    (tmp_path / "probe-mla-prefill-h100.json").write_text(json.dumps([HEAD, *[
+        {**probe, "length": 512, "dots_of_sdpa": 0.97, "softmax_share": 0.18},
+        {**probe, "length": 4096, "dots_of_sdpa": 1.08, "softmax_share": 0.18},
+    ]]))
+    head = {**HEAD, "machine": "NVIDIA H100 80GB HBM3"}
+    text = render_block(tmp_path, monkeypatch, "kernels-h100", head, _records(0.9),
+                        block="kernels-h100-targets")
+    assert _row(text, "MLA prefill")[2].endswith(
+        ". The loop's products alone (`experiments/results/probe-mla-prefill-h100.json`: the "
+        "kernel's tile, the softmax taken out) run at 0.97-1.08 of SDPA's speed; the softmax, "
+        "which Triton 3.6 runs after them on sm_90 (no wgmma left in flight in the kernel, "
+        "offline), takes 18% of the kernel's time")
+    other = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, _records(0.9),
+                         block="kernels-h200-targets")
+    assert "softmax taken out" not in _row(other, "MLA prefill")[2]
