@@ -16,8 +16,12 @@ bounds the sweep, points past it are left to the policy's literal fallback and t
 run's header), and ``--retune-m 64,128,256`` with it tunes those M values again (after the
 candidate set grew, e.g. by the TMA-fed tiles), keeping the file's other points.
 
+``--models`` and ``--m-values`` narrow what one run tunes (with ``--resume`` the file keeps its
+other points; without it they need an ``--out`` of their own, e.g. a results file on a card
+whose timings must not enter the H200's table).
+
     python -m experiments.tune_gemm [--budget-s 300] [--resume [--retune-m M,M]]
-        [--out kernels/tuned/gemm_h200.json]
+        [--models deepseek-v3] [--m-values 512,2048] [--out kernels/tuned/gemm_h200.json]
 """
 
 from __future__ import annotations
@@ -371,11 +375,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retune-m", default="", metavar="M,M",
                         help="with --resume: tune these M values again (new candidates), every "
                              "shape, keeping the file's other points")
+    parser.add_argument("--models", default="", metavar="NAME,NAME",
+                        help=f"tune only these models' shapes (of {', '.join(TUNED_MODELS)})")
+    parser.add_argument("--m-values", default="", metavar="M,M",
+                        help=f"tune only these M (of {', '.join(map(str, M_VALUES))})")
     parser.add_argument("--dry-run", action="store_true",
                         help="two tiny shapes on the CPU interpreter (the logic only)")
     args = parser.parse_args(argv)
     if args.retune_m and not args.resume:
         parser.error("--retune-m needs --resume (it re-tunes points of the existing file)")
+    models = [v for v in args.models.split(",") if v]
+    m_values = [int(v) for v in args.m_values.split(",") if v.strip()]
+    if set(models) - set(TUNED_MODELS) or set(m_values) - set(M_VALUES):
+        parser.error(f"--models / --m-values: expected some of {list(TUNED_MODELS)} / "
+                     f"{list(M_VALUES)}, got {models} / {m_values}")
+    if (models or m_values) and not args.resume and args.out == TUNED_PATH:
+        parser.error("--models / --m-values without --resume need an --out of their own (the "
+                     "table's other points would be dropped)")
     if args.dry_run:
         setup = dry_run_setup()
     elif not torch.cuda.is_available():
@@ -387,6 +403,13 @@ def main(argv: list[str] | None = None) -> int:
         if "H200" not in torch.cuda.get_device_name():
             print(f"tune_gemm: warning: tuning on {torch.cuda.get_device_name()}, not an H200",
                   file=sys.stderr)
+    full = setup  # the whole table's points, which its header counts
+    if models:
+        setup = dataclasses.replace(setup, shapes=tuple(
+            s for s in setup.shapes if s[0].split(".", 1)[0] in models))
+    if m_values:
+        setup = dataclasses.replace(setup, m_values=tuple(m for m in setup.m_values
+                                                          if m in m_values))
     done: list[dict] = []
     stale: frozenset[tuple[int, int, int]] = frozenset()
     retune = {int(v) for v in args.retune_m.split(",") if v.strip()}
@@ -410,12 +433,15 @@ def main(argv: list[str] | None = None) -> int:
         this_run["wall_s"] = round(time.monotonic() - t0, 1)
         bi_choice = _pool_choice(entries, previous_choice)
         pending = sorted({e["m"] for e in entries if _needs_retune(e, retune)})
+        expected = len(full.shapes) * len(full.m_values)
         record = {
-            "header": header(complete=complete and not pending, retune_pending_m=pending,
+            "header": header(complete=complete and not pending and len(entries) >= expected,
+                             retune_pending_m=pending,
                              tuned_dtype=str(setup.dtype).removeprefix("torch."),
-                             m_values=list(setup.m_values), models=list(TUNED_MODELS),
-                             points=len(entries),
-                             expected_points=len(setup.shapes) * len(setup.m_values),
+                             m_values=list(full.m_values), models=list(TUNED_MODELS),
+                             tuned_this_run={"models": models or "all",
+                                             "m_values": m_values or "all"},
+                             points=len(entries), expected_points=expected,
                              runs=[*runs, this_run], pool_model=POOL_MODEL, rep_ms=setup.rep_ms,
                              dry_run=args.dry_run),
             "batch_invariant": bi_choice.to_dict() if bi_choice else None,

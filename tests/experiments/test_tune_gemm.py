@@ -257,3 +257,25 @@ def test_a_tma_entry_reaches_the_policy(tmp_path):
     table = load_tuned_table(path)
     assert table.lookup(100, 4096, 4096, __import__("torch").bfloat16) == winner
     assert table.lookup(100, 4096, 4096, __import__("torch").bfloat16, no_split=True).tma
+
+
+def test_models_and_m_values_narrow_a_run_and_never_claim_the_whole_table(tmp_path):
+    """--models / --m-values tune only those points into a file of their own, whose header counts
+    the whole table's points (so it is not complete); --resume then fills in the rest, keeping
+    them. Narrowing the checked-in table without --resume is refused."""
+    out = tmp_path / "narrow.json"
+    assert tune_gemm.main(["--dry-run", "--out", str(out), "--models", tune_gemm.POOL_MODEL,
+                           "--m-values", "128"]) == 0
+    narrow = json.loads(out.read_text())
+    assert [(e["layer"], e["m"]) for e in narrow["entries"]] == [
+        (f"{tune_gemm.POOL_MODEL}.tiny_qkv", 128)]
+    assert narrow["header"]["complete"] is False and narrow["header"]["expected_points"] == 6
+    assert narrow["header"]["tuned_this_run"] == {"models": [tune_gemm.POOL_MODEL],
+                                                  "m_values": [128]}
+    assert tune_gemm.main(["--dry-run", "--out", str(out), "--resume"]) == 0
+    whole = json.loads(out.read_text())
+    assert whole["header"]["complete"] is True and len(whole["entries"]) == 6
+    assert narrow["entries"][0] in whole["entries"]
+    for argv in (["--models", "llama"], ["--m-values", "3"], ["--models", "qwen3-8b"]):
+        with pytest.raises(SystemExit):
+            tune_gemm.main(["--dry-run", *argv])
