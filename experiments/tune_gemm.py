@@ -78,22 +78,29 @@ _DECODE_TILES = ((32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (64, 64, 4, 
 _MID_TILES = ((64, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 64, 128, 4, 4),
               (128, 32, 128, 4, 4), (128, 64, 128, 8, 3), (128, 256, 64, 8, 3))
 _MID_SPLITS = (2, 3, 4)
-# M range whose candidates also run with TMA-fed tiles (GemmConfig.tma): the serving (64) and
-# offline (128) decode batches and mid M, where the weights stream from HBM.
-TMA_M_RANGE = (64, 256)
-# Stream-K (GemmConfig.stream_k_programs) in the same range, for the tiles of one row tile
-# (block_m >= M): one or two programs an SM share the column-tile x K-block iterations equally,
-# where whole tiles leave a partial wave (Qwen3-8B's qkv at M 128: 96 tiles of 128 x 64, split
-# 2 -> 192 programs on 132 SMs, 0.72 of cuBLAS in the tuner). M 256 gets 256-row tiles for it.
+# M from which candidates also run with TMA-fed tiles (GemmConfig.tma): the serving (64) and
+# offline (128) decode batches and mid M, where the weights stream from HBM, and since
+# 2026-12-06 large M too, where an H100 run of DeepSeek-V3's shapes had no TMA candidate to pick.
+TMA_MIN_M = 64
+# Stream-K (GemmConfig.stream_k_programs) at the decode batches and mid M, for the tiles of one
+# row tile (block_m >= M): one or two programs an SM share the column-tile x K-block iterations
+# equally, where whole tiles leave a partial wave (Qwen3-8B's qkv at M 128: 96 tiles of 128 x 64,
+# split 2 -> 192 programs on 132 SMs, 0.72 of cuBLAS in the tuner). M 256 gets 256-row tiles.
+STREAM_K_M_RANGE = (64, 256)
 STREAM_K_PROGRAMS = (H200_NUM_SMS, 2 * H200_NUM_SMS)
 _STREAM_K_TILES_256 = ((256, 64, 64, 8, 3), (256, 128, 64, 8, 3))
 # Names the candidate generator an entry was tuned with, per M range (``candidate_set``);
 # --retune-m re-tunes entries of another. The large-M name changed alone when large M gained
 # splits 4 and 8, so re-tuning M 512-8192 leaves the other M's entries current.
 CANDIDATE_SET = "tma-split3-bk64-decode-bn256-streamk"
-LARGE_M_CANDIDATE_SET = CANDIDATE_SET + "-largesplit8"
+LARGE_M_CANDIDATE_SET = CANDIDATE_SET + "-largesplit8-tma-narrow"
+# The 64- and 128-wide tiles are for narrow N and partial waves: an H100 run of DeepSeek-V3's
+# large-M shapes (experiments/results/tune-gemm-deepseek-large-m-h100.json) had only the four
+# wide tiles, and kv_a (N 576 = 2.25 x 256) at M 8192 ran at 0.66 of cuBLAS, q_a at M 2048 (96
+# tiles of 128 x 256 on 132 SMs) at 0.75.
 _LARGE_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-                (64, 256, 64, 4, 4))
+                (64, 256, 64, 4, 4), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4),
+                (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
 # Large M (prefill) with few tiles splits K 2, 4 or 8 ways, as many as keep the programs within
 # two an SM: DeepSeek-V3's narrow kv_a (N 576, K 7168) has 24 tiles of 64 x 256 at M 512, 48
 # programs at split 2, and ran at 0.54 of cuBLAS on the H200 (kernels-h200.json, 2026-12-05).
@@ -169,9 +176,9 @@ def candidate_set(m: int) -> str:
 def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfig]:
     """The bounded candidate set at one point: M-range tiles, each without and with auto split-K
     (mid M also with split-K 2, 3 and 4, large M with 2, 4 and 8 where the tiles leave SMs idle,
-    as many as keep the programs within two an SM); for M in
-    ``TMA_M_RANGE`` also each tile of one row tile as stream-K over ``STREAM_K_PROGRAMS``, and
-    every one of those TMA-fed; plus the batch-invariant pool when ``with_pool`` (timed at every
+    as many as keep the programs within two an SM); for M in ``STREAM_K_M_RANGE`` also each tile
+    of one row tile as stream-K over ``STREAM_K_PROGRAMS``; from ``TMA_MIN_M`` on every one of
+    those TMA-fed as well; plus the batch-invariant pool when ``with_pool`` (timed at every
     point of the bench shapes for its geometric mean)."""
     tiles: list[GemmConfig] = []
     splits: tuple[int, ...] = ()
@@ -186,7 +193,7 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
     else:
         tiles = [GemmConfig(bm, bn, bk, num_warps=w, num_stages=s)
                  for bm, bn, bk, w, s in _LARGE_TILES]
-    if TMA_M_RANGE[0] <= m <= TMA_M_RANGE[1] and m > 128:
+    if STREAM_K_M_RANGE[0] <= m <= STREAM_K_M_RANGE[1] and m > 128:
         stream_tiles = [GemmConfig(bm, bn, bk, num_warps=w, num_stages=s)
                         for bm, bn, bk, w, s in _STREAM_K_TILES_256]
     else:
@@ -204,10 +211,11 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
         for split in sorted(tile_splits):
             if split > 1 and k_blocks >= 2 * split:  # >= 2 K blocks per split
                 out.append(dataclasses.replace(tile, split_k=split))
-    if TMA_M_RANGE[0] <= m <= TMA_M_RANGE[1]:
+    if STREAM_K_M_RANGE[0] <= m <= STREAM_K_M_RANGE[1]:
         out += [dataclasses.replace(tile, stream_k_programs=programs)
                 for tile in [*tiles, *stream_tiles] if tile.block_m >= m
                 for programs in STREAM_K_PROGRAMS]
+    if m >= TMA_MIN_M:
         out += [dataclasses.replace(c, tma=True) for c in out]
     if with_pool:
         out += BATCH_INVARIANT_POOL

@@ -200,12 +200,14 @@ def test_dry_run_writes_a_table_the_policy_reads_and_resumes(tmp_path):
         next(e["config"] for e in data["entries"] if (e["m"], e["n"]) == (128, 48)))
 
 
-def test_tma_twins_only_in_the_tma_m_range():
-    for m in (64, 128, 256):
+def test_tma_twins_from_the_serving_batch_on():
+    """Every candidate from M 64 on (mid M and prefill M alike) also runs TMA-fed; decode M
+    below it does not."""
+    for m in (64, 128, 256, 512, 8192):
         configs = tune_gemm.candidates(m, 6144, 4096, with_pool=False)
         plain = [c for c in configs if not c.tma]
-        assert [dataclasses.replace(c, tma=False) for c in configs if c.tma] == plain
-    for m in (8, 512):
+        assert [dataclasses.replace(c, tma=False) for c in configs if c.tma] == plain, m
+    for m in (8, 32):
         assert not any(c.tma for c in tune_gemm.candidates(m, 6144, 4096))
 
 
