@@ -95,7 +95,7 @@ _STREAM_K_TILES_256 = ((256, 64, 64, 8, 3), (256, 128, 64, 8, 3))
 CANDIDATE_SET = "tma-split3-bk64-decode-bn256-streamk"
 LARGE_M_CANDIDATE_SET = CANDIDATE_SET + "-largesplit8-tma-narrow"
 # The 64- and 128-wide tiles are for narrow N and partial waves: an H100 run of DeepSeek-V3's
-# large-M shapes (experiments/results/tune-gemm-deepseek-large-m-h100.json) had only the four
+# large-M shapes (experiments/results/tune-gemm-deepseek-large-m-h100-before.json) had the four
 # wide tiles, and kv_a (N 576 = 2.25 x 256) at M 8192 ran at 0.66 of cuBLAS, q_a at M 2048 (96
 # tiles of 128 x 256 on 132 SMs) at 0.75.
 _LARGE_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
