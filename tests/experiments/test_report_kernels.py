@@ -201,3 +201,30 @@ def test_tuned_prefill_table_renders_every_candidate_beside_the_peer(tmp_path, m
         "| 128 x 64, 8 warps, 3 stages | 60.0 (0.83) | 1600.0 (0.88) |",
         "| 64 x 64, 4 warps, 2 stages, TMA-fed (the pick) | 55.0 (0.91) | 1700.0 (0.82) |",
     ]
+
+
+def test_tuned_gemm_change_renders_both_runs_at_each_point(tmp_path, monkeypatch):
+    """Two tune_gemm runs of the same points: each point's best against cuBLAS before and after,
+    the after-run's pick, and a summary of both runs' minimum, median and count at >= 0.85."""
+    import json
+
+    from experiments import report
+
+    def entry(layer: str, m: int, ratio: float, tma: bool = False) -> dict:
+        config = {"block_m": 128, "block_n": 256, "block_k": 64, "split_k": 1, "num_warps": 8,
+                  "num_stages": 3, "tma": tma}
+        return {"layer": layer, "m": m, "ratio_vs_cublas": ratio, "config": config}
+
+    for name, entries in (("tune-gemm-deepseek-large-m-h100-before",
+                           [entry("ds.kv_a", 512, 0.6), entry("ds.o", 512, 0.9)]),
+                          ("tune-gemm-deepseek-large-m-h100",
+                           [entry("ds.o", 512, 0.95, True), entry("ds.kv_a", 512, 0.8, True)])):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"header": HEAD, "entries": entries}))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    text = report.render_readme("<!-- results:tune-gemm-deepseek-large-m-h100 -->\n"
+                                "<!-- /results:tune-gemm-deepseek-large-m-h100 -->")
+    assert ("min 0.60, median 0.75, 1 of 2 at >= 0.85 before "
+            "(`experiments/results/tune-gemm-deepseek-large-m-h100-before.json`); min 0.80, "
+            "median 0.88, 1 of 2 after.") in text
+    assert "| ds.kv_a | 512 | 0.60 | 0.80 | 128 x 256 x 64, split 1, 8 warps, 3 stages, TMA-fed |" \
+        in text
