@@ -183,6 +183,37 @@ def _launch_floor_note(rows: list[dict], threshold: float) -> str:
             f"under the target's {threshold} at {short} of {len(floored)} rows")
 
 
+def _program_floor_note(rows: list[dict], small: list[dict], threshold: float) -> str:
+    """Each row's floor: the fastest other row of the same policy at B <= 8 (``small``) that does
+    no more work in any respect (no more sequences, splits a sequence or tokens; each program
+    walking a whole split of the same size), so a row reaches at most bound / max(floor, bound).
+    Names the rows that floor holds under ``threshold``; empty where no row has a floor."""
+
+    keys = ("M", "context", "num_splits", "split_size")
+
+    def floor_of(row: dict) -> dict | None:
+        if not all(row.get(k) for k in keys):  # rows from before these fields: no floor
+            return None
+        lighter = [q for q in small if q is not row and all(q.get(k) for k in keys)
+                   and q["split_size"] == row["split_size"] and q["context"] >= q["split_size"]
+                   and q["M"] <= row["M"] and q["num_splits"] <= row["num_splits"]
+                   and q["context"] <= row["context"]]
+        return min(lighter, key=lambda q: q["us"], default=None)
+
+    floors = [(r, floor_of(r)) for r in rows]
+    if not any(f for _, f in floors):
+        return ""
+    ceilings = [min(1.0, r["bound_us"] / f["us"]) if f else 1.0 for r, f in floors]
+    low, mid, high = _stats(ceilings)
+    held = [f"B {r['M']} at {r['context']} tokens, {r['bound_us']:.2f} us of bound: the floor B "
+            f"{f['M']} at {f['context']} tokens, {f['us']:.2f} us"
+            for (r, f), c in zip(floors, ceilings, strict=True) if c < threshold]
+    return (f". Each row's floor, the policy's fastest other row with no more sequences, splits "
+            f"or tokens (its programs walking the same split): these rows reach at most median "
+            f"{mid:.2f} ({low:.2f}-{high:.2f}) of the bound, under the target's {threshold} at "
+            f"{len(held)} of {len(rows)} rows" + (f" ({'; '.join(held)})" if held else ""))
+
+
 def _rows(records: list[dict], mla_probe_note: str = "",
           mla_prefill_note: str = "") -> list[list[str]]:
     rows = _gemm_rows(records)
@@ -199,18 +230,23 @@ def _rows(records: list[dict], mla_probe_note: str = "",
         [r["ratio"] for r in _timed(records, "mla_prefill", policy="corun")], 0.9)
     rows.append((what, target, measured + (mla_prefill_note if met is not None else ""), met))
     rows.append(_rope_row(_timed(records, "rope", policy="corun", shape=ROPE_TARGET_SHAPE)))
-    attention = [r for r in _timed(records, "decode_attention", policy="corun") if r.get("target")]
+    small = [r for r in _timed(records, "decode_attention", policy="corun")
+             if r.get("M", 0) <= 8]
+    attention = [r for r in small if r.get("target")]
     target = DECODE_ATTENTION_TARGET_BW_FRACTION
     row = _span_row("decode attention at B <= 8 (the benchmark's target rows)",
                     f">= {target} of the bound", [r["bw_fraction"] for r in attention], target)
     rows.append((*row[:2], row[2] + _l2_resident_note(attention) + _copy_note(attention, target)
-                 + _launch_floor_note(attention, target), row[3]))
-    fused = [r for r in _timed(records, "decode_attention", policy="corun_fused")
-             if r.get("target")]
+                 + _launch_floor_note(attention, target)
+                 + _program_floor_note(attention, small, target), row[3]))
+    small_fused = [r for r in _timed(records, "decode_attention", policy="corun_fused")
+                   if r.get("M", 0) <= 8]
+    fused = [r for r in small_fused if r.get("target")]
     if fused:  # the one-launch combine, opt-in until it is measured faster
         row = _span_row("decode attention at B <= 8, fused combine (one launch)",
                         f">= {target} of the bound", [r["bw_fraction"] for r in fused], target)
-        rows.append((*row[:2], row[2] + _launch_floor_note(fused, target), row[3]))
+        rows.append((*row[:2], row[2] + _launch_floor_note(fused, target)
+                     + _program_floor_note(fused, small_fused, target), row[3]))
     rows.append(("MoE token sort before the grouped GEMM", "one kernel, graph-capturable",
                  *_moe_align_measured(records)))
     return [[what, target, measured,

@@ -232,3 +232,29 @@ def test_mla_prefill_row_adds_the_products_alone_from_the_same_cards_probe(tmp_p
     other = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, _records(0.9),
                          block="kernels-h200-targets")
     assert "softmax taken out" not in _row(other, "MLA prefill")[2]
+
+
+def test_attention_rows_say_which_rows_a_lighter_rows_time_holds_under_the_target(
+        tmp_path, monkeypatch):
+    """Each target row's floor is the fastest other row of its policy with no more sequences,
+    splits a sequence or tokens, each program walking the same split: a row reaches at most its
+    bound over that time. Rows past it in any respect (more sequences here) are no floor."""
+    base = {"op": "decode_attention", "policy": "corun", "split_size": 256, "peer": "sdpa",
+            "peer_us": 1.0, "ratio": 1.0}
+    records = [
+        {**base, "M": 1, "context": 512, "num_splits": 2, "us": 10.0, "bound_us": 0.7,
+         "bw_fraction": 0.07},  # no target row: the floor of the two below
+        {**base, "M": 1, "context": 4096, "num_splits": 16, "us": 11.0, "bound_us": 5.0,
+         "bw_fraction": 0.45, "target": "bw_fraction >= 0.6"},  # at most 5 / 10 = 0.5
+        {**base, "M": 1, "context": 32768, "num_splits": 128, "us": 60.0, "bound_us": 45.0,
+         "bw_fraction": 0.75, "target": "bw_fraction >= 0.6"},  # at most 1.0
+        {**base, "M": 8, "context": 256, "num_splits": 1, "us": 4.0, "bound_us": 3.0,
+         "bw_fraction": 0.75, "target": "bw_fraction >= 0.6"},  # B 8: no lighter row
+    ]
+    text = render_block(tmp_path, monkeypatch, "kernels-h200", HEAD, records,
+                        block="kernels-h200-targets")
+    assert _row(text, "decode attention at B <= 8 (")[2].endswith(
+        ". Each row's floor, the policy's fastest other row with no more sequences, splits or "
+        "tokens (its programs walking the same split): these rows reach at most median 1.00 "
+        "(0.50-1.00) of the bound, under the target's 0.6 at 1 of 3 rows (B 1 at 4096 tokens, "
+        "5.00 us of bound: the floor B 1 at 512 tokens, 10.00 us)")
