@@ -244,6 +244,21 @@ def write_results(
     return path
 
 
+GRAPH_REPLAY_TIMING = "harness.bench_us: CUDA-graph replay medians after a back-to-back warm-up"
+
+
+def probe_main(probe: str, collect: Callable[[], list[dict]],
+               timing: str = GRAPH_REPLAY_TIMING) -> int:
+    """The command line of a ``probe_<name>.py``: its records into
+    ``<results>/probe-<name>-<card>.json`` (``probe`` with dashes); 2 without a GPU."""
+    if not torch.cuda.is_available():
+        print(f"probe {probe} needs a CUDA device; none found", file=sys.stderr)
+        return 2
+    path = write_results(f"probe-{probe}-{card_tag()}", collect(), timing=timing)
+    print(f"wrote {path}")
+    return 0
+
+
 def kernel_record(
     op: str,
     policy: str,

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.harness import bench_us, card_tag, write_results  # noqa: E402
+from experiments.harness import bench_us, probe_main  # noqa: E402
 from kernels.gemm import gemm, gemm_config  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
 
@@ -71,14 +71,9 @@ def collect() -> list[dict]:
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("probe_gemm_m1 needs a CUDA device; none found", file=sys.stderr)
-        return 2
-    path = write_results(f"probe-gemm-m1-{card_tag()}", collect(),
-                         timing="harness.bench_us (warm-up, CUDA-graph replay median) and "
-                                "do_bench_cudagraph without the warm-up")
-    print(f"wrote {path}")
-    return 0
+    return probe_main("gemm-m1", collect,
+                      timing="harness.bench_us (warm-up, CUDA-graph replay median) and "
+                             "do_bench_cudagraph without the warm-up")
 
 
 if __name__ == "__main__":

@@ -203,14 +203,7 @@ def collect() -> list[dict]:
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("probe_mla_dots needs a CUDA device; none found", file=sys.stderr)
-        return 2
-    path = harness.write_results(
-        f"probe-mla-dots-{harness.card_tag()}", collect(),
-        timing="harness.bench_us: CUDA-graph replay medians after a back-to-back warm-up")
-    print(f"wrote {path}")
-    return 0
+    return harness.probe_main("mla-dots", collect)
 
 
 if __name__ == "__main__":
