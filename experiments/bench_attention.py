@@ -16,9 +16,9 @@ cache blocks of 16 tokens scattered at random).
   steps of a split). Where the corun policy preloads a lane's block ids
   (``DecodeAttentionConfig.preload_pages``: where they fit ``kernels.utils.MAX_PRELOAD_PAGES``,
   at 3 stages where the grid fits two programs an SM), ``corun_table_ids`` times the loop that
-  loads them tile by tile (2 stages, the policy before 2026-12-06) and ``corun_preload_s2`` /
-  ``_s3`` the other stage count, each with ``same_bits_as_policy``. Peer: SDPA with q length 1
-  over a contiguous cache (flash, else the efficient backend).
+  loads them tile by tile (2 stages, the policy before 2026-12-06) and ``corun_preload_s2`` ..
+  ``_s5`` the other stage counts (4 and 5 at B <= 8 only), each with ``same_bits_as_policy``.
+  Peer: SDPA with q length 1 over a contiguous cache (flash, else the efficient backend).
   Bound (``bound_us``): K and V read once plus q and out, at the card's measured copy bandwidth
   (harness.copy_bandwidth: 4.3 TB/s on the H200); ``bw_fraction`` = bound_us / us. Issue 13's
   target for B <= 8 is bw_fraction >= 0.6
@@ -241,13 +241,17 @@ def _bench_decode(batch: int, context: int, device: torch.device) -> list[dict]:
                 corun_cfg, BLOCK_N=128, num_warps=warps, num_stages=2, preload_pages=False)))
     if corun_cfg.preload_pages:
         # The policy's preloaded block ids against the loop that loads them tile by tile (its
-        # 2 stages: one K and one V buffer, waited for every step) and at the other stage count
-        # (3 stages keep two of each in flight): speed only, the same bits.
-        other = 2 if corun_cfg.num_stages == 3 else 3
-        policies += [_Variant("corun_table_ids", Mode.CORUN, dataclasses.replace(
-                         corun_cfg, preload_pages=False, num_stages=2), same_bits=True),
-                     _Variant(f"corun_preload_s{other}", Mode.CORUN, dataclasses.replace(
-                         corun_cfg, num_stages=other), same_bits=True)]
+        # 2 stages: one K and one V buffer, waited for every step) and at the other stage counts:
+        # speed only, the same bits. Compiled for sm_90a, n stages keep n - 2 tiles in flight
+        # behind the one being computed (cp.async.wait_group 2 (n - 2)), and a small batch's
+        # program, alone on its SM, moves about a tile a round trip: 4 and 5 stages at B <= 8
+        # (110 and 143 KB of shared memory, one program an SM) keep two and three in flight.
+        stages = (2, 3, 4, 5) if batch <= 8 else (2, 3)
+        policies.append(_Variant("corun_table_ids", Mode.CORUN, dataclasses.replace(
+            corun_cfg, preload_pages=False, num_stages=2), same_bits=True))
+        policies += [_Variant(f"corun_preload_s{n}", Mode.CORUN, dataclasses.replace(
+                         corun_cfg, num_stages=n), same_bits=True)
+                     for n in stages if n != corun_cfg.num_stages]
     # The fused combine's arrival counts, held across calls as an engine would (no memset).
     arrivals = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=device)
     records = []

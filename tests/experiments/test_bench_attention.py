@@ -32,11 +32,15 @@ def cpu_decode(monkeypatch):
 def test_where_the_policy_preloads_the_tile_by_tile_loop_is_timed_beside_it(cpu_decode):
     rows = cpu_decode(1, 512)
     assert rows["corun"]["num_stages"] == 3 and rows["corun"]["lane_pages"] == 16
-    assert {"corun_table_ids", "corun_preload_s2"} <= set(rows)
+    deeper = {"corun_preload_s2", "corun_preload_s4", "corun_preload_s5"}
+    assert {"corun_table_ids", *deeper} <= set(rows) and "corun_preload_s3" not in rows
     assert rows["corun_table_ids"]["num_stages"] == 2 and "lane_pages" not in rows[
         "corun_table_ids"]
-    for name in ("corun_table_ids", "corun_preload_s2"):
+    for name in ("corun_table_ids", *deeper):
         assert rows[name]["same_bits_as_policy"] is True, name
+    for n in (2, 4, 5):  # the policy's preloaded ids at each other stage count
+        row = rows[f"corun_preload_s{n}"]
+        assert row["num_stages"] == n and row["lane_pages"] == 16
     # the older variants keep the loop they were named for
     assert "lane_pages" not in rows["corun_stages5"]
 
@@ -46,6 +50,7 @@ def test_past_batch_8_the_policy_preloads_where_the_ids_fit(cpu_decode):
     assert rows["corun"]["lane_pages"] == 16  # 2 lanes of one 256-token split: 16 pages
     assert rows["corun_table_ids"]["same_bits_as_policy"] is True
     assert "corun_stages5" not in rows  # the small-batch variants stop at B 8
+    assert "corun_preload_s4" not in rows and "corun_preload_s5" not in rows
 
 
 def test_target_rows_carry_the_floor_of_their_own_launches(cpu_decode):
