@@ -3,10 +3,11 @@ revision's copy of the same kernel modules, in one process, on the same inputs: 
 bits the same, and what does each take beside the peer (graph-replayed medians, one run).
 
 The device copies the working tree without git, so the baseline travels as files: ``--export``
-(here) writes ``git show REV:kernels/<module>.py`` into ``experiments/ab_baseline/`` (ignored by
+(here) writes ``git show REV:kernels/<op>_kernels.py`` into ``experiments/ab_baseline/`` (ignored by
 git: pass it to the device call's ``carry``), and the device call loads each file as a module of
 its own and, for the baseline's half of every point, puts its JIT functions in place of the
-same-named ones wherever a ``kernels`` launcher binds them (``harness.kernels_replaced``).
+same-named ones wherever a ``kernels`` launcher binds them (``harness.kernels_replaced``),
+counting the baseline's launches (a baseline none of whose kernels a point launches is an error).
 
     python -m experiments.ab_kernels --export 752d0dc kernels/mla_kernels.py \
         kernels/attention_kernels.py
@@ -47,10 +48,12 @@ Point = tuple[str, Callable[[], torch.Tensor], str, Callable[[], object]]
 
 
 def export_baseline(rev: str, files: list[str], out_dir: Path = BASELINE_DIR) -> Path:
-    """Write each ``kernels/<module>.py`` as it is at ``rev`` into ``out_dir``, and SOURCE.json."""
-    for name in files:
-        if not (name.startswith("kernels/") and name.endswith(".py")):
-            raise ValueError(f"files: expected kernels/<module>.py paths, got {name!r}")
+    """Write each ``kernels/<op>_kernels.py`` as it is at ``rev`` into ``out_dir``, and
+    SOURCE.json."""
+    for name in files:  # a JIT-only module: its launchers elsewhere then launch the baseline
+        if not (name.startswith("kernels/") and name.endswith("_kernels.py")):
+            raise ValueError(f"files: expected kernels/<op>_kernels.py paths (JIT functions "
+                             f"whose launchers live in another module), got {name!r}")
     out_dir.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()  # fmt: skip
@@ -77,13 +80,30 @@ def load_baseline(folder: Path) -> tuple[dict, list[ModuleType]]:
     return source, modules
 
 
+class BaselineLaunch:
+    """A baseline JIT function standing in for the working tree's in a launcher module: launches
+    it (``kernel[grid](...)``) and counts them, so an A/B knows the baseline really ran."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid: object) -> object:
+        self.launches += 1
+        return self.kernel[grid]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.kernel, name)
+
+
 @contextmanager
-def baseline_kernels(baseline: list[ModuleType]) -> Iterator[list]:
-    """Inside the block, every ``kernels`` module's binding of a JIT function defined in a
-    baselined module points at the baseline's function of that name; yields those replaced."""
+def baseline_kernels(baseline: list[ModuleType]) -> Iterator[list[BaselineLaunch]]:
+    """Inside the block, every ``kernels`` launcher module's binding of a JIT function defined in
+    a baselined module launches the baseline's function of that name instead (the baselined
+    modules themselves are left alone: their own kernels call their own helpers); yields the
+    stand-ins, whose ``launches`` say which ran."""
     from triton.runtime.jit import KernelInterface
 
-    by_source = {m.ab_replaces: {n: v for n, v in vars(m).items()
+    by_source = {m.ab_replaces: {n: BaselineLaunch(v) for n, v in vars(m).items()
                                  if isinstance(v, KernelInterface)} for m in baseline}
 
     def stand_in(kernel):  # JIT and interpreted functions both keep the Python function as .fn
@@ -92,9 +112,9 @@ def baseline_kernels(baseline: list[ModuleType]) -> Iterator[list]:
             getattr(fn, "__name__", None), kernel)
 
     launchers = [m for name, m in sorted(sys.modules.items())
-                 if name == "kernels" or name.startswith("kernels.")]
-    with harness.kernels_replaced(launchers, stand_in) as saved:
-        yield [k for k in saved if stand_in(k) is not k]
+                 if (name == "kernels" or name.startswith("kernels.")) and name not in by_source]
+    with harness.kernels_replaced(launchers, stand_in):
+        yield [k for kernels in by_source.values() for k in kernels.values()]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -148,10 +168,10 @@ def measure(points: list[Point], baseline: list[ModuleType],
     for label, ours, peer_name, peer in tqdm(points, desc="ab points"):
         out = ours()
         us = bench(ours)
-        with baseline_kernels(baseline) as replaced:
-            if not replaced:
-                raise ValueError("baseline: no kernel of the baseline modules is launched here")
+        with baseline_kernels(baseline) as stand_ins:
             base_out = ours()
+            if not any(k.launches for k in stand_ins):
+                raise ValueError("baseline: no kernel of the baseline modules is launched here")
             base_us = bench(ours)
         peer_us = bench(peer)
         records.append({
@@ -166,7 +186,7 @@ def measure(points: list[Point], baseline: list[ModuleType],
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--export", nargs="+", metavar=("REV", "FILE"),
-                        help="write the baseline: REV then kernels/<module>.py files")
+                        help="write the baseline: REV then kernels/<op>_kernels.py files")
     parser.add_argument("--baseline-dir", type=Path, default=BASELINE_DIR)
     parser.add_argument("--cases", default="mla-prefill",
                         help=f"comma-separated, of {', '.join(CASES)}")
@@ -174,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.export:
         if len(args.export) < 2:
-            parser.error("--export needs a revision and at least one kernels/<module>.py")
+            parser.error("--export needs a revision and at least one kernels/<op>_kernels.py")
         out = export_baseline(args.export[0], args.export[1:], args.baseline_dir)
         print(f"baseline of {args.export[0]} in {out}")
         return 0

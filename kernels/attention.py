@@ -391,12 +391,14 @@ def decode_attention_config(
 
 def _with_preload(cfg: DecodeAttentionConfig, programs_per_split: int,
                   block_size: int) -> DecodeAttentionConfig:
-    """The fixed-split policies' preload, from an H100's rows (kernels-h100.json's run8,
+    """The fixed-split policies' preload, from an H100's rows (kernels-h100-attention-run8.json,
     2026-12-06: ``corun`` and its ``corun_preload_s2`` / ``_s3`` variants against
     ``corun_table_ids``, the loop that loads the ids tile by tile): at 2 stages the preload took
     less time at all 12 points where a lane's ids fit, B 1 to 128 (1.01-1.09x as fast); 3 stages
     more where the grid fit two programs an SM (B 1 at every context, B 8 at 512 tokens:
-    1.05-1.17x) but less past it (B 8 from 2048 tokens: 5 lanes, 320 programs, 0.91-0.97x)."""
+    1.05-1.17x) but less past it (B 8 from 2048 tokens: 5 lanes, 320 programs, 0.91-0.97x).
+    More tiles in flight do not help a small batch: at 4 and 5 stages (kernels-h100.json's
+    run10, B <= 8) the preload took 1.01-1.14x and 1.07-1.42x as long as the policy."""
     preloaded = dataclasses.replace(cfg, preload_pages=True)
     if not decode_preloaded_pages(preloaded, block_size):
         return cfg

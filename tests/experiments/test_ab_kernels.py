@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from experiments import ab_kernels
-from kernels import mla
+from kernels import mla, mla_kernels
 from kernels.mla import MLATile, mla_prefill_attention, mla_prefill_config
 from kernels.mode import Mode
 
@@ -59,17 +59,28 @@ def test_export_writes_the_revision_file_and_its_source(tmp_path):
 
 
 def test_export_rejects_a_file_outside_kernels(tmp_path):
-    with pytest.raises(ValueError, match="kernels/<module>.py"):
-        ab_kernels.export_baseline("HEAD", ["corun/engine.py"], tmp_path)
+    for path in ("corun/engine.py", "kernels/norm.py"):  # norm.py launches its own kernels
+        with pytest.raises(ValueError, match="kernels/<op>_kernels.py"):
+            ab_kernels.export_baseline("HEAD", [path], tmp_path)
 
 
 def test_baseline_kernels_stand_in_only_inside_the_block(tmp_path):
     _, modules = ab_kernels.load_baseline(_export(tmp_path))
     before = mla._mla_prefill_kernel
-    with ab_kernels.baseline_kernels(modules) as replaced:
-        assert mla._mla_prefill_kernel is modules[0]._mla_prefill_kernel
-        assert before in replaced
+    with ab_kernels.baseline_kernels(modules) as stand_ins:
+        assert mla._mla_prefill_kernel.kernel is modules[0]._mla_prefill_kernel
+        assert mla._mla_prefill_kernel in stand_ins
+        # the working tree's kernel module keeps its own kernels for its own helpers' callers
+        assert mla_kernels._mla_prefill_kernel is before
     assert mla._mla_prefill_kernel is before
+
+
+def test_a_point_counts_the_baselines_launches(tmp_path):
+    _, modules = ab_kernels.load_baseline(_export(tmp_path))
+    with ab_kernels.baseline_kernels(modules) as stand_ins:
+        _points()[0][1]()
+    launched = {k.kernel.fn.__name__: k.launches for k in stand_ins if k.launches}
+    assert launched == {"_mla_prefill_kernel": 1}
 
 
 def test_ab_tells_same_bits_from_a_changed_kernel(tmp_path):
@@ -86,8 +97,12 @@ def test_ab_tells_same_bits_from_a_changed_kernel(tmp_path):
 
 
 def test_measure_refuses_a_baseline_that_launches_nothing(tmp_path):
+    """Whether or not another test imported kernels.moe first (its launcher then binds the
+    baseline's kernels too), an MLA prefill point launches none of them."""
+    import kernels.moe  # noqa: F401
+
     folder = tmp_path / "baseline"
-    ab_kernels.export_baseline("HEAD", ["kernels/norm.py"], folder)
+    ab_kernels.export_baseline("HEAD", ["kernels/moe_kernels.py"], folder)
     _, modules = ab_kernels.load_baseline(folder)
     with pytest.raises(ValueError, match="no kernel of the baseline"):
         ab_kernels.measure(_points(), modules, lambda fn: 1.0)
