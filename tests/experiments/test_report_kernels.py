@@ -225,6 +225,13 @@ def test_tuned_gemm_change_renders_both_runs_at_each_point(tmp_path, monkeypatch
                                 "<!-- /results:tune-gemm-deepseek-large-m-h100 -->")
     assert ("min 0.60, median 0.75, 1 of 2 at >= 0.85 before "
             "(`experiments/results/tune-gemm-deepseek-large-m-h100-before.json`); min 0.80, "
-            "median 0.88, 1 of 2 after.") in text
-    assert "| ds.kv_a | 512 | 0.60 | 0.80 | 128 x 256 x 64, split 1, 8 warps, 3 stages, TMA-fed |" \
-        in text
+            "median 0.88, 1 of 2 at >= 0.85 after.") in text
+    assert ("| ds.kv_a | 512 | 0.60 | 0.80 | — | 128 x 256 x 64, split 1, 8 warps, 3 stages, "
+            "TMA-fed |") in text
+    # one run alone: its best at each point and the candidates timed there
+    (tmp_path / "tune-gemm-qwen3-8b-mid-m-h100.json").write_text(json.dumps(
+        {"header": HEAD, "entries": [{**entry("q.qkv", 128, 0.79), "candidates": 65}]}))
+    alone = report.render_readme("<!-- results:tune-gemm-qwen3-8b-mid-m-h100 -->\n"
+                                 "<!-- /results:tune-gemm-qwen3-8b-mid-m-h100 -->")
+    assert "the best candidate at each point: min 0.79, median 0.79, 0 of 1 at >= 0.85." in alone
+    assert "| q.qkv | 128 | 0.79 | 65 | 128 x 256 x 64, split 1, 8 warps, 3 stages |" in alone
