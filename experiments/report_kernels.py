@@ -214,6 +214,20 @@ def _program_floor_note(rows: list[dict], small: list[dict], threshold: float) -
             f"{len(held)} of {len(rows)} rows" + (f" ({'; '.join(held)})" if held else ""))
 
 
+def _decode_attention_row(records: list[dict], policy: str, what: str,
+                          with_l2_and_copy: bool = True) -> tuple[str, str, str, bool | None]:
+    """The policy's target rows (B <= 8) against the bound, with what their launches, their
+    floors and (``with_l2_and_copy``) the L2 and a device copy of their bytes say of it."""
+    target = DECODE_ATTENTION_TARGET_BW_FRACTION
+    small = [r for r in _timed(records, "decode_attention", policy=policy)
+             if r.get("M", 0) <= 8]
+    rows = [r for r in small if r.get("target")]
+    row = _span_row(what, f">= {target} of the bound", [r["bw_fraction"] for r in rows], target)
+    notes = ((_l2_resident_note(rows) + _copy_note(rows, target) if with_l2_and_copy else "")
+             + _launch_floor_note(rows, target) + _program_floor_note(rows, small, target))
+    return (*row[:2], row[2] + notes, row[3])
+
+
 def _rows(records: list[dict], mla_probe_note: str = "",
           mla_prefill_note: str = "") -> list[list[str]]:
     rows = _gemm_rows(records)
@@ -230,23 +244,13 @@ def _rows(records: list[dict], mla_probe_note: str = "",
         [r["ratio"] for r in _timed(records, "mla_prefill", policy="corun")], 0.9)
     rows.append((what, target, measured + (mla_prefill_note if met is not None else ""), met))
     rows.append(_rope_row(_timed(records, "rope", policy="corun", shape=ROPE_TARGET_SHAPE)))
-    small = [r for r in _timed(records, "decode_attention", policy="corun")
-             if r.get("M", 0) <= 8]
-    attention = [r for r in small if r.get("target")]
-    target = DECODE_ATTENTION_TARGET_BW_FRACTION
-    row = _span_row("decode attention at B <= 8 (the benchmark's target rows)",
-                    f">= {target} of the bound", [r["bw_fraction"] for r in attention], target)
-    rows.append((*row[:2], row[2] + _l2_resident_note(attention) + _copy_note(attention, target)
-                 + _launch_floor_note(attention, target)
-                 + _program_floor_note(attention, small, target), row[3]))
-    small_fused = [r for r in _timed(records, "decode_attention", policy="corun_fused")
-                   if r.get("M", 0) <= 8]
-    fused = [r for r in small_fused if r.get("target")]
-    if fused:  # the one-launch combine, opt-in until it is measured faster
-        row = _span_row("decode attention at B <= 8, fused combine (one launch)",
-                        f">= {target} of the bound", [r["bw_fraction"] for r in fused], target)
-        rows.append((*row[:2], row[2] + _launch_floor_note(fused, target)
-                     + _program_floor_note(fused, small_fused, target), row[3]))
+    rows.append(_decode_attention_row(
+        records, "corun", "decode attention at B <= 8 (the benchmark's target rows)"))
+    # the one-launch combine, opt-in until it is measured faster
+    if any(r.get("target") for r in _timed(records, "decode_attention", policy="corun_fused")):
+        rows.append(_decode_attention_row(
+            records, "corun_fused", "decode attention at B <= 8, fused combine (one launch)",
+            with_l2_and_copy=False))
     rows.append(("MoE token sort before the grouped GEMM", "one kernel, graph-capturable",
                  *_moe_align_measured(records)))
     return [[what, target, measured,
