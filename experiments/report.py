@@ -392,72 +392,6 @@ def ptxas_block(name: str) -> Callable[[dict, list[dict]], str]:
     return render
 
 
-def tuned_prefill_block(name: str) -> Callable[[dict, list[dict]], str]:
-    """tune_mla's prefill entry: every candidate tile's time at each length and its share of
-    the peer's speed (SDPA's time / the tile's), the peer first and the pick marked."""
-
-    def render(head: dict, records: list[dict]) -> str:
-        entry = next(r for r in records if r.get("kind") == "prefill")
-        peer = entry["sdpa_us"]
-
-        def label(config: dict) -> str:
-            extras = ", TMA-fed" if config.get("tma") else ""
-            pick = " (the pick)" if config == entry["config"] else ""
-            return (f"{config['block_m']} x {config['block_n']}, {config['num_warps']} warps, "
-                    f"{config['num_stages']} stages{extras}{pick}")
-
-        rows = [["SDPA (v padded), the peer", *(f"{us:.1f}" for us in peer)]]
-        rows += [[label(c["config"]), *(f"{us:.1f} ({p / us:.2f})"
-                                        for us, p in zip(c["us"], peer, strict=True))]
-                 for c in sorted(entry["candidates"], key=lambda c: c["us"][-1])]
-        return _source(head, name) + "\n\n" + _table(
-            ["tile", *(f"{n} tokens: us (of SDPA's speed)" for n in entry["lengths"])], rows)
-
-    return render
-
-
-def tuned_gemm_block(name: str, before: str | None = None) -> Callable[[dict, list[dict]], str]:
-    """A tune_gemm run's points (into a results file of its own): per point its best against
-    cuBLAS (timed in the same run) and its pick; with ``before`` (an earlier run of the same
-    points, another candidate set) that run's best beside each and both runs summarised."""
-
-    def render(head: dict, records: list[dict]) -> str:
-        loaded = _load(before) if before else None
-        earlier = {(e["layer"], e["m"]): e for e in (loaded[1] if loaded else [])}
-
-        def tile(c: dict) -> str:
-            extras = [*(["TMA-fed"] if c.get("tma") else []),
-                      *(["persistent"] if c.get("persistent") else []),
-                      *([f"stream-K {c['stream_k_programs']}"] if c.get("stream_k_programs")
-                        else [])]
-            return ", ".join([f"{c['block_m']} x {c['block_n']} x {c['block_k']}", f"split "
-                              f"{c['split_k']}", f"{c['num_warps']} warps",
-                              f"{c['num_stages']} stages", *extras])
-
-        def summary(ratios: list[float]) -> str:
-            return (f"min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, "
-                    f"{sum(r >= 0.85 for r in ratios)} of {len(ratios)} at >= 0.85")
-
-        ratios = [e["ratio_vs_cublas"] for e in records]
-        if before:
-            old = [e["ratio_vs_cublas"] for e in earlier.values()]
-            said = (f"Of cuBLAS's speed, each run's best at its points: {summary(old)} before "
-                    f"(`experiments/results/{before}.json`); {summary(ratios)} after."
-                    if old else "")
-        else:
-            said = f"Of cuBLAS's speed, the best candidate at each point: {summary(ratios)}."
-        rows = [[e["layer"], e["m"],
-                 *([_fmt(earlier.get((e["layer"], e["m"]), {}).get("ratio_vs_cublas"))]
-                   if before else []),
-                 _fmt(e["ratio_vs_cublas"]), e.get("candidates", "—"), tile(e["config"])]
-                for e in sorted(records, key=lambda e: (e["m"], e["layer"]))]
-        header = ["layer", "M", *(["before", "after"] if before else ["best"]), "candidates",
-                  "the pick" if not before else "after's pick"]
-        return "\n".join([_source(head, name), "", said, "", _table(header, rows)])
-
-    return render
-
-
 def native_tests_block(name: str) -> Callable[[dict, list[dict]], str]:
     """experiments/native_tests.py: each driver stage's latest native pytest run."""
     return lambda head, records: _native_tests_table(name, head, records)
@@ -546,11 +480,6 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("kernel_of_sdpa", "kernel, of SDPA's speed"),
         ("softmax_share", "the softmax's share of the kernel's time"),
     ]) for name in ("probe-mla-prefill-h100", "probe-mla-prefill-h200")},
-    "tune-gemm-deepseek-large-m-h100": tuned_gemm_block(
-        "tune-gemm-deepseek-large-m-h100", "tune-gemm-deepseek-large-m-h100-before"),
-    "tune-gemm-qwen3-8b-mid-m-h100": tuned_gemm_block("tune-gemm-qwen3-8b-mid-m-h100"),
-    **{name: tuned_prefill_block(name)
-       for name in ("tune-mla-prefill-h100", "tune-mla-prefill-h200")},
     **{name: columns_block(name, [
         ("point", "point"), ("us", "working tree (us)"), ("baseline_us", "baseline (us)"),
         ("speedup", "baseline / working tree"), ("peer", "peer"), ("peer_us", "peer (us)"),
