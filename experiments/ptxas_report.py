@@ -134,15 +134,20 @@ def compile_report(launch: Launch, capability: int = 90) -> dict:
         "shared_bytes": shared,
         "fits_shared": shared <= SHARED_MEMORY_LIMIT,
         "wgmma": ptx.count("wgmma.mma_async"),
-        # waits that leave some wgmma in flight (wait_group N > 0): what lets a product overlap
-        # the instructions after it; 0 means every product is waited for before its result is read
-        "wgmma_deferred_waits": len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+[1-9]", ptx)),
+        "wgmma_deferred_waits": deferred_wgmma_waits(ptx),
         "mma_sync": ptx.count("mma.sync"),
         "cp_async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
         "tma_loads": ptx.count("cp.async.bulk.tensor"),
         "ld_global": ptx.count("ld.global"),
         "ptxas": Path(exe).name,
     }
+
+
+def deferred_wgmma_waits(ptx: str) -> int:
+    """The waits that leave some ``wgmma`` in flight (``wgmma.wait_group N``, N > 0): what lets a
+    product overlap the instructions after it. 0: every product is waited for before the next
+    instruction that reads a result."""
+    return len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+[1-9]\d*\s*;", ptx))
 
 
 def ptxas_version() -> str:

@@ -65,3 +65,16 @@ def test_tune_mla_dry_run_writes_a_loadable_table(tmp_path):
                for c in data["header"]["decode_candidates"])
     table = load_mla_tuned(out)
     assert table.decode_fixed and table.decode_default and table.prefill
+
+
+def test_deferred_wgmma_waits_count_only_waits_that_leave_a_product_in_flight():
+    from experiments.ptxas_report import deferred_wgmma_waits
+
+    ptx = ("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {...};\n"
+           "wgmma.commit_group.sync.aligned;\n"
+           "wgmma.wait_group.sync.aligned 0;\n"
+           "wgmma.wait_group.sync.aligned 1;\n"
+           "wgmma.wait_group.sync.aligned  12 ;\n"
+           "cp.async.wait_group 2;\n")
+    assert deferred_wgmma_waits(ptx) == 2
+    assert deferred_wgmma_waits(ptx.replace(" 1;", " 0;")) == 1
