@@ -9,8 +9,7 @@ its own and, for the baseline's half of every point, puts its JIT functions in p
 same-named ones wherever a ``kernels`` launcher binds them (``harness.kernels_replaced``),
 counting the baseline's launches (a baseline none of whose kernels a point launches is an error).
 
-    python -m experiments.ab_kernels --export 752d0dc kernels/mla_kernels.py \
-        kernels/attention_kernels.py
+    python -m experiments.ab_kernels --export 752d0dc kernels/mla_kernels.py (and more files)
     python -m experiments.ab_kernels --cases mla-prefill,attention-prefill --name softmax-fold
         -> experiments/results/ab-softmax-fold-<card>.json
 
