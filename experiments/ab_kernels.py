@@ -65,18 +65,45 @@ def export_baseline(rev: str, files: list[str], out_dir: Path = BASELINE_DIR) ->
 
 
 def load_baseline(folder: Path) -> tuple[dict, list[ModuleType]]:
-    """(SOURCE.json's record, one module per exported file, each loaded under its own name)."""
+    """(SOURCE.json's record, one module per exported file, each loaded under its own name).
+
+    A baseline module that imports another baselined one (``from kernels.attention_kernels
+    import ...`` in mla_kernels.py) gets the baseline's: the files load in import order, each
+    with the ones before it standing in for their ``kernels.`` names while it executes."""
     source = json.loads((folder / SOURCE_FILE).read_text())
-    modules = []
-    for name in source["files"]:
-        stem = Path(name).stem
-        spec = importlib.util.spec_from_file_location(f"ab_baseline_{stem}", folder / f"{stem}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    stems = [Path(name).stem for name in source["files"]]
+    texts = {stem: (folder / f"{stem}.py").read_text() for stem in stems}
+    def imports(stem: str, other: str) -> bool:
+        return (f"from kernels.{other} import" in texts[stem]
+                or f"import kernels.{other}" in texts[stem])
+
+    loaded: dict[str, ModuleType] = {}
+    while len(loaded) < len(stems):
+        ready = [stem for stem in stems if stem not in loaded and not any(
+            imports(stem, other) for other in stems if other != stem and other not in loaded)]
+        if not ready:
+            raise ValueError(f"baseline: the files import each other in a cycle: {stems}")
+        for stem in ready:
+            loaded[stem] = _load_module(folder / f"{stem}.py", stem, loaded)
+    return source, [loaded[stem] for stem in stems]
+
+
+def _load_module(path: Path, stem: str, baselined: dict[str, ModuleType]) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"ab_baseline_{stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    saved = {name: sys.modules.get(f"kernels.{name}") for name in baselined}
+    try:
+        sys.modules.update({f"kernels.{name}": m for name, m in baselined.items()})
         spec.loader.exec_module(module)  # Triton reads each JIT function's source from the file
-        module.ab_replaces = f"kernels.{stem}"
-        modules.append(module)
-    return source, modules
+    finally:
+        for name, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(f"kernels.{name}", None)
+            else:
+                sys.modules[f"kernels.{name}"] = previous
+    module.ab_replaces = f"kernels.{stem}"
+    return module
 
 
 class BaselineLaunch:
@@ -97,9 +124,9 @@ class BaselineLaunch:
 @contextmanager
 def baseline_kernels(baseline: list[ModuleType]) -> Iterator[list[BaselineLaunch]]:
     """Inside the block, every ``kernels`` launcher module's binding of a JIT function defined in
-    a baselined module launches the baseline's function of that name instead (the baselined
-    modules themselves are left alone: their own kernels call their own helpers); yields the
-    stand-ins, whose ``launches`` say which ran."""
+    a baselined module launches the baseline's function of that name instead (the JIT-only
+    ``kernels/<op>_kernels.py`` modules are left alone: their kernels call their own helpers, and
+    the baseline's call the baseline's); yields the stand-ins, whose ``launches`` say which ran."""
     from triton.runtime.jit import KernelInterface
 
     by_source = {m.ab_replaces: {n: BaselineLaunch(v) for n, v in vars(m).items()
@@ -110,8 +137,10 @@ def baseline_kernels(baseline: list[ModuleType]) -> Iterator[list[BaselineLaunch
         return by_source.get(getattr(fn, "__module__", None), {}).get(
             getattr(fn, "__name__", None), kernel)
 
+    # the launchers: kernels modules other than the JIT-only kernels/<op>_kernels.py ones
     launchers = [m for name, m in sorted(sys.modules.items())
-                 if (name == "kernels" or name.startswith("kernels.")) and name not in by_source]
+                 if (name == "kernels" or name.startswith("kernels."))
+                 and not name.endswith("_kernels")]
     with harness.kernels_replaced(launchers, stand_in):
         yield [k for kernels in by_source.values() for k in kernels.values()]
 
@@ -123,20 +152,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def mla_prefill_points(lengths: tuple[int, ...] = (512, 1024, 2048, 4096)) -> list[Point]:
     from experiments import bench_mla
-    from kernels.mla import mla_prefill_attention
-    from kernels.mode import Mode
 
     dims = bench_mla.v3_dims()
     points = []
     for length in lengths:
-        x = bench_mla.prefill_inputs(dims, length, seed=length)
-        cu = bench_mla._cu([length])
-
-        def ours(x=x, cu=cu, length=length) -> torch.Tensor:
-            return mla_prefill_attention(x["q"], x["k"], x["v"], cu, cu, dims["scale"],
-                                         max_q_len=length, mode=Mode.CORUN)  # fmt: skip
-        points.append((f"mla_prefill {length}", ours, "sdpa_v_padded_192",
-                       bench_mla.sdpa_prefill(x, dims)))  # fmt: skip
+        ours, peer, _ = bench_mla.prefill_case(dims, length)
+        points.append((f"mla_prefill {length}", ours, "sdpa_v_padded_192", peer))
     return points
 
 

@@ -232,17 +232,26 @@ def sdpa_prefill(x: dict, dims: dict) -> Callable[[], torch.Tensor]:
         q4, k4, v_pad, is_causal=True, scale=dims["scale"])[..., : dims["v_dim"]]  # fmt: skip
 
 
-def _prefill_record(dims: dict, length: int) -> dict:
-    from kernels.mla import mla_prefill_attention, mla_prefill_config
+def prefill_case(dims: dict, length: int) -> tuple[Callable[[], torch.Tensor],
+                                                    Callable[[], torch.Tensor], dict]:
+    """One sequence of ``length`` tokens: (the corun prefill, the SDPA peer, the inputs)."""
+    from kernels.mla import mla_prefill_attention
 
     x = prefill_inputs(dims, length, seed=length)
     cu = _cu([length])
-    us = harness.bench_us(
-        lambda: mla_prefill_attention(
-            x["q"], x["k"], x["v"], cu, cu, dims["scale"], max_q_len=length, mode=Mode.CORUN
-        )
-    )
-    peer_us = harness.bench_us(sdpa_prefill(x, dims))
+
+    def ours() -> torch.Tensor:
+        return mla_prefill_attention(x["q"], x["k"], x["v"], cu, cu, dims["scale"],
+                                     max_q_len=length, mode=Mode.CORUN)  # fmt: skip
+    return ours, sdpa_prefill(x, dims), x
+
+
+def _prefill_record(dims: dict, length: int) -> dict:
+    from kernels.mla import mla_prefill_config
+
+    ours, peer, _ = prefill_case(dims, length)
+    us = harness.bench_us(ours)
+    peer_us = harness.bench_us(peer)
     flops = dims["heads"] * length * length * (dims["qk_dim"] + dims["v_dim"])  # causal half of 4x
     cfg = mla_prefill_config(dims["qk_dim"], dims["v_dim"], DTYPE, Mode.CORUN)
     return harness.kernel_record(

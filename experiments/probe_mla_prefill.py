@@ -78,17 +78,17 @@ def _prefill_dots_kernel(q_ptr, k_ptr, v_ptr, out_ptr, num_m_tiles, stride_q_t, 
 def prefill_dots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_m: int = 128,
                  block_n: int = 64, num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
     """q, k [S, H, D1 + D2] and v [S, H, DV] of one causal sequence -> [S, H, DV]: row i of a
-    head is sum over keys j <= i of (q_i . k_j rounded to v's dtype) v_j. D1 and D2 (the qk dim's
-    two powers of 2: 128 + 64 at DeepSeek-V3's 192) and DV powers of 2; S a multiple of
-    ``block_m``, which is a multiple of ``block_n`` (the probe's shapes need no masks)."""
+    head is sum over keys j <= i of (q_i . k_j rounded to v's dtype) v_j. D1 and D2 (the qk
+    dim's two powers of 2, the second at least 16: 128 + 64 at DeepSeek-V3's 192) and DV powers
+    of 2; S a multiple of ``block_m``, which is a multiple of ``block_n`` (no masks needed)."""
     length, heads, qk_dim = q.shape
     d1 = 1 << (qk_dim.bit_length() - 1)
     d2, dv = qk_dim - d1, v.shape[2]
-    if (length % block_m or block_m % block_n or d2 & (d2 - 1) or dv & (dv - 1)
+    if (length % block_m or block_m % block_n or d2 < 16 or d2 & (d2 - 1) or dv & (dv - 1)
             or k.shape != q.shape or v.shape[:2] != (length, heads)):
-        raise ValueError(f"prefill_dots: S % {block_m}, block_m % block_n, powers of 2 for the "
-                         f"qk parts and v, k like q; got q {tuple(q.shape)}, k "
-                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"prefill_dots: S % {block_m}, block_m % block_n, two powers of 2 "
+                         f"(the second >= 16) for the qk dim, one for v, k like q; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty(length, heads, dv, dtype=q.dtype, device=q.device)
     num_m_tiles = length // block_m
@@ -109,7 +109,7 @@ def prefill_dots_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 
 def collect() -> list[dict]:
     from experiments import bench_mla
-    from kernels.mla import mla_prefill_attention, mla_prefill_config
+    from kernels.mla import mla_prefill_config
     from kernels.mode import Mode
 
     dims = bench_mla.v3_dims()
@@ -118,14 +118,12 @@ def collect() -> list[dict]:
             "num_stages": cfg.num_stages, "tma": cfg.tma}  # fmt: skip
     records = []
     for length in LENGTHS:
-        x = bench_mla.prefill_inputs(dims, length, seed=length)
-        cu = bench_mla._cu([length])
+        kernel, sdpa, x = bench_mla.prefill_case(dims, length)
         dots_us = harness.bench_us(lambda x=x: prefill_dots(
             x["q"], x["k"], x["v"], block_m=cfg.block_m, block_n=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages))  # fmt: skip
-        kernel_us = harness.bench_us(lambda x=x, cu=cu, length=length: mla_prefill_attention(
-            x["q"], x["k"], x["v"], cu, cu, dims["scale"], max_q_len=length, mode=Mode.CORUN))
-        sdpa_us = harness.bench_us(bench_mla.sdpa_prefill(x, dims))
+        kernel_us = harness.bench_us(kernel)
+        sdpa_us = harness.bench_us(sdpa)
         records.append({
             "probe": "mla_prefill_dots", "length": length, "heads": dims["heads"],
             "qk_dim": dims["qk_dim"], "v_dim": dims["v_dim"], "tile": tile,

@@ -188,7 +188,7 @@ def mla_decode_reports(tiles: list, batch: int = 8, ctx: int = 4096,
             q_latent, q_pe, cache, tables, lens, 0.1, max_seq_len=ctx, mode=Mode.CORUN,
             split_size=split_size, tile=tile))
         split = next(x for x in launches if x.kernel.__name__ == "_mla_decode_kernel")
-        rows.append({"case": _tile_label(tile), "tile": tile.to_dict(), **_report(split)})
+        rows.append({"case": tile.label, "tile": tile.to_dict(), **_report(split)})
     return rows
 
 
@@ -208,16 +208,8 @@ def mla_prefill_reports(tiles: list, length: int = 4096) -> list[dict]:
         cfg = mla.mla_prefill_config(qk_dim, v_dim, torch.bfloat16, Mode.CORUN, tile=tile)
         launch = capture_launches(mla, lambda cfg=cfg: mla.mla_prefill_attention(
             q, k, v, cu, cu, 0.1, max_q_len=length, config=cfg))[0]
-        rows.append({"case": _tile_label(tile), "tile": tile.to_dict(), **_report(launch)})
+        rows.append({"case": tile.label, "tile": tile.to_dict(), **_report(launch)})
     return rows
-
-
-def _tile_label(tile) -> str:
-    parts = f", {tile.dv_parts} value parts" if tile.dv_parts > 1 else ""
-    return (f"{tile.block_m} x {tile.block_n}, {tile.num_warps} warps, {tile.num_stages} "
-            f"stages{parts}{', TMA-fed' if tile.tma else ''}"
-            f"{', block ids preloaded' if tile.preload_pages else ''}"
-            f"{', values reloaded' if tile.reload_values else ''}")
 
 
 def moe_align_reports(experts: tuple[int, ...] = (128, 192, 256), top_k: int = 8,

@@ -73,17 +73,18 @@ def _mla_probe_note(probe: list[dict] | None, name: str) -> str:
             f"{_span(asks, 2)} the target asks at those points")
 
 
-def _mla_prefill_probe_note(probe: list[dict] | None, name: str) -> str:
+def _mla_prefill_probe_note(head: dict, probe: list[dict], name: str) -> str:
     """What MLA prefill's loop reaches of SDPA's speed with its softmax taken out
     (experiments/probe_mla_prefill.py), and the share of the kernel's time the softmax adds: on
-    sm_90 Triton runs it after the products, never under them."""
+    sm_90 Triton runs it after the products, never under them (the probe header's Triton)."""
     if not probe:
         return ""
     dots = [r["dots_of_sdpa"] for r in probe]
     share = [100 * r["softmax_share"] for r in probe]
     return (f". The loop's products alone (`experiments/results/{name}.json`: the kernel's tile, "
             f"the softmax taken out) run at {_span(dots, 2)} of SDPA's speed; the softmax, "
-            f"which Triton 3.6 runs after them on sm_90 (no wgmma left in flight in the "
+            f"which Triton {head.get('triton', '?')} runs after them on sm_90 (no wgmma left in "
+            f"flight in the "
             f"kernel, offline), takes {_span(share, 0, '%')} of the kernel's time")
 
 
@@ -295,7 +296,7 @@ def kernels_targets_block(head: dict, records: list[dict], name: str = "kernels-
     dots_name, prefill_name = f"probe-mla-dots-{card}", f"probe-mla-prefill-{card}"
     dots, prefill = _load(dots_name), _load(prefill_name)
     rows = _rows(records, _mla_probe_note(dots[1], dots_name) if dots else "",
-                 _mla_prefill_probe_note(prefill[1], prefill_name) if prefill else "")
+                 _mla_prefill_probe_note(*prefill, prefill_name) if prefill else "")
     return "\n".join([_source(head, name), "",
                       _table(["kernel", "target", "measured", "met"], rows)])
 
@@ -349,14 +350,16 @@ def tuned_prefill_block(name: str) -> Callable[[dict, list[dict]], str]:
     the peer's speed (SDPA's time / the tile's), the peer first and the pick marked."""
 
     def render(head: dict, records: list[dict]) -> str:
-        entry = next(r for r in records if r.get("kind") == "prefill")
+        from kernels.mla_tuned import MLATile
+
+        entry = next((r for r in records if r.get("kind") == "prefill"), None)
+        if entry is None or not entry.get("candidates"):  # a run cut before any prefill length
+            return _source(head, name) + "\n\n_no prefill entry with its candidates' times_"
         peer = entry["sdpa_us"]
 
         def label(config: dict) -> str:
-            extras = ", TMA-fed" if config.get("tma") else ""
             pick = " (the pick)" if config == entry["config"] else ""
-            return (f"{config['block_m']} x {config['block_n']}, {config['num_warps']} warps, "
-                    f"{config['num_stages']} stages{extras}{pick}")
+            return MLATile.from_dict(config).label + pick
 
         rows = [["SDPA (v padded), the peer", *(f"{us:.1f}" for us in peer)]]
         rows += [[label(c["config"]), *(f"{us:.1f} ({p / us:.2f})"
@@ -386,8 +389,12 @@ def tuned_gemm_block(name: str, before: str | None = None) -> Callable[[dict, li
                               f"{c['split_k']}", f"{c['num_warps']} warps",
                               f"{c['num_stages']} stages", *extras])
 
+        if not records:  # a narrowed run cut before its first point
+            return _source(head, name) + "\n\n_no points_"
+
         def summary(ratios: list[float]) -> str:
-            return (f"min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, "
+            low, mid, _ = _stats(ratios)
+            return (f"min {low:.2f}, median {mid:.2f}, "
                     f"{sum(r >= 0.85 for r in ratios)} of {len(ratios)} at >= 0.85")
 
         ratios = [e["ratio_vs_cublas"] for e in records]

@@ -168,6 +168,17 @@ def gemm_shapes(models: tuple[str, ...] = TUNED_MODELS) -> list[tuple[str, int, 
     return shapes
 
 
+def models_shapes(shapes: tuple[tuple[str, int, int], ...], models: list[str],
+                  by_label: bool = False) -> tuple[tuple[str, int, int], ...]:
+    """The ``shapes`` that any of ``models`` runs: by (N, K) against each model's own GEMMs (a
+    shape two models share carries its first model's label), or with ``by_label`` by the label's
+    model prefix (the dry run's stand-in shapes)."""
+    if by_label:
+        return tuple(s for s in shapes if s[0].split(".", 1)[0] in models)
+    wanted = {(n, k) for model in models for _, n, k in model_gemm_shapes(model)}
+    return tuple(s for s in shapes if (s[1], s[2]) in wanted)
+
+
 def candidate_set(m: int) -> str:
     """The name of the candidate generator at M (what an entry records)."""
     return LARGE_M_CANDIDATE_SET if m > 256 else CANDIDATE_SET
@@ -397,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     if set(models) - set(TUNED_MODELS) or set(m_values) - set(M_VALUES):
         parser.error(f"--models / --m-values: expected some of {list(TUNED_MODELS)} / "
                      f"{list(M_VALUES)}, got {models} / {m_values}")
-    if (models or m_values) and not args.resume and args.out == TUNED_PATH:
+    if (models or m_values) and not args.resume and args.out.resolve() == TUNED_PATH.resolve():
         parser.error("--models / --m-values without --resume need an --out of their own (the "
                      "table's other points would be dropped)")
     if args.dry_run:
@@ -413,11 +424,14 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     full = setup  # the whole table's points, which its header counts
     if models:
-        setup = dataclasses.replace(setup, shapes=tuple(
-            s for s in setup.shapes if s[0].split(".", 1)[0] in models))
+        setup = dataclasses.replace(setup, shapes=models_shapes(setup.shapes, models,
+                                                                by_label=args.dry_run))
     if m_values:
         setup = dataclasses.replace(setup, m_values=tuple(m for m in setup.m_values
                                                           if m in m_values))
+    if not setup.shapes or not setup.m_values:
+        parser.error(f"--models / --m-values: no point of {models or 'all'} at "
+                     f"{m_values or 'all'} M to tune")
     done: list[dict] = []
     stale: frozenset[tuple[int, int, int]] = frozenset()
     retune = {int(v) for v in args.retune_m.split(",") if v.strip()}

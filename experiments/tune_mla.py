@@ -329,8 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-decode", action="store_true",
                         help="prefill only (needs --out: the table's decode entries would be lost)")
     args = parser.parse_args(argv)
-    if args.no_decode and (args.no_prefill or args.out is None):
-        parser.error("--no-decode needs --out and no --no-prefill")
+    if args.no_decode and (args.no_prefill or args.out is None
+                           or args.out.resolve() == TUNED_PATH.resolve()):
+        parser.error("--no-decode needs an --out other than the checked-in table (its decode "
+                     "entries would be lost) and no --no-prefill")
     if args.dry_run:
         if args.out is None:
             parser.error("--dry-run needs --out (never overwrite the checked-in table)")

@@ -58,6 +58,7 @@ from kernels.utils import (
     check_block_ids,
     check_same_device,
     check_shape,
+    check_softmax_scale,
     check_tensor,
     dot_precision,
     is_host_checkable,
@@ -226,6 +227,7 @@ def prefill_attention(
     needs a host sync, so the launch stays capturable in a CUDA graph.
     """
     _check_paged_attention(q, k_cache, v_cache, block_tables)
+    scale = check_softmax_scale(scale)
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), contiguous=True)
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_seqs < 1:
@@ -440,6 +442,7 @@ def decode_attention(
     zeros each call.
     """
     _check_paged_attention(q, k_cache, v_cache, block_tables)
+    scale = check_softmax_scale(scale)
     num_seqs, num_q_heads, head_dim = q.shape
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), contiguous=True)
     check_shape("seq_lens", seq_lens, (num_seqs,))

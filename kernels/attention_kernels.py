@@ -132,11 +132,12 @@ def _prefill_tile(
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASKED:
         # Mask the raw scores, before the scale: then both variants compute the same
-        # `scores * qk_scale - m` expression, which the compiler contracts into one FMA.
+        # `scores * qk_scale - m` expression (one FMA under Triton's default fp fusion).
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-    # The row max of the raw scores, scaled once: rounding is monotone, so it is the max of the
-    # scaled scores bit for bit, without a multiply per score for the max alone.
+    # The row max of the raw scores, scaled once: rounding is monotone and qk_scale > 0 (the
+    # launcher checks it), so it is the max of the scaled scores bit for bit, without a multiply
+    # per score for the max alone.
     m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
     # m_new is finite: key 0 is visible to every row and is in the first tile each row walks.
     alpha = tl.exp2(m_i - m_new)

@@ -59,6 +59,7 @@ from kernels.utils import (
     check_block_ids,
     check_same_device,
     check_shape,
+    check_softmax_scale,
     check_tensor,
     dot_precision,
     is_host_checkable,
@@ -275,6 +276,7 @@ def mla_decode(
     count stays the mode's).
     """
     mode = Mode.parse(mode)
+    scale = check_softmax_scale(scale)
     check_tensor("q_latent", q_latent, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_tensor("q_pe", q_pe, ndim=3, dtypes=(q_latent.dtype,), last_dim_contiguous=True)
     check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(q_latent.dtype,), last_dim_contiguous=True)
@@ -435,6 +437,7 @@ def mla_prefill_attention(
     ``config`` overrides the policy (tests and tuning only; the engine never passes it).
     """
     mode = Mode.parse(mode)
+    scale = check_softmax_scale(scale)
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), last_dim_contiguous=True)
     check_tensor("v", v, ndim=3, dtypes=(q.dtype,), last_dim_contiguous=True)

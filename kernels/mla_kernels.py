@@ -354,9 +354,10 @@ def _mla_prefill_tile(
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-    # The row max of the raw scores, scaled once: rounding is monotone, so it is the max of the
-    # scaled scores bit for bit, without a multiply per score for the max alone (the exponent's
-    # `scores * qk_scale - m` is one FMA).
+    # The row max of the raw scores, scaled once: rounding is monotone and qk_scale > 0 (the
+    # launcher checks it), so it is the max of the scaled scores bit for bit, without a multiply
+    # per score for the max alone. The exponent's `scores * qk_scale - m` is one FMA under
+    # Triton's default fp fusion either way, as it was when the max read the scaled scores.
     m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(scores * qk_scale - m_new[:, None])

@@ -72,6 +72,15 @@ class MLATile:
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
     @property
+    def label(self) -> str:
+        """The tile in words, as reports and tables name it."""
+        parts = f", {self.dv_parts} value parts" if self.dv_parts > 1 else ""
+        return (f"{self.block_m} x {self.block_n}, {self.num_warps} warps, {self.num_stages} "
+                f"stages{parts}{', TMA-fed' if self.tma else ''}"
+                f"{', block ids preloaded' if self.preload_pages else ''}"
+                f"{', values reloaded' if self.reload_values else ''}")
+
+    @property
     def has_decode_options(self) -> bool:
         """Whether the tile sets an option only decode has (a prefill tile must not)."""
         return self.dv_parts != 1 or self.preload_pages or self.reload_values

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -152,6 +153,16 @@ def check_num_warps(name: str, value: object) -> None:
 def check_positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+
+
+def check_softmax_scale(value: object) -> float:
+    """The attention launchers' ``scale``: a finite number > 0 (the kernels take the row max of the
+    raw scores and scale it once, which is the max of the scaled scores only for a positive
+    scale); returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise ValueError(f"scale: expected a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def config_from_dict(cls: type[T], data: dict[str, Any]) -> T:

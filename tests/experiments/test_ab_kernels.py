@@ -20,12 +20,18 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = "kernels/mla_kernels.py"
 
 
-def _export(tmp_path: Path, edit=None) -> Path:
+def _export(tmp_path: Path, edit=None, files: tuple[str, ...] = (KERNELS,)) -> Path:
+    """A baseline folder holding the working tree's own files (``edit`` applied to
+    mla_kernels.py), laid out as ``export_baseline`` lays out a revision's."""
     folder = tmp_path / "baseline"
-    ab_kernels.export_baseline("HEAD", [KERNELS], folder)
-    if edit is not None:
-        path = folder / "mla_kernels.py"
-        path.write_text(edit(path.read_text()))
+    folder.mkdir(parents=True)
+    for name in files:
+        text = (ROOT / name).read_text()
+        if edit is not None and name == KERNELS:
+            text = edit(text)
+        (folder / Path(name).name).write_text(text)
+    (folder / ab_kernels.SOURCE_FILE).write_text(
+        json.dumps({"rev": "working tree", "files": list(files)}))
     return folder
 
 
@@ -50,7 +56,7 @@ def _points() -> list[ab_kernels.Point]:
 
 
 def test_export_writes_the_revision_file_and_its_source(tmp_path):
-    folder = _export(tmp_path)
+    folder = ab_kernels.export_baseline("HEAD", [KERNELS], tmp_path / "baseline")
     head = subprocess.run(["git", "show", f"HEAD:{KERNELS}"], cwd=ROOT, capture_output=True,
                           text=True, check=True).stdout  # fmt: skip
     assert (folder / "mla_kernels.py").read_text() == head
@@ -106,3 +112,16 @@ def test_measure_refuses_a_baseline_that_launches_nothing(tmp_path):
     _, modules = ab_kernels.load_baseline(folder)
     with pytest.raises(ValueError, match="no kernel of the baseline"):
         ab_kernels.measure(_points(), modules, lambda fn: 1.0)
+
+
+def test_a_baseline_module_imports_the_other_baselined_modules_helpers(tmp_path):
+    """mla_kernels.py imports helpers from attention_kernels.py: with both baselined, the
+    baseline's mla module gets the baseline's helpers, whichever order the files were named in,
+    and the working tree's modules are back in place after the load."""
+    import kernels.attention_kernels as attention_kernels
+
+    folder = _export(tmp_path, files=(KERNELS, "kernels/attention_kernels.py"))
+    _, (mla_base, attention_base) = ab_kernels.load_baseline(folder)
+    assert mla_base._zero_padding_rows is attention_base._zero_padding_rows
+    assert mla_base._zero_padding_rows is not attention_kernels._zero_padding_rows
+    assert __import__("sys").modules["kernels.attention_kernels"] is attention_kernels

@@ -215,9 +215,10 @@ def test_mla_decode_rows_add_the_products_alone_from_the_same_cards_probe(tmp_pa
 def test_mla_prefill_row_adds_the_products_alone_from_the_same_cards_probe(tmp_path, monkeypatch):
     """With the card's probe-mla-prefill file beside its kernels file, the MLA prefill row says
     what the loop reaches of SDPA's speed with the softmax taken out and the softmax's share of
-    the kernel's time (equal ends print once); another card's file (or none) adds nothing."""
+    the kernel's time (equal ends print once), naming the probe's Triton; another card's file
+    (or none) adds nothing."""
     probe = {"probe": "mla_prefill_dots"}
-    (tmp_path / "probe-mla-prefill-h100.json").write_text(json.dumps([HEAD, *[
+    (tmp_path / "probe-mla-prefill-h100.json").write_text(json.dumps([{**HEAD, "triton": "3.6"}, *[
         {**probe, "length": 512, "dots_of_sdpa": 0.97, "softmax_share": 0.18},
         {**probe, "length": 4096, "dots_of_sdpa": 1.08, "softmax_share": 0.18},
     ]]))

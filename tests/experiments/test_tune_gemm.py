@@ -281,3 +281,18 @@ def test_models_and_m_values_narrow_a_run_and_never_claim_the_whole_table(tmp_pa
     for argv in (["--models", "llama"], ["--m-values", "3"], ["--models", "qwen3-8b"]):
         with pytest.raises(SystemExit):
             tune_gemm.main(["--dry-run", *argv])
+
+
+def test_models_narrow_by_each_models_own_gemms_not_by_label():
+    """A shape two models share carries its first model's label; --models still finds it for
+    the second (Qwen3-0.6B's GEMMs all carry earlier models' labels or its own)."""
+    shapes = tuple(tune_gemm.gemm_shapes())
+    for model in tune_gemm.TUNED_MODELS:
+        own = {(n, k) for _, n, k in tune_gemm.model_gemm_shapes(model)}
+        assert {(n, k) for _, n, k in tune_gemm.models_shapes(shapes, [model])} == own, model
+
+
+def test_a_narrowed_run_with_nothing_to_tune_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        tune_gemm.main(["--dry-run", "--out", str(tmp_path / "t.json"), "--models", "hy3"])
+    assert not (tmp_path / "t.json").exists()

@@ -33,6 +33,7 @@ def test_prefill_only_sweep_keeps_every_candidate_and_the_peer(tmp_path):
     assert all(len(c["us"]) == lengths for c in entry["candidates"])
 
 
-def test_no_decode_needs_out():
-    done = _tune("--no-decode")
-    assert done.returncode == 2 and "--no-decode needs --out" in done.stderr
+def test_no_decode_needs_an_out_other_than_the_table():
+    for out in ([], ["--out", "kernels/tuned/mla_h200.json"]):
+        done = _tune("--no-decode", *out)
+        assert done.returncode == 2 and "--no-decode needs an --out" in done.stderr, out

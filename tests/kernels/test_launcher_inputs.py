@@ -91,3 +91,29 @@ def test_mla_launchers_check_block_ids_and_slots():
     for slots in ([-7], [32]):
         with pytest.raises(ValueError, match="^slot_mapping: slots must lie in"):
             store_mla_kv(torch.randn(1, 16), torch.randn(1, 16), cache, torch.tensor(slots))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.25, float("nan"), float("inf"), True, "0.25"])
+def test_attention_launchers_refuse_a_scale_that_is_not_a_positive_number(scale):
+    """The softmax kernels take the row max of the raw scores and scale it once: the max of the
+    scaled scores only for a scale > 0. Each launcher refuses another before any work."""
+    from kernels.mla import mla_prefill_attention
+
+    kc, vc, tables, gen = make_paged([6, 9], 2, 16, 8, torch.float32, seed=3)
+    lens = torch.tensor([6, 9], dtype=torch.int32)
+    cu = torch.tensor([0, 6, 15], dtype=torch.int32)
+    x = torch.randn(15, 2, 24, generator=gen)
+    calls = [
+        lambda: prefill_attention(torch.randn(15, 2, 16, generator=gen), kc, vc, tables, cu,
+                                  lens, scale, max_q_len=9),
+        lambda: decode_attention(torch.randn(2, 4, 16, generator=gen), kc, vc, tables, lens,
+                                 scale, max_seq_len=16),
+        lambda: mla_prefill_attention(x, x, x[..., :16].contiguous(), cu, cu, scale, max_q_len=9),
+        lambda: mla_decode(torch.randn(2, 4, 16, generator=gen), torch.randn(2, 4, 8,
+                           generator=gen), torch.randn(4, 8, 24, generator=gen),
+                           torch.arange(4, dtype=torch.int32).view(2, 2), lens, scale,
+                           max_seq_len=16),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="scale: expected a finite number > 0"):
+            call()
