@@ -235,3 +235,20 @@ def test_tuned_gemm_change_renders_both_runs_at_each_point(tmp_path, monkeypatch
                                  "<!-- /results:tune-gemm-qwen3-8b-mid-m-h100 -->")
     assert "the best candidate at each point: min 0.79, median 0.79, 0 of 1 at >= 0.85." in alone
     assert "| q.qkv | 128 | 0.79 | 65 | 128 x 256 x 64, split 1, 8 warps, 3 stages |" in alone
+
+
+def test_tuning_views_render_a_cut_run(tmp_path, monkeypatch):
+    """A tune_mla file cut before its prefill entry, and a narrowed tune_gemm file cut before its
+    first point, render as such instead of failing the whole README."""
+    import json
+
+    from experiments import report
+
+    for name in ("tune-mla-prefill-h100", "tune-gemm-qwen3-8b-mid-m-h100"):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"header": HEAD, "entries": []}))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    text = report.render_readme("<!-- results:tune-mla-prefill-h100 -->\n"
+                                "<!-- /results:tune-mla-prefill-h100 -->\n"
+                                "<!-- results:tune-gemm-qwen3-8b-mid-m-h100 -->\n"
+                                "<!-- /results:tune-gemm-qwen3-8b-mid-m-h100 -->")
+    assert "_no prefill entry with its candidates' times_" in text and "_no points_" in text
