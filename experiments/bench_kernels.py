@@ -190,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             quick=args.quick,
             families=",".join(done),
-            timing=("harness.bench_us: CUDA-graph replay medians after a back-to-back warm-up, "
-                    "do_bench where not capturable"),
+            timing=f"{harness.GRAPH_REPLAY_TIMING}, do_bench where not capturable",
         )
         if args.merge is not None:  # (it plots the merged records)
             path = _merge_files(args.merge, [path], args.out or str(path.parent))

@@ -269,7 +269,7 @@ def prefill_attention(
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
         q.shape[0], num_seqs, num_m_tiles, num_q_heads // k_cache.shape[2], block_size,
-        float(scale) * LOG2E,
+        scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=head_dim,
@@ -490,7 +490,7 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
         arrivals if fused else mid_lse,
         num_q_heads // num_kv_heads, block_size, cfg.split_size, cfg.num_split_programs,
-        float(scale) * LOG2E,
+        scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
