@@ -64,6 +64,8 @@ TARGET_NUM_CTAS = 2 * H200_NUM_SMS
 MAX_SPLIT_K = 16
 # A split of one K block leaves the software pipeline nothing to overlap.
 MIN_K_BLOCKS_PER_SPLIT = 2
+# Elements one reduce program sums (REDUCE_ELEMENTS // block_n rows of one column tile).
+REDUCE_ELEMENTS = 1024
 # Per-CTA shared memory the pipeline may use (H200: 227 KB per block; keep room for the epilogue).
 SMEM_BUDGET_BYTES = 200 * 1024
 
@@ -415,16 +417,25 @@ def gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if use_workspace:
-        block_size = 1024
-        _splitk_reduce_kernel[(cdiv(m * n, block_size),)](
-            workspace, bias_arg, out,
-            m, n, k, split_k, grid[0],
-            m * n, out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, STREAM_K=stream_k,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_SIZE=block_size,
-            num_warps=4,
-        )
+        reduce_partials(workspace, bias, out, k, split_k, grid[0] if stream_k else 0, cfg)
     return out
+
+
+def reduce_partials(workspace: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                    k: int, slots: int, stream_k_programs: int, config: GemmConfig) -> None:
+    """Sum the fp32 partials of ``workspace`` [slots, M, N] into ``out`` (+ bias) in slot order:
+    split-K's ``slots`` splits everywhere, or, with ``stream_k_programs`` > 0, the pieces of each
+    column tile that stream-K cut (a tile of one piece is already in ``out``)."""
+    m, n = out.shape
+    reduce_rows = max(1, REDUCE_ELEMENTS // config.block_n)
+    _splitk_reduce_kernel[(cdiv(m, reduce_rows), cdiv(n, config.block_n))](
+        workspace, bias if bias is not None else out, out,
+        m, n, k, slots, stream_k_programs,
+        m * n, out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, STREAM_K=stream_k_programs > 0,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, REDUCE_ROWS=reduce_rows,
+        num_warps=4,
+    )
 
 
 def stream_k_programs(n: int, k: int, config: GemmConfig) -> int:

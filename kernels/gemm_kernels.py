@@ -251,32 +251,33 @@ def _splitk_reduce_kernel(
     STREAM_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    REDUCE_ROWS: tl.constexpr,
 ):
     """Sums each element's partials in slot order ((p0 + p1) + p2) + ...: the reason split-K and
-    stream-K stay deterministic at a fixed shape. Split-K: split_k slots everywhere. Stream-K:
-    the pieces of the element's column tile; a tile of one piece was written by the GEMM."""
-    pid = tl.program_id(0)
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offs < M * N
-    offs_m = offs // N
-    offs_n = offs % N
+    stream-K stay deterministic at a fixed shape. Program (i, j) reduces rows [i * REDUCE_ROWS,
+    ...) of column tile j (the GEMM's BLOCK_N columns). Split-K: split_k slots everywhere.
+    Stream-K: the pieces of column tile j, found once per program (a per-element int64 division
+    made this launch 3-4x the GEMM's time on an H100: probe-gemm-mid-m-h100.json); a tile of one
+    piece was written by the GEMM, and its programs return at once."""
+    pid_m = tl.program_id(0)
+    tile_n = tl.program_id(1)
     if STREAM_K:
         k_blocks = tl.cdiv(K, BLOCK_K)
-        tile_n = offs_n // BLOCK_N
         total = tl.cdiv(N, BLOCK_N) * k_blocks
         first = _stream_k_first_program(tile_n, k_blocks, total, stream_k_programs)
-        pieces = _stream_k_last_program(tile_n, k_blocks, total, stream_k_programs) - first + 1
-        mask = mask & (pieces > 1)
+        pieces = (_stream_k_last_program(tile_n, k_blocks, total, stream_k_programs)
+                  - first + 1).to(tl.int32)
     else:
-        pieces = split_k + offs * 0
-    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, split_k):  # split_k: the slot count (stream-K: the most pieces a tile has)
-        part = tl.load(ws_ptr + s * stride_ws + offs, mask=mask & (s < pieces), other=0.0)
-        # A tile with fewer pieces keeps its sum as is (adding a masked +0.0 would turn a -0.0
-        # sum into +0.0, and make the bits depend on the slot count).
-        acc = tl.where(s < pieces, acc + part, acc)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_m * stride_om + offs_n * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+        pieces = split_k
+    if pieces > 1:
+        offs_m = pid_m * REDUCE_ROWS + tl.arange(0, REDUCE_ROWS)
+        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        offs = offs_m[:, None] * N + offs_n[None, :]
+        acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+        for s in range(1, pieces):
+            acc += tl.load(ws_ptr + s * stride_ws + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)

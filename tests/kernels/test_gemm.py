@@ -15,7 +15,9 @@ from kernels.gemm import (
     gemm,
     gemm_config,
     load_tuned_table,
+    reduce_partials,
     stream_k_pieces,
+    stream_k_programs,
     with_row_mask,
 )
 from kernels.mode import Mode
@@ -261,6 +263,47 @@ def test_gemm_stream_k_rows_keep_their_bits_at_every_m():
     assert_bitwise_equal(gemm(x[:m], w, b, config=config), full[:m], f"first {m} rows")
     perm = torch.randperm(16, generator=torch.Generator().manual_seed(1))
     assert_bitwise_equal(gemm(x[perm], w, b, config=config), full[perm], "permuted rows")
+
+
+@pytest.mark.parametrize("config", [GemmConfig(16, 16, 16, split_k=3),
+                                    GemmConfig(16, 16, 32, stream_k_programs=4),
+                                    GemmConfig(16, 32, 16, stream_k_programs=7),
+                                    GemmConfig(16, 16, 16, stream_k_programs=2)],
+                         ids=["split3", "stream4", "stream7", "stream2"])
+def test_reduce_partials_sums_each_tiles_pieces_in_slot_order(config):
+    """The reduce adds a tile's partials left to right ((p0 + p1) + p2, then the bias) and leaves
+    a stream-K tile of one piece (already written by the GEMM) alone: exact, not close."""
+    m, n, k = 5, 48, 160
+    if config.stream_k_programs:
+        slots, programs = stream_k_pieces(n, k, config), stream_k_programs(n, k, config)
+        total = -(-n // config.block_n) * -(-k // config.block_k)
+        k_blocks = -(-k // config.block_k)
+
+        def pieces(tile: int) -> int:
+            first = ((tile * k_blocks + 1) * programs - 1) // total
+            return ((tile + 1) * k_blocks * programs - 1) // total - first + 1
+    else:
+        slots, programs = config.split_k, 0
+
+        def pieces(tile: int) -> int:
+            return slots
+    assert slots > 1
+    gen = torch.Generator().manual_seed(11)
+    workspace = torch.randn(slots, m, n, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    out = torch.full((m, n), 7.0)
+    reduce_partials(workspace, bias, out, k, slots, programs, config)
+    tile_pieces = [pieces(col // config.block_n) for col in range(n)]
+    if config.stream_k_programs == 2:  # 3 tiles x 10 K blocks cut at 15: tiles 0 and 2 whole
+        assert tile_pieces[::16] == [1, 2, 1]
+    for col in range(n):
+        if tile_pieces[col] == 1:
+            assert torch.equal(out[:, col], torch.full((m,), 7.0)), f"column {col} rewritten"
+            continue
+        expected = workspace[0, :, col].clone()
+        for slot in range(1, tile_pieces[col]):
+            expected = expected + workspace[slot, :, col]
+        assert_bitwise_equal(out[:, col], expected + bias[col], f"column {col}")
 
 
 def test_gemm_stream_k_config_checks():

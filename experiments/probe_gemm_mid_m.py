@@ -1,0 +1,131 @@
+"""Where the corun GEMM's time goes at M 128 / 256 on the shapes that miss 0.85 of cuBLAS.
+
+Qwen3-8B's qkv (N 6144, K 4096) at M 128 runs at 0.79 of cuBLAS on an H100 with the best of 80
+candidates (tune-gemm-qwen3-8b-mid-m-h100.json): 96 tiles of 128 x 64 on 132 SMs, and stream-K,
+which shares the iterations among all SMs, at 39 us against the pick's 26. This times, per shape:
+
+- ``pick_us`` and ``cublas_us``: the policy's config and ``F.linear``;
+- each variant (tile, depth, warps, split-K, persistence, stream-K programs) in full and its
+  reduce launch alone
+  (``reduce_us``: the fp32 partials summed into the output), so a split's cost is told from its
+  product's.
+
+    python -m experiments.probe_gemm_mid_m   -> experiments/results/probe-gemm-mid-m-<card>.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):  # run as a file: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.harness import bench_us, probe_main  # noqa: E402
+from kernels.gemm import (  # noqa: E402
+    GemmConfig,
+    gemm,
+    gemm_config,
+    reduce_partials,
+    stream_k_pieces,
+    stream_k_programs,
+)
+from kernels.mode import Mode  # noqa: E402
+from kernels.utils import cdiv  # noqa: E402
+
+# The H100's lowest rows at M 128 / 256 (kernels-h100.json, the H200's table): 0.75-0.80.
+SHAPES = (("qwen3-8b.qkv", 6144, 4096), ("qwen3-8b.gate_up", 24576, 4096),
+          ("qwen3-30b-a3b.qkv", 5120, 2048), ("deepseek-v3.q_b", 24576, 1536))
+M_VALUES = (128, 256)
+
+
+# Shared memory a tile's pipeline may take (227 KB an SM on sm_90, less the epilogue's).
+SMEM_BYTES = 220 * 1024
+
+
+def variants(m: int) -> dict[str, GemmConfig]:
+    """The tiles and cuts timed at M, all TMA-fed (the H100 tune's winners are): whole tiles of
+    64 / 128 / 256 columns at every pipeline depth that fits and at 4 and 8 warps; each tile at
+    3 stages also split 2, persistent, and stream-K over one and two programs an SM."""
+    tiles = ((128, 64, 64), (128, 64, 128), (128, 128, 64), (128, 256, 64))
+    if m > 128:  # 256-row tiles read each weight tile once; 256 x 256 is past the registers
+        tiles += ((256, 64, 64), (256, 128, 64))
+    out = {}
+    for bm, bn, bk in tiles:
+        stage_bytes = (bm + bn) * bk * 2
+        for warps in (4, 8):
+            if warps == 4 and bm * bn > 128 * 128:
+                continue  # 128 fp32 accumulators a thread and more: past the registers
+            for stages in range(3, 8):
+                if stages * stage_bytes > SMEM_BYTES:
+                    break
+                out[f"{bm}x{bn}x{bk} w{warps} s{stages}"] = GemmConfig(
+                    bm, bn, bk, num_warps=warps, num_stages=stages, tma=True)
+        tile = GemmConfig(bm, bn, bk, num_warps=8, num_stages=3, tma=True)
+        out[f"{bm}x{bn}x{bk} w8 s3 split 2"] = dataclasses.replace(tile, split_k=2)
+        out[f"{bm}x{bn}x{bk} w8 s3 persistent"] = dataclasses.replace(tile, persistent=True)
+        if bm >= m:  # stream-K runs one row tile
+            for programs in (132, 264):
+                out[f"{bm}x{bn}x{bk} w8 s3 stream-K {programs}"] = dataclasses.replace(
+                    tile, stream_k_programs=programs)
+    return out
+
+
+def reduce_us(m: int, n: int, k: int, cfg: GemmConfig) -> float | None:
+    """The reduce launch of ``gemm`` with ``cfg`` alone (None where the config writes the
+    output directly), on a workspace of the launcher's shape."""
+    if cfg.stream_k_programs > 0:
+        slots, programs = stream_k_pieces(n, k, cfg), stream_k_programs(n, k, cfg)
+    else:
+        k_blocks = cdiv(k, cfg.block_k)
+        slots, programs = cdiv(k_blocks, cdiv(k_blocks, cfg.split_k)), 0
+    if slots <= 1:
+        return None
+    workspace = torch.randn((slots, m, n), dtype=torch.float32, device="cuda")
+    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+    return bench_us(lambda: reduce_partials(workspace, None, out, k, slots, programs, cfg), 10, 30)
+
+
+def collect() -> list[dict]:
+    records = []
+    for label, n, k in SHAPES:
+        torch.manual_seed(0)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+        for m in M_VALUES:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            pick = gemm_config(m, n, k, torch.bfloat16, Mode.CORUN)
+            cublas_us = bench_us(lambda x=x, w=w: F.linear(x, w), 10, 30)
+            pick_us = bench_us(lambda x=x, w=w: gemm(x, w, mode=Mode.CORUN), 10, 30)
+            record = {
+                "layer": label, "M": m, "N": n, "K": k,
+                "cublas_us": round(cublas_us, 3), "pick_us": round(pick_us, 3),
+                "pick_ratio": round(cublas_us / pick_us, 4), "pick": pick.to_dict(),
+                "variants": [],
+            }
+            for name, cfg in variants(m).items():
+                try:
+                    us = bench_us(lambda x=x, w=w, c=cfg: gemm(x, w, config=c), 5, 20)
+                except Exception as err:  # a tile that does not build is a finding
+                    record["variants"].append({"name": name, "error": f"{err}"[:200]})
+                    continue
+                red = reduce_us(m, n, k, cfg)
+                record["variants"].append({
+                    "name": name, "config": cfg.to_dict(), "us": round(us, 3),
+                    "ratio": round(cublas_us / us, 4),
+                    "reduce_us": None if red is None else round(red, 3)})
+            records.append(record)
+            print(record, flush=True)
+    return records
+
+
+def main() -> int:
+    return probe_main("gemm-mid-m", collect)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
