@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 
 from experiments.harness import bench_us, probe_main  # noqa: E402
 from kernels.gemm import (  # noqa: E402
+    SMEM_BUDGET_BYTES,
     GemmConfig,
     gemm,
     gemm_config,
@@ -44,10 +45,6 @@ SHAPES = (("qwen3-8b.qkv", 6144, 4096), ("qwen3-8b.gate_up", 24576, 4096),
 M_VALUES = (128, 256)
 
 
-# Shared memory a tile's pipeline may take (227 KB an SM on sm_90, less the epilogue's).
-SMEM_BYTES = 220 * 1024
-
-
 def variants(m: int) -> dict[str, GemmConfig]:
     """The tiles and cuts timed at M, all TMA-fed (the H100 tune's winners are): whole tiles of
     64 / 128 / 256 columns at every pipeline depth that fits and at 4 and 8 warps; each tile at
@@ -62,7 +59,7 @@ def variants(m: int) -> dict[str, GemmConfig]:
             if warps == 4 and bm * bn > 128 * 128:
                 continue  # 128 fp32 accumulators a thread and more: past the registers
             for stages in range(3, 8):
-                if stages * stage_bytes > SMEM_BYTES:
+                if stages * stage_bytes > SMEM_BUDGET_BYTES:  # the policy's cap
                     break
                 out[f"{bm}x{bn}x{bk} w{warps} s{stages}"] = GemmConfig(
                     bm, bn, bk, num_warps=warps, num_stages=stages, tma=True)
