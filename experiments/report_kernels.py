@@ -417,10 +417,44 @@ def tuned_gemm_block(name: str, before: str | None = None) -> Callable[[dict, li
     return render
 
 
+def probe_gemm_mid_m_block(name: str) -> Callable[[dict, list[dict]], str]:
+    """experiments/probe_gemm_mid_m.py: per shape and M, cuBLAS and the pick beside the fastest
+    variant of each kind (whole tiles, split 2, persistent, stream-K), each as a share of
+    cuBLAS's speed, and the stream-K reduce's time alone."""
+
+    def best(variants: list[dict], kind: str) -> dict | None:
+        timed = [v for v in variants if "us" in v
+                 and (kind in v["name"] if kind else
+                      not any(w in v["name"] for w in ("split", "persistent", "stream-K")))]
+        return min(timed, key=lambda v: v["us"]) if timed else None
+
+    def cell(v: dict | None, reduce: bool = False) -> str:
+        if v is None:
+            return "—"
+        text = f"{_fmt(v['ratio'])} ({v['name']})"
+        return text + (f", reduce {_fmt(v['reduce_us'])} us" if reduce and v.get("reduce_us")
+                       else "")
+
+    def render(head: dict, records: list[dict]) -> str:
+        rows = [[r["layer"], r["M"], _fmt(r["cublas_us"]), _fmt(r["pick_ratio"]),
+                 cell(best(r["variants"], "")), cell(best(r["variants"], "split 2"), True),
+                 cell(best(r["variants"], "persistent")),
+                 cell(best(r["variants"], "stream-K"), True)]
+                for r in records]
+        header = ["layer", "M", "cuBLAS (us)", "pick", "whole tiles, best", "split 2, best",
+                  "persistent, best", "stream-K, best"]
+        return _source(head, name) + "\n\n" + _table(header, rows)
+
+    return render
+
+
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "tune-gemm-deepseek-large-m-h100": tuned_gemm_block(
         "tune-gemm-deepseek-large-m-h100", "tune-gemm-deepseek-large-m-h100-before"),
     "tune-gemm-qwen3-8b-mid-m-h100": tuned_gemm_block("tune-gemm-qwen3-8b-mid-m-h100"),
+    **{name: probe_gemm_mid_m_block(name)
+       for name in ("probe-gemm-mid-m-h100", "probe-gemm-mid-m-h100-before",
+                    "probe-gemm-mid-m-h200")},
     **{name: tuned_prefill_block(name)
        for name in ("tune-mla-prefill-h100", "tune-mla-prefill-h200")},
     **{f"{name}-targets": functools.partial(kernels_targets_block, name=name)
