@@ -8,7 +8,13 @@ which shares the iterations among all SMs, at 39 us against the pick's 26. This 
 - each variant (tile, depth, warps, split-K, persistence, stream-K programs) in full and its
   reduce launch alone
   (``reduce_us``: the fp32 partials summed into the output), so a split's cost is told from its
-  product's.
+  product's;
+- ``loads_only``: the same TMA tile loads at the same depth without the product (each program
+  keeps a running max of its tiles, so none is dropped), once over the pick's whole tiles and
+  once over 132 equal shares of the (column tile, K block) iterations as stream-K cuts them:
+  how fast this Triton's pipeline streams the operands at all, the floor a tile choice cannot
+  pass;
+- ``copy_us``: a device copy of the weights (read and write, torch), the card's own rate.
 
     python -m experiments.probe_gemm_mid_m   -> experiments/results/probe-gemm-mid-m-<card>.json
 """
@@ -26,7 +32,11 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.harness import bench_us, probe_main  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from experiments.harness import bench_us, copy_reference_us, probe_main  # noqa: E402
 from kernels.gemm import (  # noqa: E402
     SMEM_BUDGET_BYTES,
     GemmConfig,
@@ -88,6 +98,39 @@ def reduce_us(m: int, n: int, k: int, cfg: GemmConfig) -> float | None:
     return bench_us(lambda: reduce_partials(workspace, None, out, k, slots, programs, cfg), 10, 30)
 
 
+@triton.jit
+def _loads_only_kernel(x_desc, w_desc, out_ptr, K, N,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       NUM_STAGES: tl.constexpr):
+    """Program p streams iterations [p * T // P, (p + 1) * T // P) of the T = column tiles x K
+    blocks, loading the x and w tiles a GEMM program would (row tile 0), no product."""
+    pid = tl.program_id(0)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    total = tl.cdiv(N, BLOCK_N) * k_blocks
+    start = (pid * total) // tl.num_programs(0)
+    end = ((pid + 1) * total) // tl.num_programs(0)
+    keep_x = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.bfloat16)
+    keep_w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.bfloat16)
+    for it in tl.range(start, end, num_stages=NUM_STAGES):
+        pid_n = it // k_blocks
+        kb = it % k_blocks
+        keep_x = tl.maximum(keep_x, x_desc.load([0, kb * BLOCK_K]))
+        keep_w = tl.maximum(keep_w, w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]))
+    tl.store(out_ptr + pid, tl.max(tl.max(keep_x, axis=1), axis=0).to(tl.float32)
+             + tl.max(tl.max(keep_w, axis=1), axis=0).to(tl.float32))
+
+
+def loads_only_us(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, programs: int) -> float:
+    """``_loads_only_kernel`` over ``programs`` equal shares at ``cfg``'s tile and depth."""
+    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
+    out = torch.empty(programs, device=x.device, dtype=torch.float32)
+    k, n = x.shape[1], w.shape[0]
+    return bench_us(lambda: _loads_only_kernel[(programs,)](
+        x_desc, w_desc, out, k, n, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps), 5, 20)
+
+
 def collect() -> list[dict]:
     records = []
     for label, n, k in SHAPES:
@@ -102,8 +145,14 @@ def collect() -> list[dict]:
                 "layer": label, "M": m, "N": n, "K": k,
                 "cublas_us": round(cublas_us, 3), "pick_us": round(pick_us, 3),
                 "pick_ratio": round(cublas_us / pick_us, 4), "pick": pick.to_dict(),
+                "copy_us": round(copy_reference_us(2 * w.numel() * w.element_size()), 3),
                 "variants": [],
             }
+            if pick.tma and pick.split_k == 1 and not pick.stream_k_programs and m <= pick.block_m:
+                tiles = cdiv(n, pick.block_n)
+                for programs, what in ((tiles, "whole tiles"), (132, "132 shares")):
+                    us = loads_only_us(x, w, pick, programs)
+                    record[f"loads_only_{what.replace(' ', '_')}_us"] = round(us, 3)
             for name, cfg in variants(m).items():
                 try:
                     us = bench_us(lambda x=x, w=w, c=cfg: gemm(x, w, config=c), 5, 20)
