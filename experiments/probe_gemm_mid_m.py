@@ -109,15 +109,15 @@ def _loads_only_kernel(x_desc, w_desc, out_ptr, K, N,
     total = tl.cdiv(N, BLOCK_N) * k_blocks
     start = (pid * total) // tl.num_programs(0)
     end = ((pid + 1) * total) // tl.num_programs(0)
-    keep_x = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.bfloat16)
-    keep_w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.bfloat16)
+    keep_x = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    keep_w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for it in tl.range(start, end, num_stages=NUM_STAGES):
         pid_n = it // k_blocks
         kb = it % k_blocks
-        keep_x = tl.maximum(keep_x, x_desc.load([0, kb * BLOCK_K]))
-        keep_w = tl.maximum(keep_w, w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]))
-    tl.store(out_ptr + pid, tl.max(tl.max(keep_x, axis=1), axis=0).to(tl.float32)
-             + tl.max(tl.max(keep_w, axis=1), axis=0).to(tl.float32))
+        keep_x = tl.maximum(keep_x, x_desc.load([0, kb * BLOCK_K]).to(tl.float32))
+        keep_w = tl.maximum(keep_w, w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).to(tl.float32))
+    tl.store(out_ptr + pid, tl.max(tl.max(keep_x, axis=1), axis=0)
+             + tl.max(tl.max(keep_w, axis=1), axis=0))
 
 
 def loads_only_us(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, programs: int) -> float:

@@ -93,7 +93,17 @@ _STREAM_K_TILES_256 = ((256, 64, 64, 8, 3), (256, 128, 64, 8, 3))
 # --retune-m re-tunes entries of another. The large-M name changed alone when large M gained
 # splits 4 and 8, so re-tuning M 512-8192 leaves the other M's entries current.
 CANDIDATE_SET = "tma-split3-bk64-decode-bn256-streamk"
+MID_M_CANDIDATE_SET = CANDIDATE_SET + "-deep"
 LARGE_M_CANDIDATE_SET = CANDIDATE_SET + "-largesplit8-tma-narrow"
+# Deeper pipelines at mid M, TMA-fed whole tiles only: an H100 probe (probe-gemm-mid-m-h100.json)
+# ran Qwen3-8B's qkv at M 128 at 0.94 of cuBLAS with 128 x 64 x 64 at 7 stages and 4 warps (the
+# set's best: 0.79 at 3), its M 256 and DeepSeek-V3's q_b at M 256 at 0.91 / 0.87 with 128 x 128
+# x 64 at 6 (0.80 / 0.79): at M <= 256 a program streams its weight tiles, and more stages keep
+# more of them in flight. Splits and stream-K lost at every one of those points.
+_MID_DEEP_TILES = ((128, 64, 64, 4, 5), (128, 64, 64, 4, 6), (128, 64, 64, 4, 7),
+                   (128, 64, 64, 8, 7), (128, 64, 128, 4, 4), (128, 64, 128, 8, 4),
+                   (128, 128, 64, 4, 3), (128, 128, 64, 4, 5), (128, 128, 64, 4, 6),
+                   (128, 128, 64, 8, 5), (128, 128, 64, 8, 6))
 # The 64- and 128-wide tiles are for narrow N and partial waves: an H100 run of DeepSeek-V3's
 # large-M shapes (experiments/results/tune-gemm-deepseek-large-m-h100-before.json) had the four
 # wide tiles, and kv_a (N 576 = 2.25 x 256) at M 8192 ran at 0.66 of cuBLAS, q_a at M 2048 (96
@@ -181,7 +191,9 @@ def models_shapes(shapes: tuple[tuple[str, int, int], ...], models: list[str],
 
 def candidate_set(m: int) -> str:
     """The name of the candidate generator at M (what an entry records)."""
-    return LARGE_M_CANDIDATE_SET if m > 256 else CANDIDATE_SET
+    if m > 256:
+        return LARGE_M_CANDIDATE_SET
+    return MID_M_CANDIDATE_SET if m > 64 else CANDIDATE_SET
 
 
 def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfig]:
@@ -189,8 +201,9 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
     (mid M also with split-K 2, 3 and 4, large M with 2, 4 and 8 where the tiles leave SMs idle,
     as many as keep the programs within two an SM); for M in ``STREAM_K_M_RANGE`` also each tile
     of one row tile as stream-K over ``STREAM_K_PROGRAMS``; from ``TMA_MIN_M`` on every one of
-    those TMA-fed as well; plus the batch-invariant pool when ``with_pool`` (timed at every
-    point of the bench shapes for its geometric mean)."""
+    those TMA-fed as well; at mid M (65..256) the deeper TMA-fed whole tiles of
+    ``_MID_DEEP_TILES``; plus the batch-invariant pool when ``with_pool`` (timed at every point of
+    the bench shapes for its geometric mean)."""
     tiles: list[GemmConfig] = []
     splits: tuple[int, ...] = ()
     if m <= 64:
@@ -228,6 +241,9 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
                 for programs in STREAM_K_PROGRAMS]
     if m >= TMA_MIN_M:
         out += [dataclasses.replace(c, tma=True) for c in out]
+    if 64 < m <= 256:
+        out += [GemmConfig(bm, bn, bk, num_warps=w, num_stages=st, tma=True)
+                for bm, bn, bk, w, st in _MID_DEEP_TILES]
     if with_pool:
         out += BATCH_INVARIANT_POOL
     return list(dict.fromkeys(out))  # dedupe, keep order

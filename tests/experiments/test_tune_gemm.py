@@ -58,12 +58,24 @@ def test_mid_m_candidates_split_k_where_k_allows():
     assert all(c.split_k == 1 for c in tune_gemm.candidates(2048, 24576, 4096, with_pool=False))
 
 
+def test_mid_m_candidates_add_the_deep_tma_fed_whole_tiles():
+    """M 65..256 also times the deeper pipelines (whole tiles, TMA-fed), and no other M does."""
+    deep = GemmConfig(128, 64, 64, num_warps=4, num_stages=7, tma=True)
+    for m in (128, 256):
+        assert deep in tune_gemm.candidates(m, 6144, 4096, with_pool=False)
+    for m in (64, 512):
+        assert deep not in tune_gemm.candidates(m, 6144, 4096, with_pool=False)
+
+
 def test_an_entry_is_stale_only_against_its_own_m_ranges_candidate_set(tmp_path):
     """--retune-m redoes an entry of another candidate set than its M range's: the large-M
     splits made M 512-8192 entries of the earlier name stale, and no M <= 256 entry."""
     small, large = tune_gemm.CANDIDATE_SET, tune_gemm.LARGE_M_CANDIDATE_SET
+    mid = tune_gemm.MID_M_CANDIDATE_SET
     every_m = set(tune_gemm.M_VALUES)
-    assert not tune_gemm._needs_retune({"m": 128, "candidate_set": small}, every_m)
+    assert not tune_gemm._needs_retune({"m": 64, "candidate_set": small}, every_m)
+    assert not tune_gemm._needs_retune({"m": 128, "candidate_set": mid}, every_m)
+    assert tune_gemm._needs_retune({"m": 128, "candidate_set": small}, every_m)
     assert tune_gemm._needs_retune({"m": 128, "candidate_set": large}, every_m)
     assert not tune_gemm._needs_retune({"m": 512, "candidate_set": large}, every_m)
     assert tune_gemm._needs_retune({"m": 512, "candidate_set": small}, every_m)
@@ -202,9 +214,12 @@ def test_dry_run_writes_a_table_the_policy_reads_and_resumes(tmp_path):
 
 def test_tma_twins_from_the_serving_batch_on():
     """Every candidate from M 64 on (mid M and prefill M alike) also runs TMA-fed; decode M
-    below it does not."""
+    below it does not. Mid M's deep tiles come TMA-fed only."""
+    deep = {GemmConfig(*tile[:3], num_warps=tile[3], num_stages=tile[4], tma=True)
+            for tile in tune_gemm._MID_DEEP_TILES}
     for m in (64, 128, 256, 512, 8192):
-        configs = tune_gemm.candidates(m, 6144, 4096, with_pool=False)
+        configs = [c for c in tune_gemm.candidates(m, 6144, 4096, with_pool=False)
+                   if c not in deep]
         plain = [c for c in configs if not c.tma]
         assert [dataclasses.replace(c, tma=False) for c in configs if c.tma] == plain, m
     for m in (8, 32):
@@ -228,7 +243,7 @@ def test_retune_m_replaces_stale_points_and_keeps_a_whole_table(tmp_path):
     assert cut["header"]["complete"] is False
     assert {(e["m"], e["n"], e["k"]) for e in cut["entries"]} == set(before)  # nothing lost
     fresh = [e for e in cut["entries"]
-             if e["m"] == 128 and e["candidate_set"] == tune_gemm.CANDIDATE_SET]
+             if e["m"] == 128 and e["candidate_set"] == tune_gemm.MID_M_CANDIDATE_SET]
     assert len(fresh) == 1  # the budget stops the run after its first point
     assert cut["header"]["retune_pending_m"] == [128]
     # A plain --resume finishes what the cut --retune-m run left.
@@ -238,7 +253,7 @@ def test_retune_m_replaces_stale_points_and_keeps_a_whole_table(tmp_path):
     for e in done["entries"]:
         key = (e["m"], e["n"], e["k"])
         if e["m"] == 128:
-            assert e["candidate_set"] == tune_gemm.CANDIDATE_SET
+            assert e["candidate_set"] == tune_gemm.MID_M_CANDIDATE_SET
         else:
             assert e == before[key]  # other M untouched
 
