@@ -256,9 +256,10 @@ def _splitk_reduce_kernel(
     """Sums each element's partials in slot order ((p0 + p1) + p2) + ...: the reason split-K and
     stream-K stay deterministic at a fixed shape. Program (i, j) reduces rows [i * REDUCE_ROWS,
     ...) of column tile j (the GEMM's BLOCK_N columns). Split-K: split_k slots everywhere.
-    Stream-K: the pieces of column tile j, found once per program (a per-element int64 division
-    made this launch 3-4x the GEMM's time on an H100: probe-gemm-mid-m-h100.json); a tile of one
-    piece was written by the GEMM, and its programs return at once."""
+    Stream-K: the pieces of column tile j, found once per program (found per element, with int64
+    divisions, they made this launch 27-57% of the stream-K GEMM's time on an H100, 10-74 us:
+    probe-gemm-mid-m-h100-before.json); a tile of one piece was written by the GEMM, and its
+    programs return at once."""
     pid_m = tl.program_id(0)
     tile_n = tl.program_id(1)
     if STREAM_K:
