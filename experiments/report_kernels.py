@@ -400,9 +400,15 @@ def tuned_gemm_block(name: str, before: str | None = None) -> Callable[[dict, li
         ratios = [e["ratio_vs_cublas"] for e in records]
         if before:
             old = [e["ratio_vs_cublas"] for e in earlier.values()]
+            # Compared at the points both runs timed; an after-run of more points is also
+            # summarised whole.
+            shared = [e["ratio_vs_cublas"] for e in records if (e["layer"], e["m"]) in earlier]
             said = (f"Of cuBLAS's speed, each run's best at its points: {summary(old)} before "
-                    f"(`experiments/results/{before}.json`); {summary(ratios)} after."
-                    if old else "")
+                    f"(`experiments/results/{before}.json`); {summary(shared)} after"
+                    if old and shared else "")
+            if said and len(shared) < len(ratios):
+                said += f", and at all {len(ratios)} of its points {summary(ratios)}"
+            said += "." if said else ""
         else:
             said = f"Of cuBLAS's speed, the best candidate at each point: {summary(ratios)}."
         rows = [[e["layer"], e["m"],
@@ -465,6 +471,8 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "tune-gemm-deepseek-large-m-h100": tuned_gemm_block(
         "tune-gemm-deepseek-large-m-h100", "tune-gemm-deepseek-large-m-h100-before"),
     "tune-gemm-qwen3-8b-mid-m-h100": tuned_gemm_block("tune-gemm-qwen3-8b-mid-m-h100"),
+    "tune-gemm-mid-m-deep-h100": tuned_gemm_block("tune-gemm-mid-m-deep-h100",
+                                                  "tune-gemm-qwen3-8b-mid-m-h100"),
     **{name: probe_gemm_mid_m_block(name)
        for name in ("probe-gemm-mid-m-h100", "probe-gemm-mid-m-h100-before",
                     "probe-gemm-mid-m-h200")},

@@ -235,6 +235,18 @@ def test_tuned_gemm_change_renders_both_runs_at_each_point(tmp_path, monkeypatch
                                  "<!-- /results:tune-gemm-qwen3-8b-mid-m-h100 -->")
     assert "the best candidate at each point: min 0.79, median 0.79, 0 of 1 at >= 0.85." in alone
     assert "| q.qkv | 128 | 0.79 | 65 | 128 x 256 x 64, split 1, 8 warps, 3 stages |" in alone
+    # an after-run of more points: compared at the before-run's points, then summarised whole
+    (tmp_path / "tune-gemm-qwen3-8b-mid-m-h100.json").write_text(json.dumps(
+        {"header": HEAD, "entries": [entry("ds.kv_a", 512, 0.6), entry("ds.o", 512, 0.9)]}))
+    wider_entries = [entry("ds.o", 512, 0.95), entry("ds.kv_a", 512, 0.8), entry("q.qkv", 128, 0.5)]
+    (tmp_path / "tune-gemm-mid-m-deep-h100.json").write_text(json.dumps(
+        {"header": HEAD, "entries": wider_entries}))
+    wider = report.render_readme("<!-- results:tune-gemm-mid-m-deep-h100 -->\n"
+                                 "<!-- /results:tune-gemm-mid-m-deep-h100 -->")
+    assert ("min 0.60, median 0.75, 1 of 2 at >= 0.85 before (`experiments/results/"
+            "tune-gemm-qwen3-8b-mid-m-h100.json`); min 0.80, median 0.88, 1 of 2 at >= 0.85 "
+            "after, and at all 3 of its points min 0.50, median 0.80, 1 of 3 at >= 0.85.") in wider
+    assert "| q.qkv | 128 | — | 0.50 |" in wider
 
 
 def test_tuning_views_render_a_cut_run(tmp_path, monkeypatch):
