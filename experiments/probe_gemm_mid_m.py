@@ -13,7 +13,8 @@ which shares the iterations among all SMs, at 39 us against the pick's 26. This 
   keeps a running max of its tiles, so none is dropped), once over the pick's whole tiles and
   once over 132 equal shares of the (column tile, K block) iterations as stream-K cuts them:
   how fast this Triton's pipeline streams the operands at all, the floor a tile choice cannot
-  pass;
+  pass; and the fastest whole-tile variant's loads over its whole tiles
+  (``loads_only_fastest_whole``), a floor also where the pick's row tile does not cover M;
 - ``copy_us``: a device copy of the weights (read and write, torch), the card's own rate.
 
     python -m experiments.probe_gemm_mid_m   -> experiments/results/probe-gemm-mid-m-<card>.json
@@ -131,6 +132,16 @@ def loads_only_us(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, programs: i
         BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps), 5, 20)
 
 
+def fastest_whole_tile(variants: list[dict], m: int) -> tuple[dict, GemmConfig] | None:
+    """The fastest timed variant that is TMA-fed whole tiles (no split, persistence or stream-K)
+    whose row tile covers M, with its config: the tile ``_loads_only_kernel`` can replay."""
+    whole = [(v, c) for v in variants if "us" in v
+             for c in [GemmConfig.from_dict(v["config"])]
+             if c.tma and c.split_k == 1 and not c.persistent and not c.stream_k_programs
+             and m <= c.block_m]
+    return min(whole, key=lambda vc: vc[0]["us"]) if whole else None
+
+
 def collect() -> list[dict]:
     records = []
     for label, n, k in SHAPES:
@@ -164,6 +175,14 @@ def collect() -> list[dict]:
                     "name": name, "config": cfg.to_dict(), "us": round(us, 3),
                     "ratio": round(cublas_us / us, 4),
                     "reduce_us": None if red is None else round(red, 3)})
+            # The pick's floor above needs its row tile to cover M; the fastest whole tile's
+            # loads give a floor at every point (Qwen3-30B-A3B's qkv at M 128 picks 64 rows).
+            whole = fastest_whole_tile(record["variants"], m)
+            if whole:
+                fastest, cfg = whole
+                record["loads_only_fastest_whole"] = {
+                    "name": fastest["name"],
+                    "us": round(loads_only_us(x, w, cfg, cdiv(n, cfg.block_n)), 3)}
             records.append(record)
             print(record, flush=True)
     return records

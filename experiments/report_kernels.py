@@ -426,8 +426,9 @@ def tuned_gemm_block(name: str, before: str | None = None) -> Callable[[dict, li
 def probe_gemm_mid_m_block(name: str) -> Callable[[dict, list[dict]], str]:
     """experiments/probe_gemm_mid_m.py: per shape and M, cuBLAS and the pick beside the fastest
     variant of each kind (whole tiles, split 2, persistent, stream-K), each as a share of
-    cuBLAS's speed, the reduce's time alone, and (second run on) the card's copy of the weights
-    and the pick's loads without the product where the pick is TMA-fed whole tiles."""
+    cuBLAS's speed, the reduce's time alone, (second run on) the card's copy of the weights
+    and the pick's loads without the product where the pick is TMA-fed whole tiles, and (third
+    run on) the fastest TMA-fed whole tile's loads alone."""
 
     def best(variants: list[dict], kind: str) -> dict | None:
         timed = [v for v in variants if "us" in v
@@ -451,17 +452,25 @@ def probe_gemm_mid_m_block(name: str) -> Callable[[dict, list[dict]], str]:
             return (f"{_fmt(r['loads_only_whole_tiles_us'])} / "
                     f"{_fmt(r['loads_only_132_shares_us'])}")
 
+        fastest = any("loads_only_fastest_whole" in r for r in records)  # the third run on
+
+        def fastest_loads(r: dict) -> str:
+            timed = r.get("loads_only_fastest_whole")
+            return f"{_fmt(timed['us'])} ({timed['name']})" if timed else "—"
+
         rows = [[r["layer"], r["M"], _fmt(r["cublas_us"]), _fmt(r["pick_ratio"]),
                  cell(best(r["variants"], "")), cell(best(r["variants"], "split 2"), True),
                  cell(best(r["variants"], "persistent")),
                  cell(best(r["variants"], "stream-K"), True),
-                 *([_fmt(r.get("copy_us")), loads(r)] if floors else [])]
+                 *([_fmt(r.get("copy_us")), loads(r)] if floors else []),
+                 *([fastest_loads(r)] if fastest else [])]
                 for r in records]
         header = ["layer", "M", "cuBLAS (us)", "pick", "whole tiles, best", "split 2, best",
                   "persistent, best", "stream-K, best",
                   *(["copy of the weights (us)",
                      "the pick's TMA loads alone: whole tiles / 132 shares (us)"]
-                    if floors else [])]
+                    if floors else []),
+                  *(["the fastest TMA-fed whole tile's loads alone (us)"] if fastest else [])]
         return _source(head, name) + "\n\n" + _table(header, rows)
 
     return render

@@ -264,3 +264,39 @@ def test_tuning_views_render_a_cut_run(tmp_path, monkeypatch):
                                 "<!-- results:tune-gemm-qwen3-8b-mid-m-h100 -->\n"
                                 "<!-- /results:tune-gemm-qwen3-8b-mid-m-h100 -->")
     assert "_no prefill entry with its candidates' times_" in text and "_no points_" in text
+
+
+def _probe_record(**extra: object) -> dict:
+    def variant(name: str, us: float, reduce_us: float | None = None) -> dict:
+        return {"name": name, "config": {}, "us": us, "ratio": round(10.0 / us, 4),
+                "reduce_us": reduce_us}
+
+    return {"layer": "q.qkv", "M": 128, "N": 6144, "K": 4096, "cublas_us": 10.0, "pick_us": 12.5,
+            "pick_ratio": 0.8, "pick": {},
+            "variants": [variant("128x64x64 w4 s3", 12.0), variant("128x64x64 w4 s7", 10.5),
+                         variant("128x64x64 w8 s3 split 2", 20.0, 2.5),
+                         {"name": "256x64x64 w8 s9", "error": "out of resources"},
+                         variant("128x64x128 w8 s3 stream-K 132", 25.0, 4.0)],
+            **extra}
+
+
+def test_mid_m_probe_view_gives_each_kinds_fastest_and_the_floors_each_run_timed(
+        tmp_path, monkeypatch):
+    """The first run's records have no floors, the second's the copy and the pick's loads, the
+    third's the fastest whole tile's loads: each run renders the columns it measured."""
+    first = render_block(tmp_path, monkeypatch, "probe-gemm-mid-m-h100-before", HEAD,
+                         [_probe_record()])
+    assert ("| q.qkv | 128 | 10.00 | 0.80 | 0.95 (128x64x64 w4 s7) | 0.50 (128x64x64 w8 s3 "
+            "split 2), reduce 2.50 us | — | 0.40 (128x64x128 w8 s3 stream-K 132), reduce 4.00 us |"
+            ) in first
+    assert "copy of the weights" not in first and "fastest TMA-fed" not in first
+    floors = {"copy_us": 30.0, "loads_only_whole_tiles_us": 9.0, "loads_only_132_shares_us": 8.5}
+    second = render_block(tmp_path, monkeypatch, "probe-gemm-mid-m-h100", HEAD,
+                          [_probe_record(**floors), _probe_record(layer="q.o")])
+    assert "| 30.00 | 9.00 / 8.50 |" in second and "fastest TMA-fed" not in second
+    fastest = {"loads_only_fastest_whole": {"name": "128x64x64 w4 s7", "us": 7.25}}
+    third = render_block(tmp_path, monkeypatch, "probe-gemm-mid-m-h100", HEAD,
+                         [_probe_record(**floors, **fastest), _probe_record(layer="q.o")])
+    assert "| 30.00 | 9.00 / 8.50 | 7.25 (128x64x64 w4 s7) |" in third
+    q_o = next(line for line in third.splitlines() if line.startswith("| q.o |"))
+    assert q_o.endswith("| — | — | — |")  # no copy, no pick's loads, no fastest tile's loads
