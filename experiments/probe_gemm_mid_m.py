@@ -132,13 +132,18 @@ def loads_only_us(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, programs: i
         BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps), 5, 20)
 
 
+def replays_loads(cfg: GemmConfig, m: int) -> bool:
+    """Whether ``_loads_only_kernel`` replays ``cfg``'s loads: TMA-fed, K not cut (no split or
+    stream-K), and one row tile covering M (the kernel loads row tile 0 only)."""
+    return cfg.tma and cfg.split_k == 1 and not cfg.stream_k_programs and m <= cfg.block_m
+
+
 def fastest_whole_tile(variants: list[dict], m: int) -> tuple[dict, GemmConfig] | None:
-    """The fastest timed variant that is TMA-fed whole tiles (no split, persistence or stream-K)
-    whose row tile covers M, with its config: the tile ``_loads_only_kernel`` can replay."""
+    """The fastest timed variant of whole tiles (not persistent) whose loads
+    ``_loads_only_kernel`` replays, with its config."""
     whole = [(v, c) for v in variants if "us" in v
              for c in [GemmConfig.from_dict(v["config"])]
-             if c.tma and c.split_k == 1 and not c.persistent and not c.stream_k_programs
-             and m <= c.block_m]
+             if not c.persistent and replays_loads(c, m)]
     return min(whole, key=lambda vc: vc[0]["us"]) if whole else None
 
 
@@ -159,7 +164,7 @@ def collect() -> list[dict]:
                 "copy_us": round(copy_reference_us(2 * w.numel() * w.element_size()), 3),
                 "variants": [],
             }
-            if pick.tma and pick.split_k == 1 and not pick.stream_k_programs and m <= pick.block_m:
+            if replays_loads(pick, m):
                 tiles = cdiv(n, pick.block_n)
                 for programs, what in ((tiles, "whole tiles"), (132, "132 shares")):
                     us = loads_only_us(x, w, pick, programs)

@@ -377,17 +377,10 @@ def tuned_gemm_block(name: str, before: str | None = None) -> Callable[[dict, li
     points, another candidate set) that run's best beside each and both runs summarised."""
 
     def render(head: dict, records: list[dict]) -> str:
+        from kernels.gemm import GemmConfig
+
         loaded = _load(before) if before else None
         earlier = {(e["layer"], e["m"]): e for e in (loaded[1] if loaded else [])}
-
-        def tile(c: dict) -> str:
-            extras = [*(["TMA-fed"] if c.get("tma") else []),
-                      *(["persistent"] if c.get("persistent") else []),
-                      *([f"stream-K {c['stream_k_programs']}"] if c.get("stream_k_programs")
-                        else [])]
-            return ", ".join([f"{c['block_m']} x {c['block_n']} x {c['block_k']}", f"split "
-                              f"{c['split_k']}", f"{c['num_warps']} warps",
-                              f"{c['num_stages']} stages", *extras])
 
         if not records:  # a narrowed run cut before its first point
             return _source(head, name) + "\n\n_no points_"
@@ -414,7 +407,8 @@ def tuned_gemm_block(name: str, before: str | None = None) -> Callable[[dict, li
         rows = [[e["layer"], e["m"],
                  *([_fmt(earlier.get((e["layer"], e["m"]), {}).get("ratio_vs_cublas"))]
                    if before else []),
-                 _fmt(e["ratio_vs_cublas"]), e.get("candidates", "—"), tile(e["config"])]
+                 _fmt(e["ratio_vs_cublas"]), e.get("candidates", "—"),
+                 GemmConfig.from_dict(e["config"]).label]
                 for e in sorted(records, key=lambda e: (e["m"], e["layer"]))]
         header = ["layer", "M", *(["before", "after"] if before else ["best"]), "candidates",
                   "the pick" if not before else "after's pick"]

@@ -241,7 +241,7 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
                 for programs in STREAM_K_PROGRAMS]
     if m >= TMA_MIN_M:
         out += [dataclasses.replace(c, tma=True) for c in out]
-    if 64 < m <= 256:
+    if candidate_set(m) == MID_M_CANDIDATE_SET:
         out += [GemmConfig(bm, bn, bk, num_warps=w, num_stages=st, tma=True)
                 for bm, bn, bk, w, st in _MID_DEEP_TILES]
     if with_pool:

@@ -125,6 +125,14 @@ class GemmConfig:
         """Shared memory of the software pipeline: one x and one w tile per stage."""
         return (self.block_m + self.block_n) * self.block_k * itemsize * self.num_stages
 
+    @property
+    def label(self) -> str:
+        """The config in words, as reports and tables name it."""
+        extras = (", TMA-fed" * self.tma + ", persistent" * self.persistent
+                  + (f", stream-K {self.stream_k_programs}" if self.stream_k_programs else ""))
+        return (f"{self.block_m} x {self.block_n} x {self.block_k}, split {self.split_k}, "
+                f"{self.num_warps} warps, {self.num_stages} stages{extras}")
+
     def to_dict(self) -> dict:
         # Configs without TMA, stream-K or masked rows keep the format the tuned files were
         # written in.

@@ -486,3 +486,12 @@ def test_tuned_table_refuses_stream_k_where_it_cannot_run(tmp_path):
     table = load_tuned_table(path)  # no no-split entry: batch_invariant_tuned falls back
     assert table.lookup(64, 96, 80, torch.bfloat16) == stream
     assert table.lookup(64, 96, 80, torch.bfloat16, no_split=True) is None
+
+
+def test_config_label_names_the_tile_cut_depth_and_feed():
+    assert GemmConfig(128, 64, 128, num_warps=8, num_stages=3).label == (
+        "128 x 64 x 128, split 1, 8 warps, 3 stages")
+    assert GemmConfig(128, 128, 64, num_warps=8, num_stages=4, persistent=True, tma=True).label \
+        == "128 x 128 x 64, split 1, 8 warps, 4 stages, TMA-fed, persistent"
+    assert GemmConfig(128, 64, 64, split_k=1, stream_k_programs=132, tma=True).label.endswith(
+        ", TMA-fed, stream-K 132")
