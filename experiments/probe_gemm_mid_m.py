@@ -12,9 +12,11 @@ which shares the iterations among all SMs, at 39 us against the pick's 26. This 
 - ``loads_only``: the same TMA tile loads at the same depth without the product (each program
   keeps a running max of its tiles, so none is dropped), once over the pick's whole tiles and
   once over 132 equal shares of the (column tile, K block) iterations as stream-K cuts them:
-  how fast this Triton's pipeline streams the operands at all, the floor a tile choice cannot
-  pass; and the fastest whole-tile variant's loads over its whole tiles
-  (``loads_only_fastest_whole``), a floor also where the pick's row tile does not cover M;
+  how fast this Triton's pipeline streams the operands into registers; and the fastest
+  whole-tile variant's loads over its whole tiles (``loads_only_fastest_whole``), also where the
+  pick's row tile does not cover M. Not a floor: the running max reads every tile into
+  registers, which a wgmma (reading shared memory) never does, and at a short K (the qkv layers)
+  it ran slower than the whole GEMM of the same tile on an H100 (2026-12-06);
 - ``copy_us``: a device copy of the weights (read and write, torch), the card's own rate.
 
     python -m experiments.probe_gemm_mid_m   -> experiments/results/probe-gemm-mid-m-<card>.json
@@ -180,8 +182,8 @@ def collect() -> list[dict]:
                     "name": name, "config": cfg.to_dict(), "us": round(us, 3),
                     "ratio": round(cublas_us / us, 4),
                     "reduce_us": None if red is None else round(red, 3)})
-            # The pick's floor above needs its row tile to cover M; the fastest whole tile's
-            # loads give a floor at every point (Qwen3-30B-A3B's qkv at M 128 picks 64 rows).
+            # The pick's loads above need its row tile to cover M; the fastest whole tile's
+            # are replayed at every point (Qwen3-30B-A3B's qkv at M 128 picks 64 rows).
             whole = fastest_whole_tile(record["variants"], m)
             if whole:
                 fastest, cfg = whole

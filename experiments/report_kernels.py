@@ -422,7 +422,8 @@ def probe_gemm_mid_m_block(name: str) -> Callable[[dict, list[dict]], str]:
     variant of each kind (whole tiles, split 2, persistent, stream-K), each as a share of
     cuBLAS's speed, the reduce's time alone, (second run on) the card's copy of the weights
     and the pick's loads without the product where the pick is TMA-fed whole tiles, and (third
-    run on) the fastest TMA-fed whole tile's loads alone."""
+    run on) the fastest TMA-fed whole tile's loads alone, as a time and as a multiple of that
+    tile's whole GEMM."""
 
     def best(variants: list[dict], kind: str) -> dict | None:
         timed = [v for v in variants if "us" in v
@@ -449,8 +450,13 @@ def probe_gemm_mid_m_block(name: str) -> Callable[[dict, list[dict]], str]:
         fastest = any("loads_only_fastest_whole" in r for r in records)  # the third run on
 
         def fastest_loads(r: dict) -> str:
+            # beside the same tile's whole GEMM: above 1 the loads-alone kernel is no floor
             timed = r.get("loads_only_fastest_whole")
-            return f"{_fmt(timed['us'])} ({timed['name']})" if timed else "—"
+            if not timed:
+                return "—"
+            gemm_us = next(v["us"] for v in r["variants"] if v["name"] == timed["name"])
+            return (f"{_fmt(timed['us'])} ({timed['name']}), "
+                    f"{timed['us'] / gemm_us:.2f}x its GEMM")
 
         rows = [[r["layer"], r["M"], _fmt(r["cublas_us"]), _fmt(r["pick_ratio"]),
                  cell(best(r["variants"], "")), cell(best(r["variants"], "split 2"), True),
@@ -464,7 +470,8 @@ def probe_gemm_mid_m_block(name: str) -> Callable[[dict, list[dict]], str]:
                   *(["copy of the weights (us)",
                      "the pick's TMA loads alone: whole tiles / 132 shares (us)"]
                     if floors else []),
-                  *(["the fastest TMA-fed whole tile's loads alone (us)"] if fastest else [])]
+                  *(["the fastest TMA-fed whole tile's loads alone (us), against its GEMM"]
+                    if fastest else [])]
         return _source(head, name) + "\n\n" + _table(header, rows)
 
     return render

@@ -297,6 +297,7 @@ def test_mid_m_probe_view_gives_each_kinds_fastest_and_the_floors_each_run_timed
     fastest = {"loads_only_fastest_whole": {"name": "128x64x64 w4 s7", "us": 7.25}}
     third = render_block(tmp_path, monkeypatch, "probe-gemm-mid-m-h100", HEAD,
                          [_probe_record(**floors, **fastest), _probe_record(layer="q.o")])
-    assert "| 30.00 | 9.00 / 8.50 | 7.25 (128x64x64 w4 s7) |" in third
+    # 7.25 us against the same tile's whole GEMM, 10.5 us
+    assert "| 30.00 | 9.00 / 8.50 | 7.25 (128x64x64 w4 s7), 0.69x its GEMM |" in third
     q_o = next(line for line in third.splitlines() if line.startswith("| q.o |"))
     assert q_o.endswith("| — | — | — |")  # no copy, no pick's loads, no fastest tile's loads
