@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import triton
 
+from kernels.utils import card_name
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Measured device-to-device copy bandwidth, bytes read and written (the device tool's KINDS.md):
 # the H200's 4.3 TB/s (2026-10-28 and 2026-11-04), the denominator the issues name; the H100's
@@ -39,11 +41,7 @@ def card_tag() -> str:
     NVIDIA cards, another GPU's name in lower case with dashes, else this CPU's architecture.
     Files keep their card's name so that one card's figures never merge into another's."""
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for tag in ("H200", "H100"):  # not the Grace Hopper superchips' (GH200: other memory)
-            if tag in name and f"G{tag}" not in name:
-                return tag.lower()
-        return name.lower().replace(" ", "-")
+        return card_name(torch.cuda.get_device_name())
     return (platform.machine() or "cpu").lower()
 
 

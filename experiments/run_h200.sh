@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the H200: `bash experiments/run_h200.sh STAGE...` with STAGE in
 #   tests    native GPU run of the kernel and invariance tests (bf16 paths the interpreter can't run)
-#   tune     experiments/tune_gemm.py -> kernels/tuned/gemm_h200.json
+#   tune     experiments/tune_gemm.py -> kernels/tuned/gemm_CARD.json (each card its own table;
+#            another card's points overlay the H200's, kernels.gemm.overlay)
 #   tune_moe / tune_mla  experiments/tune_moe.py / tune_mla.py -> kernels/tuned/{moe,mla}_h200.json
 #   kernels  experiments/bench_kernels.py, merged into the committed kernels-CARD.json (+ png)
 #   probe-gemm  experiments/probe_gemm_m1.py -> probe-gemm-m1-CARD.json (the GEMM at M 1 against M 8)
@@ -57,7 +58,7 @@ keep_tuned() {  # keep_tuned FILE: the tuned table, for a later call's TUNED_FRO
   mkdir -p .device-tuned && cp "kernels/tuned/$1" .device-tuned/
 }
 if [ "${TUNED_FROM_LAST_CALL:-0}" = 1 ]; then
-  for table in .device-tuned/*_h200.json; do
+  for table in .device-tuned/*.json; do
     [ -f "$table" ] || { echo "== TUNED_FROM_LAST_CALL: no table kept on this machine; the committed ones run"; break; }
     cp "$table" kernels/tuned/ && echo "== TUNED_FROM_LAST_CALL: kernels/tuned/$(basename "$table") from the last call"
   done
@@ -88,8 +89,8 @@ native_tests() {  # native_tests STAGE SECONDS PYTEST-ARGS...: pytest with a JUn
   return $rc
 }
 
-h200_only() {  # h200_only STAGE: the tuned tables (kernels/tuned/*_h200.json) hold the H200's
-  # timings, which another card's tuning would overwrite
+h200_only() {  # h200_only STAGE: the MoE and MLA tables (kernels/tuned/{moe,mla}_h200.json)
+  # hold the H200's timings, which another card's tuning would overwrite (GEMM has a table per card)
   [ "$CARD" = h200 ] && return 0
   echo "== $1: skipped on $CARD: kernels/tuned/*_h200.json is tuned on the H200 only"
   return 1
@@ -99,10 +100,11 @@ for stage in "$@"; do
   case $stage in
     tests)   native_tests tests ${TESTS_LIMIT:-110} -n 8 tests/kernels invariance_tests \
                --ignore=invariance_tests/test_engine_determinism.py --timeout=60 ;;
-    # tune_gemm writes its table after every shape (a cut run resumes): copied whatever the status
-    tune)    h200_only tune || continue
-             run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-250} ${TUNE_ARGS:-}
-             cp kernels/tuned/gemm_h200.json "$OUT/results/"; keep_tuned gemm_h200.json ;;
+    # tune_gemm writes this card's table after every shape (a cut run resumes): copied whatever
+    # the status
+    tune)    run tune ${TUNE_LIMIT:-150} python3 -m experiments.tune_gemm --budget-s ${TUNE_BUDGET:-250} ${TUNE_ARGS:-}
+             [ -f "kernels/tuned/gemm_$CARD.json" ] && cp "kernels/tuned/gemm_$CARD.json" "$OUT/results/" \
+               && keep_tuned "gemm_$CARD.json" ;;
     tune_moe) h200_only tune_moe || continue
              run tune_moe ${TUNE_MOE_LIMIT:-150} python3 -m experiments.tune_moe --budget-s ${TUNE_MOE_BUDGET:-120} \
                && cp kernels/tuned/moe_h200.json "$OUT/results/" && keep_tuned moe_h200.json ;;

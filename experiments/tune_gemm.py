@@ -1,4 +1,4 @@
-"""Offline GEMM tuning on the H200 -> kernels/tuned/gemm_h200.json (data the policy reads).
+"""Offline GEMM tuning on a card -> kernels/tuned/gemm_<card>.json (data the policy reads there).
 
 For every GEMM (N, K) of the real named models (``gemm_shapes``: read off a meta-device build of
 each model in ``TUNED_MODELS``, LM heads included) and M in ``M_VALUES`` it times a bounded
@@ -17,11 +17,16 @@ run's header), and ``--retune-m 64,128,256`` with it tunes those M values again 
 candidate set grew, e.g. by the TMA-fed tiles), keeping the file's other points.
 
 ``--models`` and ``--m-values`` narrow what one run tunes (with ``--resume`` the file keeps its
-other points; without it they need an ``--out`` of their own, e.g. a results file on a card
-whose timings must not enter the H200's table).
+other points; without it they need an ``--out`` outside ``kernels/tuned/``, e.g. a results file).
+
+Each card writes its own table (``kernels.gemm.tuned_path``; ``--out`` defaults to the card's):
+the H200's is every card's base, and another card's file holds the points tuned on it, which the
+policy overlays on the H200's. ``--merge-from FILE...`` folds tuned entries timed on one card
+(results files of narrowed runs) into ``--out`` without timing anything.
 
     python -m experiments.tune_gemm [--budget-s 300] [--resume [--retune-m M,M]]
-        [--models deepseek-v3] [--m-values 512,2048] [--out kernels/tuned/gemm_h200.json]
+        [--models deepseek-v3] [--m-values 512,2048] [--out kernels/tuned/gemm_<card>.json]
+    python -m experiments.tune_gemm --out kernels/tuned/gemm_h100.json --merge-from FILE...
 """
 
 from __future__ import annotations
@@ -44,12 +49,14 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 from experiments.harness import bench_us, header  # noqa: E402
 from kernels.gemm import (  # noqa: E402
     H200_NUM_SMS,
-    TUNED_PATH,
+    TUNED_DIR,
     GemmConfig,
     auto_split_k,
     gemm,
+    tuned_path,
     with_row_mask,
 )
+from kernels.utils import device_card  # noqa: E402
 from models.config import NAMED_CONFIGS  # noqa: E402
 
 M_VALUES = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
@@ -251,7 +258,7 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """What one run sweeps and how it times: the H200 run, or a CPU dry run (``--dry-run``: two
+    """What one run sweeps and how it times: the GPU run, or a CPU dry run (``--dry-run``: two
     tiny shapes through the Triton interpreter, wall-clock timing; only the logic is exercised)."""
 
     shapes: tuple[tuple[str, int, int], ...]
@@ -269,7 +276,7 @@ class Setup:
         return bench_us(fn, warmup_ms=5, rep_ms=self.rep_ms)
 
 
-def h200_setup(rep_ms: int) -> Setup:
+def gpu_setup(rep_ms: int) -> Setup:
     return Setup(tuple(gemm_shapes()), M_VALUES, "cuda", DTYPE, rep_ms)
 
 
@@ -400,11 +407,50 @@ def _needs_retune(entry: dict, retune: set[int]) -> bool:
     return entry["m"] in retune and entry.get("candidate_set") != candidate_set(entry["m"])
 
 
+_TIMING_KEYS = ("machine", "host", "torch", "triton", "cuda", "python",
+                "copy_bandwidth_bytes_per_s", "copy_bandwidth_card")
+
+
+def merge_tables(out: Path, sources: list[Path]) -> int:
+    """``--merge-from``: ``out``'s entries (if it exists) and each source's, a later file's entry
+    replacing an earlier one at the same (M, N, K); every file timed on one machine. Its header
+    lists every file's runs. The portable batch-invariant config stays ``out``'s (none if new):
+    it is picked over the pool model's points at every M, which narrowed runs do not time."""
+    tables = ([out] if out.exists() else []) + list(sources)
+    loaded = [json.loads(path.read_text()) for path in tables]
+    machines = {data["header"]["machine"] for data in loaded}
+    if len(machines) != 1:
+        raise ValueError(f"--merge-from: expected files timed on one machine, got "
+                         f"{sorted(machines)}")
+    entries: dict[tuple[int, int, int], dict] = {}
+    for data in loaded:
+        entries.update({(e["m"], e["n"], e["k"]): e for e in data["entries"] if "candidates" in e})
+    merged = sorted(entries.values(), key=lambda e: (e["layer"], e["m"]))
+    expected = len(gemm_shapes()) * len(M_VALUES)
+    runs = [run for data in loaded for run in data["header"].get("runs", [])]
+    first = loaded[0]["header"]
+    head = header(complete=False, points=len(merged), expected_points=expected,
+                  m_values=list(M_VALUES), models=list(TUNED_MODELS), runs=runs,
+                  retune_pending_m=[], merged_from=[str(path) for path in sources],
+                  note="merged by --merge-from on another machine: the machine and versions "
+                       "above are the timing runs' (each run's own in runs)")
+    # the card and versions that timed the entries, not this merge's machine
+    head.update({key: first[key] for key in _TIMING_KEYS if key in first})
+    record = {"header": head,
+              "batch_invariant": loaded[0]["batch_invariant"] if out.exists() else None,
+              "entries": merged}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {len(merged)} entries of {expected} to {out} from {len(tables)} files")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=300.0, help="sweep wall-clock budget")
     parser.add_argument("--rep-ms", type=int, default=8, help="do_bench_cudagraph rep per config")
-    parser.add_argument("--out", type=Path, default=TUNED_PATH)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the table to write (default: this card's, kernels/tuned/)")
     parser.add_argument("--resume", action="store_true",
                         help="keep --out's entries and tune only the points it lacks")
     parser.add_argument("--retune-m", default="", metavar="M,M",
@@ -416,7 +462,18 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"tune only these M (of {', '.join(map(str, M_VALUES))})")
     parser.add_argument("--dry-run", action="store_true",
                         help="two tiny shapes on the CPU interpreter (the logic only)")
+    parser.add_argument("--merge-from", type=Path, nargs="+", default=None, metavar="FILE",
+                        help="fold these files' entries (timed on one card) into --out; no "
+                             "timing")
     args = parser.parse_args(argv)
+    if args.merge_from:
+        if args.out is None:
+            parser.error("--merge-from needs --out (the table the entries go into)")
+        return merge_tables(args.out, args.merge_from)
+    if args.out is None:
+        if args.dry_run or not torch.cuda.is_available():
+            parser.error("--out: expected a path off the GPU (a table is a card's timings)")
+        args.out = tuned_path(device_card(torch.device("cuda")))
     if args.retune_m and not args.resume:
         parser.error("--retune-m needs --resume (it re-tunes points of the existing file)")
     models = [v for v in args.models.split(",") if v]
@@ -424,20 +481,19 @@ def main(argv: list[str] | None = None) -> int:
     if set(models) - set(TUNED_MODELS) or set(m_values) - set(M_VALUES):
         parser.error(f"--models / --m-values: expected some of {list(TUNED_MODELS)} / "
                      f"{list(M_VALUES)}, got {models} / {m_values}")
-    if (models or m_values) and not args.resume and args.out.resolve() == TUNED_PATH.resolve():
-        parser.error("--models / --m-values without --resume need an --out of their own (the "
-                     "table's other points would be dropped)")
+    if (models or m_values) and not args.resume and args.out.resolve().parent == TUNED_DIR:
+        parser.error("--models / --m-values without --resume need an --out outside "
+                     "kernels/tuned/ (the table's other points would be dropped)")
     if args.dry_run:
         setup = dry_run_setup()
     elif not torch.cuda.is_available():
-        print("tune_gemm: needs a CUDA device (the table is H200 timing data); nothing written.",
+        print("tune_gemm: needs a CUDA device (a table is its card's timings); nothing written.",
               file=sys.stderr)
         return 1
     else:
-        setup = h200_setup(args.rep_ms)
-        if "H200" not in torch.cuda.get_device_name():
-            print(f"tune_gemm: warning: tuning on {torch.cuda.get_device_name()}, not an H200",
-                  file=sys.stderr)
+        setup = gpu_setup(args.rep_ms)
+        print(f"tune_gemm: tuning on {torch.cuda.get_device_name()} into {args.out}",
+              file=sys.stderr)
     full = setup  # the whole table's points, which its header counts
     if models:
         setup = dataclasses.replace(setup, shapes=models_shapes(setup.shapes, models,

@@ -74,9 +74,9 @@ def test_target_bits_independent_of_corunners_on_the_triton_backend(model, mode)
     assert len(_prints(config)) == 1
 
 
-def _bk_by_m(m, n, k, dtype, mode):
+def _bk_by_m(m, n, k, dtype, mode, card=None):
     """The H200 table's habit (BLOCK_K by M) on tiny shapes: 16 below 24 rows, else 32."""
-    config = gemm_module._gemm_config(gemm_module._tuned_table(), m, n, k, dtype,
+    config = gemm_module._gemm_config(gemm_module._tuned_table(card), m, n, k, dtype,
                                       gemm_module.Mode.parse(mode))
     return dataclasses.replace(config, block_k=16 if m < 24 else 32, split_k=1)
 

@@ -19,6 +19,12 @@ Invariance, by mode (DESIGN.md, "The two properties"):
 - ``default`` and ``corun`` pick the fastest config per shape (block_k and split-K chosen by M), so
   a row's bits may change with M; corun gets determinism by fixing M (isolated prefill, padded
   decode), default does not.
+
+The tuned configs are per card (``kernels/tuned/gemm_<card>.json``, ``kernels.utils.device_card``
+of the tensors' device): the H200's table is the base every card starts from, and another card's
+file holds the points tuned on that card, which replace the H200's at the same (M, N, K). A config
+stays a pure function of (shape, dtype, mode, card); one card runs one config per shape, so its
+bits are reproducible on that card, as any kernel's are only on the hardware that ran it.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from kernels.utils import (
     check_shape,
     check_tensor,
     config_from_dict,
+    device_card,
     dot_precision,
     is_interpreter,
     load_tuned_json,
@@ -52,9 +59,20 @@ from kernels.utils import (
     upcast_dot_operands,
 )
 
-__all__ = ["GemmConfig", "TunedTable", "gemm", "gemm_config", "gemm_reference", "load_tuned_table"]
+__all__ = ["GemmConfig", "TunedTable", "gemm", "gemm_config", "gemm_reference", "load_tuned_table",
+           "overlay", "tuned_path"]
 
-TUNED_PATH = Path(__file__).resolve().parent / "tuned" / "gemm_h200.json"
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+# The card whose table every other card's points overlay (and the interpreter runs).
+BASE_CARD = "h200"
+TUNED_PATH = TUNED_DIR / f"gemm_{BASE_CARD}.json"
+
+
+def tuned_path(card: str) -> Path:
+    """``kernels/tuned/gemm_<card>.json``: the configs tuned on ``card``
+    (``kernels.utils.device_card``)."""
+    return TUNED_DIR / f"gemm_{card}.json"
+
 
 # H200 facts the literal fallback policy is reasoned from.
 H200_NUM_SMS = 132
@@ -148,13 +166,13 @@ class GemmConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# tuned table: kernels/tuned/gemm_h200.json, written by experiments/tune_gemm.py
+# tuned tables: kernels/tuned/gemm_<card>.json, written by experiments/tune_gemm.py
 # ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: the config cache keys on the table
 class TunedTable:
-    """Configs measured fastest on the H200, per (N, K) and tuned M, for 16-bit inputs.
+    """Configs measured fastest on one card, per (N, K) and tuned M, for 16-bit inputs.
 
     ``lookup`` takes the entry at the smallest tuned M >= m (the largest tuned M past the end):
     a config tuned at M serves every batch size up to M.
@@ -217,9 +235,30 @@ def _parse_tuned_table(data: dict) -> TunedTable:
                       no_split_entries=by_m(no_split))
 
 
-@functools.lru_cache(maxsize=1)
-def _tuned_table() -> TunedTable:
-    return load_tuned_table(TUNED_PATH)
+def overlay(base: TunedTable, card: TunedTable) -> TunedTable:
+    """``base``'s entries with ``card``'s in place at the same (N, K) and tuned M, both the
+    fastest and the fastest-without-split-K rows; ``card``'s portable batch-invariant config
+    where it has one, else ``base``'s (a partial table is no sample to pick it from)."""
+
+    def merged(base_rows: dict, card_rows: dict) -> dict:
+        out = {key: dict(rows) for key, rows in base_rows.items()}
+        for key, rows in card_rows.items():
+            out.setdefault(key, {}).update(dict(rows))
+        return {key: tuple(sorted(rows.items())) for key, rows in out.items()}
+
+    return TunedTable(entries=merged(base.entries, card.entries),
+                      batch_invariant=card.batch_invariant or base.batch_invariant,
+                      no_split_entries=merged(base.no_split_entries, card.no_split_entries))
+
+
+@functools.lru_cache(maxsize=8)
+def _tuned_table(card: str | None = None) -> TunedTable:
+    """The table a card runs: the H200's, overlaid with the card's own file where it has one (the
+    interpreter, ``card`` None, runs the H200's)."""
+    base = load_tuned_table(TUNED_PATH)
+    if card is None or card == BASE_CARD or not tuned_path(card).exists():
+        return base
+    return overlay(base, load_tuned_table(tuned_path(card)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,8 +324,11 @@ def _fallback_config(m: int, n: int, k: int) -> GemmConfig:
     return tile
 
 
-def gemm_config(m: int, n: int, k: int, dtype: torch.dtype, mode: Mode | str) -> GemmConfig:
-    """The config ``gemm`` runs for x [m, k] @ w[n, k].T; a pure function of its arguments.
+def gemm_config(m: int, n: int, k: int, dtype: torch.dtype, mode: Mode | str,
+                card: str | None = None) -> GemmConfig:
+    """The config ``gemm`` runs for x [m, k] @ w[n, k].T on ``card`` (``kernels.utils.device_card``
+    of the tensors' device: ``gemm`` passes it; None, the interpreter's, reads the H200's table);
+    a pure function of its arguments.
 
     - ``batch_invariant``: depends on dtype only (never on m, n or k); no split-K.
     - ``batch_invariant_tuned``: depends on (m, n, k, dtype), never split-K: the tuned no-split
@@ -296,7 +338,7 @@ def gemm_config(m: int, n: int, k: int, dtype: torch.dtype, mode: Mode | str) ->
 
     Cached: a pure function of hashable arguments, computed once per shape.
     """
-    return _gemm_config(_tuned_table(), m, n, k, dtype, Mode.parse(mode))
+    return _gemm_config(_tuned_table(card), m, n, k, dtype, Mode.parse(mode))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -380,7 +422,8 @@ def gemm(
     out = torch.empty((m, n), dtype=x.dtype, device=device)
     if m == 0 or n == 0:
         return out
-    cfg = config if config is not None else gemm_config(m, n, k, x.dtype, mode)
+    cfg = config if config is not None else gemm_config(m, n, k, x.dtype, mode,
+                                                         card=device_card(device))
 
     k_blocks = cdiv(k, cfg.block_k)
     stream_k = cfg.stream_k_programs > 0 and k_blocks > 0

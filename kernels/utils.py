@@ -1,9 +1,10 @@
 """Small helpers shared by the kernel launchers: argument checks, interpreter detection, config
-field checks and the tuned-table file reader."""
+field checks, the tuned-table file reader and the card a device's tables are named after."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -22,6 +23,27 @@ T = TypeVar("T")
 def is_interpreter() -> bool:
     """True when Triton runs kernels through its numpy interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def card_name(device_name: str) -> str:
+    """``h200`` / ``h100`` for those NVIDIA cards, another GPU's name in lower case with dashes."""
+    for tag in ("H200", "H100"):  # not the Grace Hopper superchips' (GH200: other memory)
+        if tag in device_name and f"G{tag}" not in device_name:
+            return tag.lower()
+    return device_name.lower().replace(" ", "-")
+
+
+@functools.cache
+def _cuda_card(index: int) -> str:
+    return card_name(torch.cuda.get_device_name(index))
+
+
+def device_card(device: torch.device) -> str | None:
+    """The card a CUDA device's tuned tables and results are named after (``card_name``); None
+    for any other device (the CPU interpreter)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_card(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def upcast_dot_operands(dtype: torch.dtype) -> bool:

@@ -375,8 +375,11 @@ def test_corun_rows_change_with_the_decode_batch_size_where_split_k_follows_m_on
     so its guarantee holds; capturing several decode sizes would need one GEMM reduction order
     across them (the test below)."""
     from kernels.gemm import gemm_config
+    from kernels.utils import device_card
 
-    small, large = (gemm_config(m, 1024, 3072, torch.bfloat16, Mode.CORUN) for m in (8, 64))
+    card = device_card(torch.device("cuda"))  # the table gemm reads on this card
+    small, large = (gemm_config(m, 1024, 3072, torch.bfloat16, Mode.CORUN, card=card)
+                    for m in (8, 64))
     assert small.split_k != large.split_k  # the cause, as the policy stands
     prints = _decode_size_fingerprints((8, 64))
     assert prints[0] != prints[1]
@@ -394,8 +397,8 @@ def test_corun_rows_keep_their_bits_across_decode_sizes_sharing_one_gemm_config_
 
     shipped = gemm_module.gemm_config
 
-    def one_config(m, n, k, dtype, mode=Mode.CORUN):
-        return shipped(max(m, 64), n, k, dtype, mode)
+    def one_config(m, n, k, dtype, mode=Mode.CORUN, card=None):
+        return shipped(max(m, 64), n, k, dtype, mode, card=card)
 
     monkeypatch.setattr(gemm_module, "gemm_config", one_config)
     prints = _decode_size_fingerprints((8, 64))

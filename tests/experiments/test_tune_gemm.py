@@ -311,3 +311,60 @@ def test_a_narrowed_run_with_nothing_to_tune_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         tune_gemm.main(["--dry-run", "--out", str(tmp_path / "t.json"), "--models", "hy3"])
     assert not (tmp_path / "t.json").exists()
+
+
+def _tuned_file(path, machine, points, batch_invariant=None):
+    path.write_text(json.dumps({
+        "header": {"machine": machine, "torch": "t", "triton": "3.6.0", "cuda": "13.0",
+                   "runs": [{"command": f"tune into {path.name}"}]},
+        "batch_invariant": batch_invariant,
+        "entries": [{"m": m, "n": n, "k": k, "layer": f"q.{n}", "candidates": 3,
+                     "config": GemmConfig(bm, 64, 64).to_dict()} for m, n, k, bm in points]}))
+    return path
+
+
+def test_merge_from_folds_one_cards_files_into_its_table_later_files_winning(tmp_path):
+    """--merge-from: the union of the files' points, a later file's entry at the same (M, N, K)
+    replacing an earlier one; the header keeps the timing machine and every file's runs; a new
+    table carries no portable config (the H200's serves), an existing one keeps its own."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    first = _tuned_file(tmp_path / "a.json", h100, [(128, 96, 80, 16), (256, 96, 80, 32)],
+                        batch_invariant=GemmConfig(128, 128, 64).to_dict())
+    second = _tuned_file(tmp_path / "b.json", h100, [(256, 96, 80, 64), (512, 32, 48, 128)])
+    out = tmp_path / "gemm_h100.json"
+    assert tune_gemm.main(["--out", str(out), "--merge-from", str(first), str(second)]) == 0
+    table = json.loads(out.read_text())
+    assert {(e["m"], e["n"], e["k"]): e["config"]["block_m"] for e in table["entries"]} == {
+        (128, 96, 80): 16, (256, 96, 80): 64, (512, 32, 48): 128}
+    head = table["header"]
+    assert head["machine"] == h100 and head["triton"] == "3.6.0" and head["complete"] is False
+    assert [r["command"] for r in head["runs"]] == ["tune into a.json", "tune into b.json"]
+    assert head["points"] == 3 and head["expected_points"] == len(tune_gemm.gemm_shapes()) * 9
+    assert table["batch_invariant"] is None
+    assert load_tuned_table(out).lookup(200, 96, 80, torch.bfloat16).block_m == 64
+    kept = GemmConfig(64, 128, 64, persistent=True).to_dict()
+    data = json.loads(out.read_text())
+    out.write_text(json.dumps({**data, "batch_invariant": kept}))
+    assert tune_gemm.main(["--out", str(out), "--merge-from", str(first)]) == 0
+    again = json.loads(out.read_text())
+    assert again["batch_invariant"] == kept
+    assert {(e["m"], e["config"]["block_m"]) for e in again["entries"]} == {
+        (128, 16), (256, 32), (512, 128)}
+
+
+def test_merge_from_refuses_files_of_other_machines_and_a_missing_out(tmp_path):
+    one = _tuned_file(tmp_path / "a.json", "NVIDIA H100 80GB HBM3", [(128, 96, 80, 16)])
+    other = _tuned_file(tmp_path / "b.json", "NVIDIA H200", [(128, 96, 80, 32)])
+    out = tmp_path / "gemm_h100.json"
+    with pytest.raises(ValueError, match="one machine"):
+        tune_gemm.main(["--out", str(out), "--merge-from", str(one), str(other)])
+    assert not out.exists()
+    with pytest.raises(SystemExit):
+        tune_gemm.main(["--merge-from", str(one)])
+
+
+def test_a_run_off_the_gpu_names_its_out(tmp_path):
+    """A table is one card's timings: without a GPU there is no card to name it after."""
+    with pytest.raises(SystemExit):
+        tune_gemm.main(["--dry-run"])
+    assert tune_gemm.main(["--dry-run", "--out", str(tmp_path / "t.json"), "--budget-s", "0"]) == 0

@@ -391,7 +391,8 @@ def test_fast_policies_split_k_only_at_small_m(monkeypatch):
     # tiles = 64 CTAs, split to fill 132 SMs. (The checked-in tuned table may pick otherwise.)
     import kernels.gemm as gemm_module
 
-    monkeypatch.setattr(gemm_module, "_tuned_table", lambda: gemm_module.TunedTable(entries={}))
+    monkeypatch.setattr(gemm_module, "_tuned_table",
+                        lambda card=None: gemm_module.TunedTable(entries={}))
     assert gemm_config(1, 4096, 4096, torch.bfloat16, Mode.CORUN).split_k >= 2
     assert gemm_config(8192, 4096, 4096, torch.bfloat16, Mode.CORUN).split_k == 1
 
@@ -404,7 +405,7 @@ def test_m_dependent_policies_mask_the_rows_of_a_part_empty_tile_and_only_there(
     follows M, so it never masks. Both the tuned table's picks and the literal fallback."""
     if table == "fallback":
         monkeypatch.setattr(gemm_module, "_tuned_table",
-                            lambda: gemm_module.TunedTable(entries={}))
+                            lambda card=None: gemm_module.TunedTable(entries={}))
     gemm_module._gemm_config.cache_clear()
     shapes = ((4096, 4096), (32768, 512), (7168, 2048), (64, 256))
     for mode in (Mode.CORUN, Mode.DEFAULT, Mode.BATCH_INVARIANT_TUNED):
@@ -486,6 +487,92 @@ def test_tuned_table_refuses_stream_k_where_it_cannot_run(tmp_path):
     table = load_tuned_table(path)  # no no-split entry: batch_invariant_tuned falls back
     assert table.lookup(64, 96, 80, torch.bfloat16) == stream
     assert table.lookup(64, 96, 80, torch.bfloat16, no_split=True) is None
+
+
+def _write_table(path, entries, batch_invariant=None):
+    path.write_text(json.dumps({
+        "header": {"machine": "test"},
+        "batch_invariant": batch_invariant.to_dict() if batch_invariant else None,
+        "entries": [{"m": m, "n": n, "k": k, "config": c.to_dict(),
+                     **({"no_split_config": ns.to_dict()} if ns else {})}
+                    for m, n, k, c, ns in entries]}))
+    return path
+
+
+def test_a_cards_table_replaces_the_base_at_its_points_and_keeps_the_rest(tmp_path):
+    """The overlay works point by point: the card's entry at (N, K, M) wins, both the fastest and
+    the no-split one; the base's other M of that shape and its other shapes stay; the card's
+    portable config only where it has one."""
+    base_small, base_mid, base_big = (GemmConfig(16, 64, 128), GemmConfig(64, 128, 64),
+                                      GemmConfig(128, 128, 64, num_warps=8))
+    card_mid = GemmConfig(128, 64, 64, num_stages=6, tma=True)
+    card_split, card_no_split = GemmConfig(64, 64, 64, split_k=4), GemmConfig(64, 64, 128)
+    portable = GemmConfig(64, 128, 64, persistent=True)
+    base = load_tuned_table(_write_table(tmp_path / "base.json", [
+        (8, 96, 80, base_small, None), (128, 96, 80, base_mid, None),
+        (2048, 96, 80, base_big, None), (128, 32, 48, base_mid, None)], portable))
+    card = load_tuned_table(_write_table(tmp_path / "card.json", [
+        (128, 96, 80, card_mid, None), (512, 96, 80, card_split, card_no_split),
+        (64, 16, 16, card_mid, None)]))
+    table = gemm_module.overlay(base, card)
+    bf16 = torch.bfloat16
+    assert [table.lookup(m, 96, 80, bf16) for m in (1, 8, 100, 128, 200, 512, 4096)] == [
+        base_small, base_small, card_mid, card_mid, card_split, card_split, base_big]
+    assert table.lookup(300, 96, 80, bf16, no_split=True) == card_no_split
+    assert table.lookup(128, 96, 80, bf16, no_split=True) == card_mid
+    assert table.lookup(128, 32, 48, bf16) == base_mid  # a shape the card did not tune
+    assert table.lookup(64, 16, 16, bf16) == card_mid  # a shape the base lacks
+    assert table.batch_invariant == portable
+    own = GemmConfig(128, 128, 64, num_warps=8, persistent=True)
+    card_own = dataclasses.replace(card, batch_invariant=own)
+    assert gemm_module.overlay(base, card_own).batch_invariant == own
+
+
+def test_the_policy_reads_the_tensors_cards_table(tmp_path, monkeypatch):
+    """``gemm`` asks the policy for its tensors' card (kernels.utils.device_card); the H200's
+    table serves a card without a file of its own, and the interpreter (card None)."""
+    shape_m, n, k = 4, 32, 48
+    base_pick, card_pick = GemmConfig(16, 32, 16), GemmConfig(16, 16, 16, num_stages=2)
+    monkeypatch.setattr(gemm_module, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(gemm_module, "TUNED_PATH", tmp_path / "gemm_h200.json")
+    _write_table(tmp_path / "gemm_h200.json", [(8, n, k, base_pick, None)])
+    _write_table(tmp_path / "gemm_h100.json", [(8, n, k, card_pick, None)])
+    gemm_module._tuned_table.cache_clear()
+    try:
+        picks = {card: gemm_config(shape_m, n, k, torch.float16, Mode.CORUN, card=card)
+                 for card in (None, "h200", "h100", "another-gpu")}
+        base, card = (with_row_mask(c, shape_m) for c in (base_pick, card_pick))
+        assert picks == {None: base, "h200": base, "h100": card, "another-gpu": base}
+        asked = []
+        shipped = gemm_module.gemm_config
+
+        def spy(*args, card=None):
+            asked.append(card)
+            return shipped(*args, card=card)
+
+        monkeypatch.setattr(gemm_module, "gemm_config", spy)
+        x, w, _ = _inputs(shape_m, n, k, torch.float32)
+        gemm(x, w)
+        assert asked == [None]  # a CPU tensor: the interpreter's
+    finally:
+        gemm_module._tuned_table.cache_clear()
+
+
+def test_the_committed_h100_table_is_what_the_policy_runs_on_an_h100():
+    """Every point of kernels/tuned/gemm_h100.json is the config the corun policy returns there
+    on an H100, and the H200's pick where the H100 table has no point (rows past M masked by the
+    same rule)."""
+    h100 = json.loads(gemm_module.tuned_path("h100").read_text())
+    assert h100["entries"] and h100["header"]["machine"].startswith("NVIDIA H100")
+    for e in h100["entries"]:
+        picked = gemm_config(e["m"], e["n"], e["k"], torch.bfloat16, Mode.CORUN, card="h100")
+        assert picked == with_row_mask(GemmConfig.from_dict(e["config"]), e["m"]), e["layer"]
+    tuned = {(e["m"], e["n"], e["k"]) for e in h100["entries"]}
+    h200 = json.loads(gemm_module.TUNED_PATH.read_text())
+    for e in h200["entries"]:
+        if (e["m"], e["n"], e["k"]) not in tuned:
+            assert (gemm_config(e["m"], e["n"], e["k"], torch.bfloat16, Mode.CORUN, card="h100")
+                    == gemm_config(e["m"], e["n"], e["k"], torch.bfloat16, Mode.CORUN))
 
 
 def test_config_label_names_the_tile_cut_depth_and_feed():
