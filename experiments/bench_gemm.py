@@ -30,8 +30,9 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 
 from experiments.harness import bench_us, family_main, kernel_record, memory_bound_us  # noqa: E402
 from experiments.tune_gemm import BENCH_MODELS, gemm_shapes  # noqa: E402
-from kernels.gemm import GemmConfig, gemm, gemm_config  # noqa: E402
+from kernels.gemm import GemmConfig, gemm, gemm_config, table_files  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
+from kernels.utils import device_card  # noqa: E402
 
 DECODE_M = (1, 8, 32, 64, 128, 256)
 PREFILL_M = (512, 2048, 8192)
@@ -58,6 +59,8 @@ def collect(quick: bool = False) -> list[dict]:
     shapes = [s for s in gemm_shapes(BENCH_MODELS) if not quick or s[0] in QUICK_LAYERS]
     m_values = (1, 64, 2048) if quick else DECODE_M + PREFILL_M
     warmup_ms, rep_ms = (5, 20) if quick else (10, 30)
+    card = device_card(torch.device(DEVICE))  # whose table the policies read (kernels.gemm)
+    tables = [path.name for path in table_files(card)]
     records = []
     for label, n, k in shapes:
         x_all, w = _data(max(m_values), n, k)
@@ -71,7 +74,7 @@ def collect(quick: bool = False) -> list[dict]:
             # row tile part empty (and it loads without TMA), the same pick with the rows past M
             # loaded the other way (masked, or re-read: at M 1 all of them re-read the one real
             # row), whose bits must equal the pick's.
-            variants = [(mode.value, gemm_config(m, n, k, DTYPE, mode), {"mode": mode})
+            variants = [(mode.value, gemm_config(m, n, k, DTYPE, mode, card=card), {"mode": mode})
                         for mode in (Mode.CORUN, Mode.BATCH_INVARIANT)]
             corun = variants[0][1]
             if m % corun.block_m and not corun.tma:
@@ -90,7 +93,7 @@ def collect(quick: bool = False) -> list[dict]:
                     layer=label, phase="decode" if m in DECODE_M else "prefill",
                     bound_us=round(bound_us, 3), bw_fraction=round(bound_us / us, 4),
                     tflops=round(2 * m * n * k / us / 1e6, 2), rel_err_vs_cublas=rel_err,
-                    config=config.to_dict(), **checked,
+                    config=config.to_dict(), tuned_tables=tables, **checked,
                 ))
                 print(f"{label:28s} M={m:5d} {policy:16s} {us:9.2f} us  cuBLAS {cublas_us:9.2f}"
                       f"  ratio {cublas_us / us:.3f}"
@@ -199,7 +202,7 @@ def check_invariance_gpu() -> list[dict]:
 
 def _cuts_k(m: int, n: int, k: int) -> tuple[int, int]:
     """What of the default policy's config at M orders a row's sum: (split_k, stream-K programs)."""
-    config = gemm_config(m, n, k, DTYPE, Mode.DEFAULT)
+    config = gemm_config(m, n, k, DTYPE, Mode.DEFAULT, card=device_card(torch.device(DEVICE)))
     return config.split_k, config.stream_k_programs
 
 

@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 from experiments.harness import bench_us, probe_main  # noqa: E402
 from kernels.gemm import gemm, gemm_config  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
+from kernels.utils import device_card  # noqa: E402
 
 SHAPES = (("deepseek-v3.kv_b", 32768, 512), ("deepseek-v3.shared.down", 7168, 2048))
 ORDER = (1, 8, 1, 8, 32, 1)
@@ -50,7 +51,7 @@ def collect() -> list[dict]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
         for turn, m in enumerate(ORDER):
             x = x_all[:m]
-            pick = gemm_config(m, n, k, torch.bfloat16, Mode.CORUN)
+            pick = gemm_config(m, n, k, torch.bfloat16, Mode.CORUN, card=device_card(w.device))
             loads = {f"{name}_us": dataclasses.replace(pick, mask_rows=mask)
                      for name, mask in (("reread_rows", False), ("mask_rows", True))}
             ours = lambda x=x, w=w: gemm(x, w, mode=Mode.CORUN)  # noqa: E731

@@ -50,7 +50,7 @@ from kernels.gemm import (  # noqa: E402
     stream_k_programs,
 )
 from kernels.mode import Mode  # noqa: E402
-from kernels.utils import cdiv  # noqa: E402
+from kernels.utils import cdiv, device_card  # noqa: E402
 
 # The H100's lowest rows at M 128 / 256 (kernels-h100.json, the H200's table): 0.75-0.80.
 SHAPES = (("qwen3-8b.qkv", 6144, 4096), ("qwen3-8b.gate_up", 24576, 4096),
@@ -156,7 +156,7 @@ def collect() -> list[dict]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
         for m in M_VALUES:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            pick = gemm_config(m, n, k, torch.bfloat16, Mode.CORUN)
+            pick = gemm_config(m, n, k, torch.bfloat16, Mode.CORUN, card=device_card(w.device))
             cublas_us = bench_us(lambda x=x, w=w: F.linear(x, w), 10, 30)
             pick_us = bench_us(lambda x=x, w=w: gemm(x, w, mode=Mode.CORUN), 10, 30)
             record = {

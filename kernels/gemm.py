@@ -60,7 +60,7 @@ from kernels.utils import (
 )
 
 __all__ = ["GemmConfig", "TunedTable", "gemm", "gemm_config", "gemm_reference", "load_tuned_table",
-           "overlay", "tuned_path"]
+           "overlay", "table_files", "tuned_path"]
 
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 # The card whose table every other card's points overlay (and the interpreter runs).
@@ -251,14 +251,18 @@ def overlay(base: TunedTable, card: TunedTable) -> TunedTable:
                       no_split_entries=merged(base.no_split_entries, card.no_split_entries))
 
 
+def table_files(card: str | None) -> list[Path]:
+    """The files the policy reads on ``card``, base first: the H200's, then the card's own where
+    it has one (the interpreter, ``card`` None, reads the H200's)."""
+    own = [] if card is None or card == BASE_CARD else [tuned_path(card)]
+    return [TUNED_PATH, *(path for path in own if path.exists())]
+
+
 @functools.lru_cache(maxsize=8)
 def _tuned_table(card: str | None = None) -> TunedTable:
-    """The table a card runs: the H200's, overlaid with the card's own file where it has one (the
-    interpreter, ``card`` None, runs the H200's)."""
-    base = load_tuned_table(TUNED_PATH)
-    if card is None or card == BASE_CARD or not tuned_path(card).exists():
-        return base
-    return overlay(base, load_tuned_table(tuned_path(card)))
+    """The table a card runs: each of ``table_files`` overlaid on the one before."""
+    base, *own = (load_tuned_table(path) for path in table_files(card))
+    return functools.reduce(overlay, own, base)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -541,6 +541,10 @@ def test_the_policy_reads_the_tensors_cards_table(tmp_path, monkeypatch):
     try:
         picks = {card: gemm_config(shape_m, n, k, torch.float16, Mode.CORUN, card=card)
                  for card in (None, "h200", "h100", "another-gpu")}
+        assert gemm_module.table_files("h100") == [tmp_path / "gemm_h200.json",
+                                                   tmp_path / "gemm_h100.json"]
+        assert gemm_module.table_files("another-gpu") == gemm_module.table_files(None) == [
+            tmp_path / "gemm_h200.json"]
         base, card = (with_row_mask(c, shape_m) for c in (base_pick, card_pick))
         assert picks == {None: base, "h200": base, "h100": card, "another-gpu": base}
         asked = []
