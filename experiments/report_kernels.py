@@ -298,7 +298,19 @@ def kernels_targets_block(head: dict, records: list[dict], name: str = "kernels-
     rows = _rows(records, _mla_probe_note(dots[1], dots_name) if dots else "",
                  _mla_prefill_probe_note(*prefill, prefill_name) if prefill else "")
     return "\n".join([_source(head, name), "",
-                      _table(["kernel", "target", "measured", "met"], rows)])
+                      _table(["kernel", "target", "measured", "met"], rows),
+                      *_gemm_tables_note(records)])
+
+
+def _gemm_tables_note(records: list[dict]) -> list[str]:
+    """Which tuned tables the GEMM rows' policies read (``tuned_tables``: bench_gemm records it
+    since the tables became per card); nothing for rows from before."""
+    read = sorted({tuple(r["tuned_tables"]) for r in records
+                   if r.get("op") == "gemm" and not r.get("superseded") and r.get("tuned_tables")})
+    if not read:
+        return []
+    files = "; ".join(" over ".join(f"`kernels/tuned/{f}`" for f in reversed(t)) for t in read)
+    return ["", f"The GEMM rows ran the policies' picks from {files}."]
 
 
 def decode_step_change_block(head: dict, records: list[dict],

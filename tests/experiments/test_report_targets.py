@@ -259,3 +259,18 @@ def test_attention_rows_say_which_rows_a_lighter_rows_time_holds_under_the_targe
         "tokens (its programs walking the same split): these rows reach at most median 1.00 "
         "(0.50-1.00) of the bound, under the target's 0.6 at 1 of 3 rows (B 1 at 4096 tokens, "
         "5.00 us of bound: the floor B 1 at 512 tokens, 10.00 us)")
+
+
+def test_the_targets_say_which_tuned_tables_the_gemm_rows_read(tmp_path, monkeypatch):
+    """Rows from before the tables were per card say nothing; rows that record them name each
+    card's file over the H200's."""
+    head = {**HEAD, "machine": "NVIDIA H100 80GB HBM3"}
+    older = render_block(tmp_path, monkeypatch, "kernels-h100", head, _records(0.9),
+                         block="kernels-h100-targets")
+    assert "ran the policies' picks" not in older
+    tables = ["gemm_h200.json", "gemm_h100.json"]
+    records = [{**r, "tuned_tables": tables} if r["op"] == "gemm" else r for r in _records(0.9)]
+    text = render_block(tmp_path, monkeypatch, "kernels-h100", head, records,
+                        block="kernels-h100-targets")
+    assert ("The GEMM rows ran the policies' picks from `kernels/tuned/gemm_h100.json` over "
+            "`kernels/tuned/gemm_h200.json`.") in text
