@@ -432,8 +432,8 @@ def merge_tables(out: Path, sources: list[Path]) -> int:
     head = header(complete=False, points=len(merged), expected_points=expected,
                   m_values=list(M_VALUES), models=list(TUNED_MODELS), runs=runs,
                   retune_pending_m=[], merged_from=[str(path) for path in sources],
-                  note="merged by --merge-from on another machine: the machine and versions "
-                       "above are the timing runs' (each run's own in runs)")
+                  note="merged by --merge-from: the machine and versions above are the timing "
+                       "runs' (each run's own in runs), the date and command the merge's")
     # the card and versions that timed the entries, not this merge's machine
     head.update({key: first[key] for key in _TIMING_KEYS if key in first})
     record = {"header": head,
@@ -472,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         return merge_tables(args.out, args.merge_from)
     if args.out is None:
         if args.dry_run or not torch.cuda.is_available():
-            parser.error("--out: expected a path off the GPU (a table is a card's timings)")
+            parser.error("--out: expected a path (without a GPU there is no card to name the "
+                         "table after)")
         args.out = tuned_path(device_card(torch.device("cuda")))
     if args.retune_m and not args.resume:
         parser.error("--retune-m needs --resume (it re-tunes points of the existing file)")
