@@ -427,7 +427,9 @@ def merge_tables(out: Path, sources: list[Path]) -> int:
         entries.update({(e["m"], e["n"], e["k"]): e for e in data["entries"] if "candidates" in e})
     merged = sorted(entries.values(), key=lambda e: (e["layer"], e["m"]))
     expected = len(gemm_shapes()) * len(M_VALUES)
-    runs = [run for data in loaded for run in data["header"].get("runs", [])]
+    # each run once: a source merged again into its table brings runs the table already lists
+    runs = list({json.dumps(run, sort_keys=True): run
+                 for data in loaded for run in data["header"].get("runs", [])}.values())
     first = loaded[0]["header"]
     head = header(complete=False, points=len(merged), expected_points=expected,
                   m_values=list(M_VALUES), models=list(TUNED_MODELS), runs=runs,

@@ -348,6 +348,7 @@ def test_merge_from_folds_one_cards_files_into_its_table_later_files_winning(tmp
     assert tune_gemm.main(["--out", str(out), "--merge-from", str(first)]) == 0
     again = json.loads(out.read_text())
     assert again["batch_invariant"] == kept
+    assert again["header"]["runs"] == head["runs"]  # a file merged again adds no run twice
     assert {(e["m"], e["config"]["block_m"]) for e in again["entries"]} == {
         (128, 16), (256, 32), (512, 128)}
 
