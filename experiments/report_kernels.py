@@ -497,6 +497,7 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
                                                   "tune-gemm-qwen3-8b-mid-m-h100"),
     **{name: probe_gemm_mid_m_block(name)
        for name in ("probe-gemm-mid-m-h100", "probe-gemm-mid-m-h100-before",
+                    "probe-gemm-mid-m-h100-run2",
                     "probe-gemm-mid-m-h200")},
     **{name: tuned_prefill_block(name)
        for name in ("tune-mla-prefill-h100", "tune-mla-prefill-h200")},
