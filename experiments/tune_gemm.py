@@ -103,10 +103,11 @@ CANDIDATE_SET = "tma-split3-bk64-decode-bn256-streamk"
 MID_M_CANDIDATE_SET = CANDIDATE_SET + "-deep"
 LARGE_M_CANDIDATE_SET = CANDIDATE_SET + "-largesplit8-tma-narrow"
 # Deeper pipelines at mid M, TMA-fed whole tiles only: an H100 probe
-# (probe-gemm-mid-m-h100-run2.json) ran Qwen3-8B's qkv at M 128 at 0.94 of cuBLAS with 128 x 64 x 64 at 7 stages and 4 warps (the
-# set's best: 0.79 at 3), its M 256 and DeepSeek-V3's q_b at M 256 at 0.91 / 0.87 with 128 x 128
-# x 64 at 6 (0.80 / 0.79): at M <= 256 a program streams its weight tiles, and more stages keep
-# more of them in flight. Splits and stream-K lost at every one of those points.
+# (probe-gemm-mid-m-h100-run2.json) ran Qwen3-8B's qkv at M 128 at 0.94 of cuBLAS with
+# 128 x 64 x 64 at 7 stages and 4 warps (the set's best: 0.79 at 3), its M 256 and DeepSeek-V3's
+# q_b at M 256 at 0.91 / 0.87 with 128 x 128 x 64 at 6 (0.80 / 0.79): at M <= 256 a program
+# streams its weight tiles, and more stages keep more of them in flight. Splits and stream-K
+# lost at every one of those points.
 _MID_DEEP_TILES = ((128, 64, 64, 4, 5), (128, 64, 64, 4, 6), (128, 64, 64, 4, 7),
                    (128, 64, 64, 8, 7), (128, 64, 128, 4, 4), (128, 64, 128, 8, 4),
                    (128, 128, 64, 4, 3), (128, 128, 64, 4, 5), (128, 128, 64, 4, 6),
