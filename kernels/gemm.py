@@ -254,15 +254,15 @@ def overlay(base: TunedTable, card: TunedTable) -> TunedTable:
 def table_files(card: str | None) -> list[Path]:
     """The files the policy reads on ``card``, base first: the H200's, then the card's own where
     it has one (the interpreter, ``card`` None, reads the H200's)."""
-    own = [] if card is None or card == BASE_CARD else [tuned_path(card)]
-    return [TUNED_PATH, *(path for path in own if path.exists())]
+    if card is None or card == BASE_CARD or not tuned_path(card).exists():
+        return [TUNED_PATH]
+    return [TUNED_PATH, tuned_path(card)]
 
 
 @functools.lru_cache(maxsize=8)
 def _tuned_table(card: str | None = None) -> TunedTable:
     """The table a card runs: each of ``table_files`` overlaid on the one before."""
-    base, *own = (load_tuned_table(path) for path in table_files(card))
-    return functools.reduce(overlay, own, base)
+    return functools.reduce(overlay, map(load_tuned_table, table_files(card)))
 
 
 # ----------------------------------------------------------------------------------------------
