@@ -4,15 +4,15 @@ Two responses (or two offline runs) are comparable bit for bit exactly when thei
 fingerprints are equal: the id hashes the weights (a named config's name and seed, or a digest of
 a checkpoint's files), the dtype, the mode and backend, the step shapes (B and the decode
 buckets, the prefill policy with C, T and R, the block size, max_model_len, which bounds the
-decode grid), the decode split size, the tuned kernel tables, the source of the kernels, models
-and engine (so a change of the code that decides the bits, e.g. a kernel's order of addition,
-changes the id even at one version number; a comment edit changes it too, which errs on the safe
-side), tensor parallelism, the EOS ids, the device (GPU name and compute capability, or the CPU's
-vector ISA) and the torch / triton / corun / outlines-core versions (outlines-core compiles
-structured output's grammars, so it decides which tokens a structured request may sample). Pure
-sizing and pacing knobs (KV block count, queue length, token budgets, overlap, CUDA graphs, which
-replay the eager bits, decode attention's fused combine) are left out: they do not change a
-request's bits.
+decode grid), the decode split size, the tuned kernel tables the device's card reads, the source
+of the kernels, models and engine (so a change of the code that decides the bits, e.g. a
+kernel's order of addition, changes the id even at one version number; a comment edit changes it
+too, which errs on the safe side), tensor parallelism, the EOS ids, the device (GPU name and
+compute capability, or the CPU's vector ISA) and the torch / triton / corun / outlines-core
+versions (outlines-core compiles structured output's grammars, so it decides which tokens a
+structured request may sample). Pure sizing and pacing knobs (KV block count, queue length,
+token budgets, overlap, CUDA graphs, which replay the eager bits, decode attention's fused
+combine) are left out: they do not change a request's bits.
 """
 
 from __future__ import annotations
@@ -69,8 +69,25 @@ def _files_digest(files: Iterable[tuple[str, Path]]) -> str:
     return h.hexdigest()[:16]
 
 
-def _tuned_tables() -> str:
-    return _files_digest((p.name, p) for p in sorted(_TUNED_DIR.glob("*.json")))
+def tuned_table_files(card: str | None, tuned_dir: Path | None = None) -> list[Path]:
+    """The tuned tables an engine on ``card`` reads (``kernels.utils.device_card``): every table
+    but another card's GEMM table (``kernels.gemm.table_files``), so re-tuning the H100's GEMMs
+    leaves an H200's fingerprint, whose bits it does not touch, as it was."""
+    from kernels.gemm import table_files
+
+    gemm_files = {path.name for path in table_files(card)}
+    return [path for path in sorted((tuned_dir or _TUNED_DIR).glob("*.json"))
+            if not path.name.startswith("gemm_") or path.name in gemm_files]
+
+
+def _card(config: EngineConfig) -> str | None:
+    from kernels.utils import device_card
+
+    return device_card(torch.device(config.resolved_device))
+
+
+def _tuned_tables(config: EngineConfig) -> str:
+    return _files_digest((p.name, p) for p in tuned_table_files(_card(config)))
 
 
 def source_digest(dirs: tuple[Path, ...] = _SOURCE_DIRS) -> str:
@@ -130,7 +147,7 @@ def describe(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = (),
         "max_model_len": config.max_model_len,
         "decode_split_size": config.decode_split_size,
         "tensor_parallel_size": config.tensor_parallel_size,
-        "tuned_tables": _tuned_tables(),
+        "tuned_tables": _tuned_tables(config),
         "sources": source_digest(),
         "device": _device(config),
         **_versions(),

@@ -54,6 +54,7 @@ def test_defaults_fingerprint_follows_the_buckets_the_runner_pads_to(monkeypatch
     from corun.engine import LLMEngine
 
     monkeypatch.setattr(fingerprint_module, "_device", lambda config: "a GPU")
+    monkeypatch.setattr(fingerprint_module, "_card", lambda config: "h200")
     mla = dataclasses.replace(BASE, mode="default", model="tiny-deepseek-v3",
                               max_num_batched_tokens=256)
     gpu = dataclasses.replace(mla, device="cuda")
@@ -114,3 +115,28 @@ def test_a_change_of_the_bit_deciding_sources_changes_their_digest(tmp_path):
     (kernels / "op.py").write_text("acc = a + (b + c)\n")
     assert source_digest((kernels,)) != before
     assert len(source_digest()) == 16
+
+
+def test_the_fingerprint_reads_the_tuned_tables_of_the_devices_card(tmp_path, monkeypatch):
+    """Each card reads its own GEMM table over the H200's (kernels.gemm.table_files) and every
+    card the MoE and MLA tables: another card's GEMM table leaves the fingerprint as it was, and
+    a table the card reads changes it."""
+    import shutil
+
+    import corun.system_fingerprint as fingerprint_module
+    from corun.system_fingerprint import tuned_table_files
+    from kernels.gemm import TUNED_DIR
+
+    names = lambda card: [p.name for p in tuned_table_files(card)]  # noqa: E731
+    assert names("h100") == ["gemm_h100.json", "gemm_h200.json", "mla_h200.json", "moe_h200.json"]
+    for card in ("h200", None, "some-other-gpu"):
+        assert names(card) == ["gemm_h200.json", "mla_h200.json", "moe_h200.json"], card
+
+    tuned = tmp_path / "tuned"
+    shutil.copytree(TUNED_DIR, tuned)
+    monkeypatch.setattr(fingerprint_module, "_TUNED_DIR", tuned)
+    before = system_fingerprint(BASE)  # the CPU interpreter reads the H200's GEMM table
+    (tuned / "gemm_h100.json").write_text((tuned / "gemm_h100.json").read_text() + "\n")
+    assert system_fingerprint(BASE) == before
+    (tuned / "moe_h200.json").write_text((tuned / "moe_h200.json").read_text() + "\n")
+    assert system_fingerprint(BASE) != before
