@@ -31,6 +31,8 @@ from corun.model_runner import ModelRunner
 from corun.sampling_params import SamplingParams
 from corun.scheduler import CoRunPolicy
 from corun.step import StepShape
+from kernels import gemm as gemm_module
+from kernels.gemm import TunedTable
 from kernels.mode import Mode
 from models import create_model
 from models.config import NAMED_CONFIGS
@@ -160,8 +162,8 @@ def test_dynamic_modes_replay_mixed_steps_from_their_buckets(mode):
 
 
 def _target_first_token(runner: ModelRunner, config: EngineConfig, corunners) -> str:
-    # A short prompt: unpadded, its step's M would range from 24 (alone; the H200 policy splits
-    # K there) to hundreds (beside co-runners, no split-K).
+    # A short prompt: unpadded, its step's M would range from 24 (alone; the literal policy
+    # splits K there, kernels.gemm.auto_split_k) to hundreds (beside co-runners, no split-K).
     target = ("target", list(range(100, 124)), SamplingParams(max_tokens=1, seed=7))
     return _fingerprints(runner, config, [*corunners, target])["target"]
 
@@ -186,7 +188,12 @@ def test_packed_prefill_keeps_bits_at_real_shapes(name, monkeypatch):
     packed = {_target_first_token(runner, config, s) for s in _corunner_sets()}
     assert len(packed) == 1, f"{len(packed)} different fingerprints across co-runner sets"
 
-    # Negative control: the step's shape follows its contents (no padding).
+    # Negative control: the step's shape follows its contents (no padding), under the literal
+    # GEMM policy (an empty table: kernels.gemm._fallback_config with auto_split_k), which splits
+    # K at the target's M alone and not beside co-runners. A card's tuned table need not split
+    # at these M (the H100's table of 2026-12-06 splits none of Qwen3-8B's GEMMs at its M 32-256
+    # points, and on it this control kept the bits): the control would then prove nothing.
+    monkeypatch.setattr(gemm_module, "_tuned_table", lambda card=None: TunedTable(entries={}))
     schedule = CoRunPolicy._schedule_prefill
 
     def unpadded(self, sched, out, main, room):
