@@ -489,6 +489,30 @@ def probe_gemm_mid_m_block(name: str) -> Callable[[dict, list[dict]], str]:
     return render
 
 
+def probe_gemm_narrow_n_block(head: dict, records: list[dict], *, name: str) -> str:
+    """experiments/probe_gemm_narrow_n.py: per M, cuBLAS, the pick and the fastest wide part,
+    narrow part and pair of the column split, each pair as a share of cuBLAS's speed, and how
+    many pairs keep the pick's bits."""
+    def fastest(timed: dict[str, float]) -> str:
+        label = min(timed, key=timed.get)
+        return f"{_fmt(timed[label])} ({label})"
+
+    rows = []
+    for r in records:
+        best = min(r["pairs"], key=lambda p: p["us"])
+        same = sum(p["same_bits_as_pick"] for p in r["pairs"])
+        rows.append([r["layer"], r["M"], _fmt(r["cublas_us"]),
+                     f"{_fmt(r['pick_ratio'])} ({_fmt(r['pick_us'])} us)",
+                     fastest(r["wide"]), fastest(r["narrow"]),
+                     f"{_fmt(best['ratio'])} ({_fmt(best['us'])} us: {best['wide']} + "
+                     f"{best['narrow']}; {'the' if best['same_bits_as_pick'] else 'not the'} "
+                     f"pick's bits)", f"{same} of {len(r['pairs'])}"])
+    header = ["layer", "M", "cuBLAS (us)", "pick, of cuBLAS's speed",
+              "columns 0 to wide_n alone, fastest (us)", "the rest alone, fastest (us)",
+              "the best pair, of cuBLAS's speed", "pairs with the pick's bits"]
+    return _source(head, name) + "\n\n" + _table(header, rows)
+
+
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "tune-gemm-deepseek-large-m-h100": tuned_gemm_block(
         "tune-gemm-deepseek-large-m-h100", "tune-gemm-deepseek-large-m-h100-before"),
@@ -499,6 +523,8 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
        for name in ("probe-gemm-mid-m-h100", "probe-gemm-mid-m-h100-before",
                     "probe-gemm-mid-m-h100-run2",
                     "probe-gemm-mid-m-h200")},
+    **{name: functools.partial(probe_gemm_narrow_n_block, name=name)
+       for name in ("probe-gemm-narrow-n-h100", "probe-gemm-narrow-n-h200")},
     **{name: tuned_prefill_block(name)
        for name in ("tune-mla-prefill-h100", "tune-mla-prefill-h200")},
     **{f"{name}-targets": functools.partial(kernels_targets_block, name=name)

@@ -301,3 +301,15 @@ def test_mid_m_probe_view_gives_each_kinds_fastest_and_the_floors_each_run_timed
     assert "| 30.00 | 9.00 / 8.50 | 7.25 (128x64x64 w4 s7), 0.69x its GEMM |" in third
     q_o = next(line for line in third.splitlines() if line.startswith("| q.o |"))
     assert q_o.endswith("| — | — | — |")  # no copy, no pick's loads, no fastest tile's loads
+
+
+def test_narrow_n_probe_view_gives_the_fastest_parts_and_pair_and_the_pairs_bits(
+        tmp_path, monkeypatch):
+    pairs = [{"wide": "a", "narrow": "b", "us": 100.0, "ratio": 0.8, "same_bits_as_pick": True},
+             {"wide": "c", "narrow": "b", "us": 90.0, "ratio": 0.889, "same_bits_as_pick": False}]
+    record = {"layer": "deepseek-v3.kv_a", "M": 8192, "N": 576, "K": 7168, "wide_n": 512,
+              "cublas_us": 80.0, "pick_us": 125.0, "pick_ratio": 0.64, "pick": {},
+              "wide": {"a": 85.0, "c": 70.0}, "narrow": {"b": 20.0, "d": 15.0}, "pairs": pairs}
+    text = render_block(tmp_path, monkeypatch, "probe-gemm-narrow-n-h100", HEAD, [record])
+    assert ("| deepseek-v3.kv_a | 8192 | 80.00 | 0.64 (125.00 us) | 70.00 (c) | 15.00 (d) | "
+            "0.89 (90.00 us: c + b; not the pick's bits) | 1 of 2 |") in text
