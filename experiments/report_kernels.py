@@ -508,7 +508,7 @@ def probe_gemm_narrow_n_block(head: dict, records: list[dict], *, name: str) -> 
                      f"{best['narrow']}; {'the' if best['same_bits_as_pick'] else 'not the'} "
                      f"pick's bits)", f"{same} of {len(r['pairs'])}"])
     header = ["layer", "M", "cuBLAS (us)", "pick, of cuBLAS's speed",
-              "columns 0 to wide_n alone, fastest (us)", "the rest alone, fastest (us)",
+              "the wide_n wide columns alone, fastest (us)", "the narrow rest alone, fastest (us)",
               "the best pair, of cuBLAS's speed", "pairs with the pick's bits"]
     return _source(head, name) + "\n\n" + _table(header, rows)
 
