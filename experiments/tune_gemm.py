@@ -119,6 +119,22 @@ _MID_DEEP_TILES = ((128, 64, 64, 4, 5), (128, 64, 64, 4, 6), (128, 64, 64, 4, 7)
 _LARGE_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
                 (64, 256, 64, 4, 4), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4),
                 (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
+# Column tiles of block_n + block_n_tail (GemmConfig.block_n_tail, two products from one x tile)
+# where N is a whole number of them and not of 256 columns: DeepSeek-V3's kv_a (N 576 = 3 x 192)
+# ran at 0.64 of cuBLAS at M 8192 on an H100 with its 64 x 256 pick (768 columns for 576), and a
+# column split into two launches reached 0.70 (probe-gemm-narrow-n-h100.json). Each is the twin
+# of every candidate with that block_n (its splits and TMA feed too, stream-K aside).
+_TAIL_TILES = ((128, 64), (64, 32))  # (block_n, block_n_tail)
+TAIL_CANDIDATE_SUFFIX = "-tail"
+
+
+def tail_tiles(n: int) -> tuple[tuple[int, int], ...]:
+    """The (block_n, block_n_tail) of ``_TAIL_TILES`` whose width divides N, where 256 does not."""
+    if n % 256 == 0:
+        return ()
+    return tuple((bn, tail) for bn, tail in _TAIL_TILES if n % (bn + tail) == 0)
+
+
 # Large M (prefill) with few tiles splits K 2, 4 or 8 ways, as many as keep the programs within
 # two an SM: DeepSeek-V3's narrow kv_a (N 576, K 7168) has 24 tiles of 64 x 256 at M 512, 48
 # programs at split 2, and ran at 0.54 of cuBLAS on the H200 (kernels-h200.json, 2026-12-05).
@@ -197,11 +213,15 @@ def models_shapes(shapes: tuple[tuple[str, int, int], ...], models: list[str],
     return tuple(s for s in shapes if (s[1], s[2]) in wanted)
 
 
-def candidate_set(m: int) -> str:
-    """The name of the candidate generator at M (what an entry records)."""
+def candidate_set(m: int, n: int | None = None) -> str:
+    """The name of the candidate generator at M (what an entry records), with
+    ``TAIL_CANDIDATE_SUFFIX`` where N takes tail tiles (``tail_tiles``), so adding them made
+    only those points stale."""
     if m > 256:
-        return LARGE_M_CANDIDATE_SET
-    return MID_M_CANDIDATE_SET if m > 64 else CANDIDATE_SET
+        name = LARGE_M_CANDIDATE_SET
+    else:
+        name = MID_M_CANDIDATE_SET if m > 64 else CANDIDATE_SET
+    return name + (TAIL_CANDIDATE_SUFFIX if n is not None and tail_tiles(n) else "")
 
 
 def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfig]:
@@ -210,8 +230,9 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
     as many as keep the programs within two an SM); for M in ``STREAM_K_M_RANGE`` also each tile
     of one row tile as stream-K over ``STREAM_K_PROGRAMS``; from ``TMA_MIN_M`` on every one of
     those TMA-fed as well; at mid M (65..256) the deeper TMA-fed whole tiles of
-    ``_MID_DEEP_TILES``; plus the batch-invariant pool when ``with_pool`` (timed at every point of
-    the bench shapes for its geometric mean)."""
+    ``_MID_DEEP_TILES``; where N takes tail tiles (``tail_tiles``), the twin with the tail of
+    every candidate of that block_n but stream-K; plus the batch-invariant pool when
+    ``with_pool`` (timed at every point of the bench shapes for its geometric mean)."""
     tiles: list[GemmConfig] = []
     splits: tuple[int, ...] = ()
     if m <= 64:
@@ -252,6 +273,8 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
     if candidate_set(m) == MID_M_CANDIDATE_SET:
         out += [GemmConfig(bm, bn, bk, num_warps=w, num_stages=st, tma=True)
                 for bm, bn, bk, w, st in _MID_DEEP_TILES]
+    out += [dataclasses.replace(c, block_n_tail=tail) for bn, tail in tail_tiles(n)
+            for c in out if c.block_n == bn and not c.stream_k_programs]
     if with_pool:
         out += BATCH_INVARIANT_POOL
     return list(dict.fromkeys(out))  # dedupe, keep order
@@ -362,7 +385,7 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
                 if any(c.stream_k_programs for c in timed) else {}),
              "cublas_us": round(cublas_us, 3),
              "ratio_vs_cublas": round(cublas_us / timed[best], 4),
-             "candidates": len(timed), "candidate_set": candidate_set(m)}
+             "candidates": len(timed), "candidate_set": candidate_set(m, n)}
     if with_pool and all(pool_timed.get(c) is not None for c in BATCH_INVARIANT_POOL):
         entry["pool_us"] = [round(pool_timed[c], 3) for c in BATCH_INVARIANT_POOL]
     print(f"  {label:28s} M={m:5d} best {timed[best]:9.2f} us  cuBLAS {cublas_us:9.2f} us"
@@ -405,7 +428,8 @@ def tune(setup: Setup, budget_s: float, done: list[dict],
 
 def _needs_retune(entry: dict, retune: set[int]) -> bool:
     """An entry at an M to re-tune that another candidate set produced."""
-    return entry["m"] in retune and entry.get("candidate_set") != candidate_set(entry["m"])
+    return entry["m"] in retune and entry.get("candidate_set") != candidate_set(entry["m"],
+                                                                               entry.get("n"))
 
 
 _TIMING_KEYS = ("machine", "host", "torch", "triton", "cuda", "python",

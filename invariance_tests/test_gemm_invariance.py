@@ -204,3 +204,25 @@ def test_pinned_examples_reach_split_k():
     assert gemm_config(3, 40, 288, torch.float32, Mode.CORUN).split_k == 2
     assert gemm_config(1, 64, 256, torch.float32, Mode.DEFAULT).split_k > 1
     assert gemm_config(64, 64, 256, torch.float32, Mode.DEFAULT).split_k == 1
+
+
+@given(m_pair=size_pairs(1, 40), n=sizes(1, MAX_N), k=sizes(1, 200, blocks=(32,)),
+       split_k=st.sampled_from([1, 2]), seed=seeds(), data=st.data())
+@example(m_pair=(3, 37), n=100, k=160, split_k=2, seed=0, data=None)  # a tail past N
+def test_tail_tile_rows_keep_their_bits_and_the_k_walks(m_pair, n, k, split_k, seed, data):
+    """A tile of two products (block_n + block_n_tail columns from one x tile) sums each element
+    over K in block_k steps as a plain tile does: a row keeps its bits at every batch size and
+    whatever the other rows hold, and the config without the tail gives the same bits."""
+    config = GemmConfig(16, 32, 32, split_k=split_k, block_n_tail=16)
+    small, large = m_pair
+    row = data.draw(row_index(small)) if data is not None else small - 1
+    x, w = randn((large, k), seed, torch.float32), _weights(n, k, seed, torch.float32)
+    x_other = randn((small, k), seed + 1, torch.float32)
+    x_other[row] = x[row]
+    out = gemm(x, w, config=config)
+    assert_bitwise_equal(gemm(x[:small], w, config=config)[row], out[row],
+                         f"tail row {row}: M {small} vs {large}")
+    assert_bitwise_equal(gemm(x_other, w, config=config)[row], out[row],
+                         f"tail row {row}: other rows replaced")
+    assert_bitwise_equal(gemm(x, w, config=GemmConfig(16, 32, 32, split_k=split_k)), out,
+                         "the same K walk without the tail")

@@ -121,6 +121,14 @@ class GemmConfig:
     # A full tile gains nothing from the mask and pays for it (shared.down at M 32: masked 9.9 us
     # against 8.3 re-read).
     mask_rows: bool = False
+    # A second, narrower product a program computes from the same x tiles (0: none): each
+    # column tile is block_n + block_n_tail wide, a width no power-of-two tile has, without a
+    # second pass over x. DeepSeek-V3's kv_a (N 576) takes 3 tiles of 128 + 64; its pick of
+    # 64 x 256 computes 768 columns for 576, and a column split into two launches (512 wide
+    # columns, 64 narrow) reads all of x twice: 0.70 of cuBLAS at M 8192 on an H100 at best
+    # (experiments/results/probe-gemm-narrow-n-h100.json). Each output element is still summed
+    # over K in block_k steps, so the tail keeps a row's reduction order.
+    block_n_tail: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -131,6 +139,11 @@ class GemmConfig:
         for name in ("persistent", "tma", "mask_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.block_n_tail:
+            check_block_size("block_n_tail", self.block_n_tail)
+            if self.block_n_tail >= self.block_n:
+                raise ValueError(f"block_n_tail: expected 0 or below block_n {self.block_n}, "
+                                 f"got {self.block_n_tail}")
         programs = self.stream_k_programs
         if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
             raise ValueError(f"stream_k_programs: expected an int >= 0, got {programs!r}")
@@ -138,24 +151,34 @@ class GemmConfig:
             raise ValueError("stream_k_programs: stream-K cuts K itself and sizes its own grid; "
                              f"expected split_k 1 and persistent False, got split_k "
                              f"{self.split_k}, persistent {self.persistent}")
+        if programs and self.block_n_tail:
+            raise ValueError("stream_k_programs: stream-K walks column tiles of block_n; "
+                             f"expected block_n_tail 0, got {self.block_n_tail}")
+
+    @property
+    def tile_n(self) -> int:
+        """The columns of one output tile: block_n, and the tail's beside it."""
+        return self.block_n + self.block_n_tail
 
     def smem_bytes(self, itemsize: int) -> int:
-        """Shared memory of the software pipeline: one x and one w tile per stage."""
-        return (self.block_m + self.block_n) * self.block_k * itemsize * self.num_stages
+        """Shared memory of the software pipeline: one x and one w tile (and tail) per stage."""
+        return (self.block_m + self.tile_n) * self.block_k * itemsize * self.num_stages
 
     @property
     def label(self) -> str:
         """The config in words, as reports and tables name it."""
         extras = (", TMA-fed" * self.tma + ", persistent" * self.persistent
                   + (f", stream-K {self.stream_k_programs}" if self.stream_k_programs else ""))
-        return (f"{self.block_m} x {self.block_n} x {self.block_k}, split {self.split_k}, "
+        width = (f"({self.block_n} + {self.block_n_tail})" if self.block_n_tail
+                 else f"{self.block_n}")
+        return (f"{self.block_m} x {width} x {self.block_k}, split {self.split_k}, "
                 f"{self.num_warps} warps, {self.num_stages} stages{extras}")
 
     def to_dict(self) -> dict:
-        # Configs without TMA, stream-K or masked rows keep the format the tuned files were
-        # written in.
+        # Configs without TMA, stream-K, masked rows or a tail keep the format the tuned files
+        # were written in.
         data = dataclasses.asdict(self)
-        for name in ("tma", "stream_k_programs", "mask_rows"):
+        for name in ("tma", "stream_k_programs", "mask_rows", "block_n_tail"):
             if not data[name]:
                 del data[name]
         return data
@@ -275,7 +298,7 @@ _BATCH_INVARIANT_16BIT = GemmConfig(128, 128, 64, split_k=1, group_m=8, num_warp
                                     num_stages=4, persistent=True)
 
 
-def _fit_smem(config: GemmConfig, itemsize: int) -> GemmConfig:
+def fit_smem(config: GemmConfig, itemsize: int) -> GemmConfig:
     """Drop pipeline stages until the config fits in shared memory (never changes bits)."""
     while config.num_stages > 1 and config.smem_bytes(itemsize) > SMEM_BUDGET_BYTES:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)
@@ -286,7 +309,7 @@ def _for_dtype(config: GemmConfig, dtype: torch.dtype) -> GemmConfig:
     """Tables are for 16-bit inputs; fp32 tiles take half the K depth to keep the same bytes."""
     if dtype == torch.float32 and config.block_k > 16:
         config = dataclasses.replace(config, block_k=config.block_k // 2)
-    return _fit_smem(config, dtype.itemsize)
+    return fit_smem(config, dtype.itemsize)
 
 
 def auto_split_k(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int) -> int:
@@ -364,12 +387,12 @@ def _m_dependent_config(table: TunedTable, portable: GemmConfig, m: int, n: int,
     if mode is Mode.BATCH_INVARIANT_TUNED:
         tuned = table.lookup(m, n, k, dtype, no_split=True)
         if tuned is not None:
-            return _fit_smem(tuned, dtype.itemsize)
+            return fit_smem(tuned, dtype.itemsize)
         tile = dataclasses.replace(_fallback_config(m, n, k), block_k=portable.block_k)
         return _for_dtype(tile, dtype)
     tuned = table.lookup(m, n, k, dtype)
     if tuned is not None:
-        return _fit_smem(tuned, dtype.itemsize)
+        return fit_smem(tuned, dtype.itemsize)
     config = _for_dtype(_fallback_config(m, n, k), dtype)
     split = auto_split_k(m, n, k, config.block_m, config.block_n, config.block_k)
     return dataclasses.replace(config, split_k=split)
@@ -446,7 +469,7 @@ def gemm(
         split_k = max(1, cdiv(k_blocks, k_blocks_per_split))  # no empty splits
         workspace = (torch.empty((split_k, m, n), dtype=torch.float32, device=device)
                      if split_k > 1 else out)
-        num_work = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) * split_k
+        num_work = cdiv(m, cfg.block_m) * cdiv(n, cfg.tile_n) * split_k
         grid = (min(num_work, _num_sms(device)) if cfg.persistent else num_work,)
     use_workspace = split_k > 1
     # A layout TMA cannot address (a view with a 2-byte-aligned row stride, say) takes the
@@ -454,9 +477,11 @@ def gemm(
     use_tma = cfg.tma and k > 0 and tma_addressable(x) and tma_addressable(w)
     x_arg = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]) if use_tma else x
     w_arg = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k]) if use_tma else w
+    w_tail_arg = (TensorDescriptor.from_tensor(w, [cfg.block_n_tail, cfg.block_k])
+                  if use_tma and cfg.block_n_tail else w_arg)  # read only with a tail
 
     _gemm_kernel[grid](
-        x_arg, w_arg, bias_arg, out, workspace,
+        x_arg, w_arg, w_tail_arg, bias_arg, out, workspace,
         m, n, k, split_k, k_blocks_per_split,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), m * n, out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None and (stream_k or not use_workspace),
@@ -468,7 +493,8 @@ def gemm(
         DOT_PRECISION=dot_precision(x.dtype),
         TMA=use_tma,
         MASK_ROWS=cfg.mask_rows,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_N_TAIL=cfg.block_n_tail,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if use_workspace:

@@ -36,3 +36,21 @@ def test_records_keep_their_layer_and_time_the_other_row_load_where_the_tile_is_
                 assert ("same_bits_as_pick" in row) == policy.startswith("corun_")
                 assert row.get("same_bits_as_pick", True) is True
                 assert row["N"] == n and row["K"] == k
+
+
+def test_a_tail_row_sits_beside_the_pick_where_n_takes_tail_tiles(monkeypatch):
+    """N 96 is one 64 + 32 tile (tune_gemm.tail_tiles): each M gets a corun_tail row, the pick
+    with its columns as 64 + 32, and its bits equal the pick's (the same K walk)."""
+    monkeypatch.setattr(bench_gemm, "_require_cuda", lambda: None)
+    monkeypatch.setattr(bench_gemm, "DEVICE", "cpu")
+    monkeypatch.setattr(bench_gemm, "DTYPE", torch.float32)
+    monkeypatch.setattr(bench_gemm, "gemm_shapes", lambda models: [("tiny.tail", 96, 64)])
+    monkeypatch.setattr(bench_gemm, "DECODE_M", (1, 5))
+    monkeypatch.setattr(bench_gemm, "PREFILL_M", ())
+    monkeypatch.setattr(bench_gemm, "bench_us", lambda fn, warmup_ms, rep_ms: (fn(), 1.0)[1])
+    records = bench_gemm.collect()
+    tails = [r for r in records if r["policy"] == "corun_tail"]
+    assert [r["M"] for r in tails] == [1, 5]
+    for row in tails:
+        assert (row["config"]["block_n"], row["config"]["block_n_tail"]) == (64, 32)
+        assert row["same_bits_as_pick"] is True

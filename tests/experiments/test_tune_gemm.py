@@ -369,3 +369,26 @@ def test_a_run_off_the_gpu_names_its_out(tmp_path):
     with pytest.raises(SystemExit):
         tune_gemm.main(["--dry-run"])
     assert tune_gemm.main(["--dry-run", "--out", str(tmp_path / "t.json"), "--budget-s", "0"]) == 0
+
+
+def test_tail_tiles_are_candidates_where_n_is_a_whole_number_of_them_and_not_of_256():
+    """DeepSeek-V3's kv_a (N 576 = 3 x 192) gets the 128 + 64 and 64 + 32 twins of its
+    candidates of those widths, stream-K aside, and its entries a candidate set of their own
+    (so only they went stale); N 6144 and the LM heads' 151936 get none."""
+    assert tune_gemm.tail_tiles(576) == ((128, 64), (64, 32))
+    assert tune_gemm.tail_tiles(6144) == tune_gemm.tail_tiles(151936) == ()
+    for m in tune_gemm.M_VALUES:
+        configs = tune_gemm.candidates(m, 576, 7168, with_pool=False)
+        tails = [c for c in configs if c.block_n_tail]
+        assert tails and all(not c.stream_k_programs for c in tails), m
+        assert {(c.block_n, c.block_n_tail) for c in tails} <= {(128, 64), (64, 32)}
+        assert all(dataclasses.replace(c, block_n_tail=0) in configs for c in tails)
+        assert not any(c.block_n_tail for c in tune_gemm.candidates(m, 6144, 4096))
+        assert tune_gemm.candidate_set(m, 576) == tune_gemm.candidate_set(m) + "-tail"
+        assert tune_gemm.candidate_set(m, 6144) == tune_gemm.candidate_set(m)
+    every_m = set(tune_gemm.M_VALUES)
+    before = {"m": 8192, "n": 576, "candidate_set": tune_gemm.LARGE_M_CANDIDATE_SET}
+    assert tune_gemm._needs_retune(before, every_m)
+    assert not tune_gemm._needs_retune({**before, "n": 6144}, every_m)
+    assert not tune_gemm._needs_retune(
+        {**before, "candidate_set": tune_gemm.candidate_set(8192, 576)}, every_m)

@@ -93,6 +93,59 @@ def test_gemm_tma_configs_match_reference(config, dtype, monkeypatch):
     assert built == [(config.block_m, config.block_k), (config.block_n, config.block_k)]
 
 
+# Tail configs: tiles of 32 + 16 columns, N 100 (two whole tiles and a third whose tail lies past
+# N); through split-K, persistence and TMA (K 160: 16-byte aligned rows) too.
+TAIL_CONFIGS = [
+    GemmConfig(16, 32, 32, block_n_tail=16),
+    GemmConfig(16, 32, 32, split_k=3, block_n_tail=16),
+    GemmConfig(16, 32, 32, group_m=2, persistent=True, block_n_tail=16),
+    GemmConfig(16, 32, 64, tma=True, block_n_tail=16),
+]
+TAIL_IDS = ["plain", "split3", "persistent", "tma"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("config", TAIL_CONFIGS, ids=TAIL_IDS)
+def test_gemm_tail_configs_match_reference(config, dtype, monkeypatch):
+    """Each program's second, narrower product (block_n_tail) covers the columns after its
+    first, bias included; with TMA its tiles come through a descriptor of their own width."""
+    built = []
+    real = gemm_module.TensorDescriptor.from_tensor
+    monkeypatch.setattr(gemm_module.TensorDescriptor, "from_tensor",
+                        lambda t, block: built.append(tuple(block)) or real(t, block))
+    _check(*_inputs(37, 100, 160, dtype, seed=7, bias=True), config=config)
+    assert built == ([(16, 64), (32, 64), (16, 64)] if config.tma else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", TAIL_CONFIGS, ids=TAIL_IDS)
+def test_a_tail_keeps_the_bits_of_its_k_walk(config, dtype):
+    """A column's bits depend on the K walk (block_k, the splits), not on whether the column
+    sits in a tile's first product or its tail: the config without the tail gives the same bits,
+    and at the tail config a row keeps its bits from a 5-row batch to a 64-row one."""
+    x, w, b = _inputs(64, 100, 160, dtype, seed=8, bias=True)
+    plain = dataclasses.replace(config, block_n_tail=0)
+    whole = gemm(x, w, b, config=config)
+    assert_bitwise_equal(whole, gemm(x, w, b, config=plain))
+    assert_bitwise_equal(gemm(x[:5], w, b, config=config), whole[:5])
+
+
+def test_gemm_config_tail_checks_and_format():
+    with pytest.raises(ValueError, match="block_n_tail: expected 0 or below block_n 32"):
+        GemmConfig(16, 32, 32, block_n_tail=32)
+    with pytest.raises(ValueError, match="block_n_tail: expected a power of two"):
+        GemmConfig(16, 32, 32, block_n_tail=24)
+    with pytest.raises(ValueError, match="stream-K walks column tiles of block_n"):
+        GemmConfig(16, 32, 32, stream_k_programs=4, block_n_tail=16)
+    config = GemmConfig(128, 128, 64, num_warps=8, block_n_tail=64)
+    assert config.tile_n == 192
+    assert config.label == "128 x (128 + 64) x 64, split 1, 8 warps, 3 stages"
+    assert config.smem_bytes(2) == (128 + 192) * 64 * 2 * 3
+    assert config.to_dict()["block_n_tail"] == 64
+    assert GemmConfig.from_dict(config.to_dict()) == config
+    assert "block_n_tail" not in GemmConfig(16, 32, 32).to_dict()  # the tables' format
+
+
 def test_gemm_tma_falls_back_where_a_descriptor_cannot_address():
     """A row stride TMA cannot take (K = 145 fp32: 580 bytes) runs the per-thread loads."""
     x, w, b = _inputs(37, 48, 145, torch.float32, seed=3)
