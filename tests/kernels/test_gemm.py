@@ -94,14 +94,15 @@ def test_gemm_tma_configs_match_reference(config, dtype, monkeypatch):
 
 
 # Tail configs: tiles of 32 + 16 columns, N 100 (two whole tiles and a third whose tail lies past
-# N); through split-K, persistence and TMA (K 160: 16-byte aligned rows) too.
+# N); through split-K, persistence, TMA (K 160: 16-byte aligned rows) and masked rows too.
 TAIL_CONFIGS = [
     GemmConfig(16, 32, 32, block_n_tail=16),
     GemmConfig(16, 32, 32, split_k=3, block_n_tail=16),
     GemmConfig(16, 32, 32, group_m=2, persistent=True, block_n_tail=16),
     GemmConfig(16, 32, 64, tma=True, block_n_tail=16),
+    GemmConfig(16, 32, 32, mask_rows=True, block_n_tail=16),  # M 37: the last row tile masked
 ]
-TAIL_IDS = ["plain", "split3", "persistent", "tma"]
+TAIL_IDS = ["plain", "split3", "persistent", "tma", "mask-rows"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
