@@ -513,6 +513,34 @@ def probe_gemm_narrow_n_block(head: dict, records: list[dict], *, name: str) -> 
     return _source(head, name) + "\n\n" + _table(header, rows)
 
 
+def probe_gemm_tail_block(head: dict, records: list[dict], *, name: str) -> str:
+    """experiments/probe_gemm_tail.py: per point, cuBLAS, the pick and the fastest tail config
+    (split and unsplit), each as a share of cuBLAS's speed, and the tail configs that walk K as
+    the pick does with their bits against the pick's."""
+    from kernels.gemm import GemmConfig
+
+    def best(tails: list[dict], split: bool) -> str:
+        timed = [t for t in tails if "us" in t and ("split" in t["name"]) == split]
+        if not timed:
+            return "—"
+        top = min(timed, key=lambda t: t["us"])
+        return f"{_fmt(top['ratio'])} ({top['name']})"
+
+    rows = []
+    for r in records:
+        compared = [t for t in r["tails"] if t.get("same_bits_as_pick") is not None]
+        same = sum(t["same_bits_as_pick"] for t in compared)
+        errors = sum("error" in t for t in r["tails"])
+        rows.append([r["layer"], r["M"], _fmt(r["cublas_us"]),
+                     f"{_fmt(r['pick_ratio'])} ({GemmConfig.from_dict(r['pick']).label})",
+                     best(r["tails"], False), best(r["tails"], True),
+                     f"{same} of {len(compared)}" if compared else "—", errors])
+    header = ["layer", "M", "cuBLAS (us)", "pick, of cuBLAS's speed", "tail, unsplit, best",
+              "tail, split, best", "same K walk as the pick: the pick's bits",
+              "configs that did not run"]
+    return _source(head, name) + "\n\n" + _table(header, rows)
+
+
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "tune-gemm-deepseek-large-m-h100": tuned_gemm_block(
         "tune-gemm-deepseek-large-m-h100", "tune-gemm-deepseek-large-m-h100-before"),
@@ -525,6 +553,8 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
                     "probe-gemm-mid-m-h200")},
     **{name: functools.partial(probe_gemm_narrow_n_block, name=name)
        for name in ("probe-gemm-narrow-n-h100", "probe-gemm-narrow-n-h200")},
+    **{name: functools.partial(probe_gemm_tail_block, name=name)
+       for name in ("probe-gemm-tail-h100", "probe-gemm-tail-h200")},
     **{name: tuned_prefill_block(name)
        for name in ("tune-mla-prefill-h100", "tune-mla-prefill-h200")},
     **{f"{name}-targets": functools.partial(kernels_targets_block, name=name)

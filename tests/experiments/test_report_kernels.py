@@ -313,3 +313,22 @@ def test_narrow_n_probe_view_gives_the_fastest_parts_and_pair_and_the_pairs_bits
     text = render_block(tmp_path, monkeypatch, "probe-gemm-narrow-n-h100", HEAD, [record])
     assert ("| deepseek-v3.kv_a | 8192 | 80.00 | 0.64 (125.00 us) | 70.00 (c) | 15.00 (d) | "
             "0.89 (90.00 us: c + b; not the pick's bits) | 1 of 2 |") in text
+
+
+def test_tail_probe_view_gives_the_fastest_tails_and_their_bits_against_the_pick(
+        tmp_path, monkeypatch):
+    pick = {"block_m": 128, "block_n": 128, "block_k": 64, "split_k": 4, "num_warps": 8,
+            "num_stages": 4, "tma": True}
+    tails = [{"name": "128x(128+64)x64 w8 s3", "us": 20.0, "ratio": 0.7,
+              "same_bits_as_pick": None},
+             {"name": "128x(128+64)x64 w8 s3 split 4", "us": 16.0, "ratio": 0.875,
+              "same_bits_as_pick": True},
+             {"name": "128x(128+64)x64 w8 s3 split 8", "us": 15.0, "ratio": 0.933,
+              "same_bits_as_pick": None},
+             {"name": "64x(128+64)x64 w4 s4 split 2", "error": "out of resources"}]
+    record = {"layer": "deepseek-v3.q_a", "M": 256, "N": 1536, "K": 7168, "cublas_us": 14.0,
+              "pick_us": 17.0, "pick_ratio": 0.8235, "pick": pick, "tails": tails}
+    text = render_block(tmp_path, monkeypatch, "probe-gemm-tail-h100", HEAD, [record])
+    assert ("| deepseek-v3.q_a | 256 | 14.00 | 0.82 (128 x 128 x 64, split 4, 8 warps, 4 "
+            "stages, TMA-fed) | 0.70 (128x(128+64)x64 w8 s3) | 0.93 (128x(128+64)x64 w8 s3 "
+            "split 8) | 1 of 1 | 1 |") in text
