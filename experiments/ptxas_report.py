@@ -14,6 +14,7 @@ Triton and ptxas that made a results file).
     python -m experiments.ptxas_report mla-decode            # tune_mla's decode candidates
     python -m experiments.ptxas_report mla-prefill           # tune_mla's prefill candidates
     python -m experiments.ptxas_report moe-align|gemm        # the policies' picks
+    python -m experiments.ptxas_report gemm-tail             # kv_a's picks beside tail tiles
     python -m experiments.ptxas_report decode-attention      # two launches, and fused
     python -m experiments.ptxas_report gemm --out experiments/results
 """
@@ -268,6 +269,29 @@ def gemm_reports(ms: tuple[int, ...] = (128, 256)) -> list[dict]:
     return rows
 
 
+def gemm_tail_reports(ms: tuple[int, ...] = (128, 512, 2048, 8192)) -> list[dict]:
+    """DeepSeek-V3's kv_a (N 576, K 7168): each card's corun pick (the H200's and the H100's
+    tables) beside the unsplit tail configs experiments/probe_gemm_tail.py times
+    (``GemmConfig.block_n_tail``: 128 + 64 columns from one x tile)."""
+    from experiments.probe_gemm_tail import tail_configs
+    from kernels import gemm
+    from kernels.mode import Mode
+
+    n, k = 576, 7168
+    rows = []
+    for m in ms:
+        x = torch.empty(m, k, dtype=torch.bfloat16)
+        w = torch.empty(n, k, dtype=torch.bfloat16)
+        picks = {f"the {card} pick": gemm.gemm_config(m, n, k, torch.bfloat16, Mode.CORUN,
+                                                      card=card) for card in ("h200", "h100")}
+        tails = {name: cfg for name, cfg in tail_configs(m, n, k).items() if cfg.split_k == 1}
+        for name, cfg in {**picks, **tails}.items():
+            launch = capture_launches(
+                gemm, lambda x=x, w=w, cfg=cfg: gemm.gemm(x, w, config=cfg))[0]
+            rows.append({"case": f"kv_a M {m}: {cfg.label} ({name})", **_report(launch)})
+    return rows
+
+
 def decode_attention_reports(batches: tuple[int, ...] = (1, 8), ctx: int = 4096) -> list[dict]:
     """decode_attention's launches at Qwen3-8B's heads (32 q / 8 kv of 128, bf16, 16-token
     blocks) under corun's 256-token splits: the two-launch path, the fused combine, which is
@@ -331,6 +355,9 @@ TARGETS: dict[str, Callable[[], tuple[str, list[dict]]]] = {
                           moe_align_reports()),
     "gemm": lambda: ("the corun GEMM policy's launch (bf16) at M 128 and 256, and its tile "
                      "TMA-fed", gemm_reports()),
+    "gemm-tail": lambda: ("DeepSeek-V3's kv_a GEMM (N 576, K 7168, bf16): the H200's and the "
+                          "H100's corun picks beside the unsplit tail tiles of "
+                          "experiments/probe_gemm_tail.py", gemm_tail_reports()),
     "decode-attention": lambda: ("decode_attention at Qwen3-8B's heads, corun splits of 256: "
                                  "the split and combine launches, the fused combine, and the "
                                  "block ids preloaded",

@@ -487,7 +487,8 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("same_bits", "same bits"),
     ]) for name in ("ab-softmax-fold-h100", "ab-softmax-fold-h200")},
     **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
-       for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "decode-attention")},
+       for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "gemm-tail",
+                      "decode-attention")},
 }
 ALIASES = {"kernels-h200-summary": "kernels-h200", "kernels-h100-summary": "kernels-h100"}
 
