@@ -125,6 +125,9 @@ _LARGE_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)
 # column split into two launches reached 0.70 (probe-gemm-narrow-n-h100.json). Each is the twin
 # of every candidate with that block_n (its splits and TMA feed too, stream-K aside).
 _TAIL_TILES = ((128, 64), (64, 32))  # (block_n, block_n_tail)
+# Large M also gets 64-row tail tiles at 3 stages, two programs an SM (98 KB of shared memory):
+# kv_a's 192 tiles of 128 x 192 at M 8192 run in two waves on 132 SMs, the second 45% full.
+_LARGE_TAIL_TILES = ((64, 128, 64, 4, 3),)  # (block_m, block_n, block_k, warps, stages)
 TAIL_CANDIDATE_SUFFIX = "-tail"
 
 
@@ -273,7 +276,12 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
     if candidate_set(m) == MID_M_CANDIDATE_SET:
         out += [GemmConfig(bm, bn, bk, num_warps=w, num_stages=st, tma=True)
                 for bm, bn, bk, w, st in _MID_DEEP_TILES]
-    out += [dataclasses.replace(c, block_n_tail=tail) for bn, tail in tail_tiles(n)
+    tails = tail_tiles(n)
+    if tails and m > 256:
+        extra = [GemmConfig(bm, bn, bk, num_warps=w, num_stages=st, tma=tma)
+                 for bm, bn, bk, w, st in _LARGE_TAIL_TILES for tma in (False, True)]
+        out += [c for c in extra if c.block_n in {bn for bn, _ in tails}]
+    out += [dataclasses.replace(c, block_n_tail=tail) for bn, tail in tails
             for c in out if c.block_n == bn and not c.stream_k_programs]
     if with_pool:
         out += BATCH_INVARIANT_POOL

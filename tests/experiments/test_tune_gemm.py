@@ -386,6 +386,11 @@ def test_tail_tiles_are_candidates_where_n_is_a_whole_number_of_them_and_not_of_
         assert not any(c.block_n_tail for c in tune_gemm.candidates(m, 6144, 4096))
         assert tune_gemm.candidate_set(m, 576) == tune_gemm.candidate_set(m) + "-tail"
         assert tune_gemm.candidate_set(m, 6144) == tune_gemm.candidate_set(m)
+    # Large M: the 64-row tail tile at 3 stages (two programs an SM), plain and TMA-fed.
+    two_an_sm = GemmConfig(64, 128, 64, num_warps=4, num_stages=3, block_n_tail=64)
+    for tma in (False, True):
+        assert dataclasses.replace(two_an_sm, tma=tma) in tune_gemm.candidates(8192, 576, 7168)
+    assert two_an_sm not in tune_gemm.candidates(128, 576, 7168)
     every_m = set(tune_gemm.M_VALUES)
     before = {"m": 8192, "n": 576, "candidate_set": tune_gemm.LARGE_M_CANDIDATE_SET}
     assert tune_gemm._needs_retune(before, every_m)
