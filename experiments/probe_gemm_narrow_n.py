@@ -21,6 +21,7 @@ columns. This times, per M:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -32,9 +33,9 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.harness import bench_us, probe_main  # noqa: E402
-from kernels.gemm import GemmConfig, gemm, gemm_config  # noqa: E402
+from kernels.gemm import TARGET_NUM_CTAS, GemmConfig, gemm, gemm_config  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
-from kernels.utils import device_card  # noqa: E402
+from kernels.utils import cdiv, device_card  # noqa: E402
 
 LAYER, N, K = "deepseek-v3.kv_a", 576, 7168
 M_VALUES = (512, 2048, 8192)
@@ -50,12 +51,10 @@ def wide_configs(m: int) -> dict[str, GemmConfig]:
              "128x128x64 w8 s4": GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True)}
     out = dict(tiles)
     for name, cfg in tiles.items():
-        num_tiles = math.ceil(m / cfg.block_m) * (WIDE_N // cfg.block_n)
+        num_tiles = cdiv(m, cfg.block_m) * (WIDE_N // cfg.block_n)
         for split in (2, 4):
-            if num_tiles * split <= 2 * 132:
-                out[f"{name} split {split}"] = GemmConfig(
-                    cfg.block_m, cfg.block_n, cfg.block_k, split_k=split,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, tma=True)
+            if num_tiles * split <= TARGET_NUM_CTAS:
+                out[f"{name} split {split}"] = dataclasses.replace(cfg, split_k=split)
     return out
 
 

@@ -16,6 +16,7 @@ row's bits).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -27,7 +28,13 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.harness import bench_us, probe_main  # noqa: E402
-from kernels.gemm import GemmConfig, fit_smem, gemm, gemm_config  # noqa: E402
+from kernels.gemm import (  # noqa: E402
+    TARGET_NUM_CTAS,
+    GemmConfig,
+    fit_smem,
+    gemm,
+    gemm_config,
+)
 from kernels.mode import Mode  # noqa: E402
 from kernels.utils import cdiv, device_card  # noqa: E402
 
@@ -42,7 +49,7 @@ POINTS = (("deepseek-v3.kv_a", 576, 7168, (128, 512, 2048, 8192)),
 _TILES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
           (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 4))
 SPLITS = (2, 4, 8)
-MAX_PROGRAMS = 2 * 132  # splits past two programs an SM are not timed
+MAX_PROGRAMS = TARGET_NUM_CTAS  # splits past two programs an SM are not timed
 
 
 def tail_configs(m: int, n: int, k: int) -> dict[str, GemmConfig]:
@@ -57,9 +64,7 @@ def tail_configs(m: int, n: int, k: int) -> dict[str, GemmConfig]:
         programs = cdiv(m, bm) * cdiv(n, tile.tile_n)
         for split in SPLITS:
             if programs * split <= MAX_PROGRAMS and cdiv(k, bk) >= 2 * split:
-                out[f"{name} split {split}"] = GemmConfig(
-                    bm, bn, bk, split_k=split, num_warps=warps, num_stages=tile.num_stages,
-                    tma=True, block_n_tail=bn // 2)
+                out[f"{name} split {split}"] = dataclasses.replace(tile, split_k=split)
     return out
 
 
