@@ -10,7 +10,7 @@ pick's last row tile part empty (and it loads without TMA) a ``corun_reread_rows
 same pick with the rows past M re-reading row ``r % M`` instead of masked out of the x loads
 (``GemmConfig.mask_rows``, which the policy sets where M < block_m; a ``corun_mask_rows`` row
 where the pick leaves it off), and records whether its bits equal the pick's
-(``same_bits_as_pick``: they must). Where N takes tail tiles (``tune_gemm.tail_tiles``:
+(``same_bits_as_pick``: they must). Where N takes tail tiles (``gemm_candidates.tail_tiles``:
 DeepSeek-V3's kv_a, N 576) and the pick has none, a ``corun_tail`` row per tail tile times the
 pick with its columns as block_n + block_n_tail (``GemmConfig.block_n_tail``), the same K walk,
 so the same bits (``same_bits_as_pick``).
@@ -31,8 +31,9 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments.gemm_candidates import tail_tiles  # noqa: E402
 from experiments.harness import bench_us, family_main, kernel_record, memory_bound_us  # noqa: E402
-from experiments.tune_gemm import BENCH_MODELS, gemm_shapes, tail_tiles  # noqa: E402
+from experiments.tune_gemm import BENCH_MODELS, gemm_shapes  # noqa: E402
 from kernels.gemm import GemmConfig, fit_smem, gemm, gemm_config, table_files  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
 from kernels.utils import device_card  # noqa: E402

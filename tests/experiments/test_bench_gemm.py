@@ -39,7 +39,7 @@ def test_records_keep_their_layer_and_time_the_other_row_load_where_the_tile_is_
 
 
 def test_a_tail_row_sits_beside_the_pick_where_n_takes_tail_tiles(monkeypatch):
-    """N 96 is one 64 + 32 tile (tune_gemm.tail_tiles): each M gets a corun_tail row, the pick
+    """N 96 is one 64 + 32 tile (gemm_candidates.tail_tiles): each M gets a corun_tail row, the pick
     with its columns as 64 + 32, and its bits equal the pick's (the same K walk)."""
     monkeypatch.setattr(bench_gemm, "_require_cuda", lambda: None)
     monkeypatch.setattr(bench_gemm, "DEVICE", "cpu")

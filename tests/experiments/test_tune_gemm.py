@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from experiments import tune_gemm
-from kernels.gemm import GemmConfig, load_tuned_table
+from experiments import gemm_candidates, tune_gemm
+from kernels.gemm import H200_NUM_SMS, GemmConfig, load_tuned_table
 from models.config import NAMED_CONFIGS
 
 
@@ -40,38 +40,41 @@ def test_shapes_are_every_gemm_of_the_named_models_once():
 def test_decode_candidates_include_shallow_k_steps_for_short_k():
     """DeepSeek-V3's kv_b (K = 512) gets tiles of more than two K steps at decode M."""
     for m in (1, 8, 32, 64):
-        configs = tune_gemm.candidates(m, 32768, 512, with_pool=False)
+        configs = gemm_candidates.candidates(m, 32768, 512, with_pool=False)
         assert any(-(-512 // c.block_k) >= 8 for c in configs), m
         assert {c.block_m for c in configs} == {16 if m <= 16 else min(64, m)}
 
 
 def test_mid_m_candidates_split_k_where_k_allows():
-    configs = tune_gemm.candidates(128, 6144, 4096, with_pool=False)
+    configs = gemm_candidates.candidates(128, 6144, 4096, with_pool=False)
     splits = {c.split_k for c in configs}
     assert {1, 2, 3, 4} <= splits
     for c in configs:  # every split keeps at least two K blocks
         assert -(-4096 // c.block_k) >= 2 * c.split_k
-    assert not set(tune_gemm.BATCH_INVARIANT_POOL) & set(configs)
-    assert set(tune_gemm.BATCH_INVARIANT_POOL) <= set(tune_gemm.candidates(128, 6144, 4096))
+    assert not set(gemm_candidates.BATCH_INVARIANT_POOL) & set(configs)
+    pool = set(gemm_candidates.BATCH_INVARIANT_POOL)
+    assert pool <= set(gemm_candidates.candidates(128, 6144, 4096))
     # Large M splits only where the tiles leave SMs idle (the N = 576 projection, not 24576).
-    assert any(c.split_k == 2 for c in tune_gemm.candidates(2048, 576, 7168, with_pool=False))
-    assert all(c.split_k == 1 for c in tune_gemm.candidates(2048, 24576, 4096, with_pool=False))
+    narrow = gemm_candidates.candidates(2048, 576, 7168, with_pool=False)
+    wide = gemm_candidates.candidates(2048, 24576, 4096, with_pool=False)
+    assert any(c.split_k == 2 for c in narrow)
+    assert all(c.split_k == 1 for c in wide)
 
 
 def test_mid_m_candidates_add_the_deep_tma_fed_whole_tiles():
     """M 65..256 also times the deeper pipelines (whole tiles, TMA-fed), and no other M does."""
     deep = GemmConfig(128, 64, 64, num_warps=4, num_stages=7, tma=True)
     for m in (128, 256):
-        assert deep in tune_gemm.candidates(m, 6144, 4096, with_pool=False)
+        assert deep in gemm_candidates.candidates(m, 6144, 4096, with_pool=False)
     for m in (64, 512):
-        assert deep not in tune_gemm.candidates(m, 6144, 4096, with_pool=False)
+        assert deep not in gemm_candidates.candidates(m, 6144, 4096, with_pool=False)
 
 
 def test_an_entry_is_stale_only_against_its_own_m_ranges_candidate_set(tmp_path):
     """--retune-m redoes an entry of another candidate set than its M range's: the large-M
     splits made M 512-8192 entries of the earlier name stale, and no M <= 256 entry."""
-    small, large = tune_gemm.CANDIDATE_SET, tune_gemm.LARGE_M_CANDIDATE_SET
-    mid = tune_gemm.MID_M_CANDIDATE_SET
+    small, large = gemm_candidates.CANDIDATE_SET, gemm_candidates.LARGE_M_CANDIDATE_SET
+    mid = gemm_candidates.MID_M_CANDIDATE_SET
     every_m = set(tune_gemm.M_VALUES)
     assert not tune_gemm._needs_retune({"m": 64, "candidate_set": small}, every_m)
     assert not tune_gemm._needs_retune({"m": 128, "candidate_set": mid}, every_m)
@@ -94,20 +97,20 @@ def test_large_m_few_tiles_split_k_up_to_two_programs_an_sm():
     """DeepSeek-V3's kv_a at M 512: each tile with few programs gets split 2, and 4 and 8 where
     the split programs stay within two an SM (with two K blocks a split at least)."""
     m, n, k = 512, 576, 7168
-    configs = tune_gemm.candidates(m, n, k, with_pool=False)
+    configs = gemm_candidates.candidates(m, n, k, with_pool=False)
     assert {c.split_k for c in configs} == {1, 2, 4, 8}
     for c in configs:
         tiles = -(-m // c.block_m) * -(-n // c.block_n)
-        assert tiles < tune_gemm.H200_NUM_SMS or c.split_k == 1
-        assert c.split_k <= 2 or tiles * c.split_k <= 2 * tune_gemm.H200_NUM_SMS, c
+        assert tiles < H200_NUM_SMS or c.split_k == 1
+        assert c.split_k <= 2 or tiles * c.split_k <= 2 * H200_NUM_SMS, c
         assert -(-k // c.block_k) >= 2 * c.split_k
-    narrow = tune_gemm.GemmConfig(64, 256, 64, num_warps=4, num_stages=4)  # 24 tiles: up to 8
+    narrow = GemmConfig(64, 256, 64, num_warps=4, num_stages=4)  # 24 tiles: up to 8
     assert {c.split_k for c in configs
             if dataclasses.replace(c, split_k=1) == narrow} == {1, 2, 4, 8}
     # DeepSeek-V3's shared.gate_up at M 512: 64 tiles of 128 x 256 take split 4 (256 programs),
     # not 8 (512).
-    wide = tune_gemm.GemmConfig(128, 256, 64, num_warps=8, num_stages=3)
-    assert {c.split_k for c in tune_gemm.candidates(512, 4096, 7168, with_pool=False)
+    wide = GemmConfig(128, 256, 64, num_warps=8, num_stages=3)
+    assert {c.split_k for c in gemm_candidates.candidates(512, 4096, 7168, with_pool=False)
             if dataclasses.replace(c, split_k=1) == wide} == {1, 2, 4}
 
 
@@ -115,13 +118,13 @@ def test_stream_k_candidates_run_one_row_tile_in_the_tma_range():
     """Stream-K candidates at M 64-256 only, each with a row tile covering M (the entry serves
     every M up to its own), at both program counts, pointer- and TMA-fed."""
     for m in (64, 128, 256):
-        stream = [c for c in tune_gemm.candidates(m, 6144, 4096, with_pool=False)
+        stream = [c for c in gemm_candidates.candidates(m, 6144, 4096, with_pool=False)
                   if c.stream_k_programs]
         assert stream and all(c.block_m >= m and c.split_k == 1 for c in stream), m
-        assert {c.stream_k_programs for c in stream} == set(tune_gemm.STREAM_K_PROGRAMS)
+        assert {c.stream_k_programs for c in stream} == set(gemm_candidates.STREAM_K_PROGRAMS)
         assert {c.tma for c in stream} == {False, True}
     for m in (1, 32, 512):
-        assert not any(c.stream_k_programs for c in tune_gemm.candidates(m, 6144, 4096)), m
+        assert not any(c.stream_k_programs for c in gemm_candidates.candidates(m, 6144, 4096)), m
 
 
 def test_no_split_pick_never_cuts_k(monkeypatch):
@@ -148,7 +151,7 @@ def test_candidates_are_timed_as_each_policy_runs_them(m, monkeypatch):
     row tile: candidates are timed so. batch_invariant runs its pool config unmasked at every M,
     so the pool's times (``pool_us``) are the unmasked ones, timed again where the two differ."""
     setup = dataclasses.replace(tune_gemm.dry_run_setup(), max_candidates=None)
-    pool = tune_gemm.BATCH_INVARIANT_POOL
+    pool = gemm_candidates.BATCH_INVARIANT_POOL
     other = GemmConfig(16, 16, 16)
     monkeypatch.setattr(tune_gemm, "candidates",
                         lambda m, n, k, with_pool=True: [other, *pool])
@@ -169,7 +172,7 @@ def test_candidates_are_timed_as_each_policy_runs_them(m, monkeypatch):
 
 
 def test_pool_choice_is_the_geometric_mean_winner():
-    pool = tune_gemm.BATCH_INVARIANT_POOL
+    pool = gemm_candidates.BATCH_INVARIANT_POOL
     entries = [{"pool_us": [10.0, 1.0, 5.0, 5.0]}, {"pool_us": [10.0, 100.0, 5.0, 6.0]},
                {"pool_us": [1.0, 2.0]}]  # a point with part of the pool timed is left out
     assert tune_gemm._pool_choice(entries) == pool[2]
@@ -178,7 +181,7 @@ def test_pool_choice_is_the_geometric_mean_winner():
 
 def test_pool_choice_keeps_the_previous_config_within_the_margin():
     """A re-tune does not flip the portable peer's config on a near tie (timing noise)."""
-    pool = tune_gemm.BATCH_INVARIANT_POOL
+    pool = gemm_candidates.BATCH_INVARIANT_POOL
     near_tie = [{"pool_us": [10.0, 20.0, 9.95, 20.0]}]  # pool[2] 0.5% faster than pool[0]
     assert tune_gemm._pool_choice(near_tie) == pool[2]
     assert tune_gemm._pool_choice(near_tie, previous=pool[0]) == pool[0]
@@ -216,14 +219,14 @@ def test_tma_twins_from_the_serving_batch_on():
     """Every candidate from M 64 on (mid M and prefill M alike) also runs TMA-fed; decode M
     below it does not. Mid M's deep tiles come TMA-fed only."""
     deep = {GemmConfig(*tile[:3], num_warps=tile[3], num_stages=tile[4], tma=True)
-            for tile in tune_gemm._MID_DEEP_TILES}
+            for tile in gemm_candidates._MID_DEEP_TILES}
     for m in (64, 128, 256, 512, 8192):
-        configs = [c for c in tune_gemm.candidates(m, 6144, 4096, with_pool=False)
+        configs = [c for c in gemm_candidates.candidates(m, 6144, 4096, with_pool=False)
                    if c not in deep]
         plain = [c for c in configs if not c.tma]
         assert [dataclasses.replace(c, tma=False) for c in configs if c.tma] == plain, m
     for m in (8, 32):
-        assert not any(c.tma for c in tune_gemm.candidates(m, 6144, 4096))
+        assert not any(c.tma for c in gemm_candidates.candidates(m, 6144, 4096))
 
 
 def test_retune_m_replaces_stale_points_and_keeps_a_whole_table(tmp_path):
@@ -243,7 +246,7 @@ def test_retune_m_replaces_stale_points_and_keeps_a_whole_table(tmp_path):
     assert cut["header"]["complete"] is False
     assert {(e["m"], e["n"], e["k"]) for e in cut["entries"]} == set(before)  # nothing lost
     fresh = [e for e in cut["entries"]
-             if e["m"] == 128 and e["candidate_set"] == tune_gemm.MID_M_CANDIDATE_SET]
+             if e["m"] == 128 and e["candidate_set"] == gemm_candidates.MID_M_CANDIDATE_SET]
     assert len(fresh) == 1  # the budget stops the run after its first point
     assert cut["header"]["retune_pending_m"] == [128]
     # A plain --resume finishes what the cut --retune-m run left.
@@ -253,7 +256,7 @@ def test_retune_m_replaces_stale_points_and_keeps_a_whole_table(tmp_path):
     for e in done["entries"]:
         key = (e["m"], e["n"], e["k"])
         if e["m"] == 128:
-            assert e["candidate_set"] == tune_gemm.MID_M_CANDIDATE_SET
+            assert e["candidate_set"] == gemm_candidates.MID_M_CANDIDATE_SET
         else:
             assert e == before[key]  # other M untouched
 
@@ -375,25 +378,26 @@ def test_tail_tiles_are_candidates_where_n_is_a_whole_number_of_them_and_not_of_
     """DeepSeek-V3's kv_a (N 576 = 3 x 192) gets the 128 + 64 and 64 + 32 twins of its
     candidates of those widths, stream-K aside, and its entries a candidate set of their own
     (so only they went stale); N 6144 and the LM heads' 151936 get none."""
-    assert tune_gemm.tail_tiles(576) == ((128, 64), (64, 32))
-    assert tune_gemm.tail_tiles(6144) == tune_gemm.tail_tiles(151936) == ()
+    assert gemm_candidates.tail_tiles(576) == ((128, 64), (64, 32))
+    assert gemm_candidates.tail_tiles(6144) == gemm_candidates.tail_tiles(151936) == ()
     for m in tune_gemm.M_VALUES:
-        configs = tune_gemm.candidates(m, 576, 7168, with_pool=False)
+        configs = gemm_candidates.candidates(m, 576, 7168, with_pool=False)
         tails = [c for c in configs if c.block_n_tail]
         assert tails and all(not c.stream_k_programs for c in tails), m
         assert {(c.block_n, c.block_n_tail) for c in tails} <= {(128, 64), (64, 32)}
         assert all(dataclasses.replace(c, block_n_tail=0) in configs for c in tails)
-        assert not any(c.block_n_tail for c in tune_gemm.candidates(m, 6144, 4096))
-        assert tune_gemm.candidate_set(m, 576) == tune_gemm.candidate_set(m) + "-tail"
-        assert tune_gemm.candidate_set(m, 6144) == tune_gemm.candidate_set(m)
+        assert not any(c.block_n_tail for c in gemm_candidates.candidates(m, 6144, 4096))
+        assert gemm_candidates.candidate_set(m, 576) == gemm_candidates.candidate_set(m) + "-tail"
+        assert gemm_candidates.candidate_set(m, 6144) == gemm_candidates.candidate_set(m)
     # Large M: the 64-row tail tile at 3 stages (two programs an SM), plain and TMA-fed.
     two_an_sm = GemmConfig(64, 128, 64, num_warps=4, num_stages=3, block_n_tail=64)
     for tma in (False, True):
-        assert dataclasses.replace(two_an_sm, tma=tma) in tune_gemm.candidates(8192, 576, 7168)
-    assert two_an_sm not in tune_gemm.candidates(128, 576, 7168)
+        large_m = gemm_candidates.candidates(8192, 576, 7168)
+        assert dataclasses.replace(two_an_sm, tma=tma) in large_m
+    assert two_an_sm not in gemm_candidates.candidates(128, 576, 7168)
     every_m = set(tune_gemm.M_VALUES)
-    before = {"m": 8192, "n": 576, "candidate_set": tune_gemm.LARGE_M_CANDIDATE_SET}
+    before = {"m": 8192, "n": 576, "candidate_set": gemm_candidates.LARGE_M_CANDIDATE_SET}
     assert tune_gemm._needs_retune(before, every_m)
     assert not tune_gemm._needs_retune({**before, "n": 6144}, every_m)
     assert not tune_gemm._needs_retune(
-        {**before, "candidate_set": tune_gemm.candidate_set(8192, 576)}, every_m)
+        {**before, "candidate_set": gemm_candidates.candidate_set(8192, 576)}, every_m)
