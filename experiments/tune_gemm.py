@@ -53,12 +53,12 @@ from experiments.gemm_candidates import (  # noqa: E402
 )
 from experiments.harness import bench_us, header  # noqa: E402
 from kernels.gemm import (  # noqa: E402
-    TUNED_DIR,
     GemmConfig,
     gemm,
     tuned_path,
     with_row_mask,
 )
+from kernels.gemm_tuned import TUNED_DIR  # noqa: E402
 from kernels.utils import device_card  # noqa: E402
 from models.config import NAMED_CONFIGS  # noqa: E402
 

@@ -125,7 +125,7 @@ def test_the_fingerprint_reads_the_tuned_tables_of_the_devices_card(tmp_path, mo
 
     import corun.system_fingerprint as fingerprint_module
     from corun.system_fingerprint import tuned_table_files
-    from kernels.gemm import TUNED_DIR
+    from kernels.gemm_tuned import TUNED_DIR
 
     names = lambda card: [p.name for p in tuned_table_files(card)]  # noqa: E731
     assert names("h100") == ["gemm_h100.json", "gemm_h200.json", "mla_h200.json", "moe_h200.json"]

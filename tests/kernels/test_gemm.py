@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import gemm as gemm_module
+from kernels import gemm_tuned
 from kernels.gemm import (
     GemmConfig,
     auto_split_k,
@@ -587,8 +588,8 @@ def test_the_policy_reads_the_tensors_cards_table(tmp_path, monkeypatch):
     table serves a card without a file of its own, and the interpreter (card None)."""
     shape_m, n, k = 4, 32, 48
     base_pick, card_pick = GemmConfig(16, 32, 16), GemmConfig(16, 16, 16, num_stages=2)
-    monkeypatch.setattr(gemm_module, "TUNED_DIR", tmp_path)
-    monkeypatch.setattr(gemm_module, "TUNED_PATH", tmp_path / "gemm_h200.json")
+    monkeypatch.setattr(gemm_tuned, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(gemm_tuned, "TUNED_PATH", tmp_path / "gemm_h200.json")
     _write_table(tmp_path / "gemm_h200.json", [(8, n, k, base_pick, None)])
     _write_table(tmp_path / "gemm_h100.json", [(8, n, k, card_pick, None)])
     gemm_module._tuned_table.cache_clear()
@@ -626,7 +627,7 @@ def test_the_committed_h100_table_is_what_the_policy_runs_on_an_h100():
         picked = gemm_config(e["m"], e["n"], e["k"], torch.bfloat16, Mode.CORUN, card="h100")
         assert picked == with_row_mask(GemmConfig.from_dict(e["config"]), e["m"]), e["layer"]
     tuned = {(e["m"], e["n"], e["k"]) for e in h100["entries"]}
-    h200 = json.loads(gemm_module.TUNED_PATH.read_text())
+    h200 = json.loads(gemm_tuned.TUNED_PATH.read_text())
     for e in h200["entries"]:
         if (e["m"], e["n"], e["k"]) not in tuned:
             assert (gemm_config(e["m"], e["n"], e["k"], torch.bfloat16, Mode.CORUN, card="h100")
