@@ -37,8 +37,6 @@ import json
 import math
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -53,9 +51,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from corun.api.metrics import STEP_KINDS  # noqa: E402  (the step kinds the server counts)
 from experiments.harness import RESULTS_DIR, WARMUP_LENGTHS, write_results  # noqa: E402
 from experiments.serving_log import print_result  # noqa: E402
+from experiments.serving_servers import (  # noqa: E402
+    ServerSpec,
+    free_port,
+    launch_server,
+    parse_variant,
+    server_specs,
+    stop_server,
+)
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
-SERVER_START_TIMEOUT_S = 600.0
 # A server's start-up seconds are read from this clock (a test replaces it).
 _clock = time.perf_counter
 
@@ -390,84 +395,6 @@ def sweep(args: argparse.Namespace, base_url: str, mode: str, budget_s: float | 
         if on_record is not None:
             on_record(records)
     return records
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    """One server of a ``--launch`` run: its engine mode, the flags it adds to
-    ``--server-args``, and the label its records carry (the mode itself for a plain mode)."""
-
-    label: str
-    mode: str
-    extra_args: str = ""
-
-
-def parse_variant(text: str) -> ServerSpec:
-    """``LABEL=MODE FLAGS...`` -> ServerSpec (``--variant``)."""
-    label, sep, rest = text.partition("=")
-    mode, _, extra = rest.strip().partition(" ")
-    if not sep or not label.strip() or not mode:
-        raise argparse.ArgumentTypeError(
-            f"--variant: expected LABEL=MODE [FLAGS...], got {text!r}")
-    return ServerSpec(label.strip(), mode, extra.strip())
-
-
-def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
-    specs = [ServerSpec(m.strip(), m.strip()) for m in args.modes.split(",") if m.strip()]
-    specs += args.variant
-    labels = [s.label for s in specs]
-    if len(set(labels)) != len(labels):
-        raise SystemExit(f"--modes/--variant: labels must be unique, got {labels}")
-    return specs
-
-
-def launch_server(spec: ServerSpec, port: int, args: argparse.Namespace) -> subprocess.Popen:
-    """Start ``python -m corun.serve`` for one server and wait for /health."""
-    mode = spec.mode
-    command = [
-        sys.executable,
-        "-m",
-        "corun.serve",
-        "--mode",
-        mode,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *args.server_args.split(),
-        *spec.extra_args.split(),
-    ]
-    if args.model:
-        command += ["--model", args.model]
-    print("starting:", " ".join(command), flush=True)
-    proc = subprocess.Popen(command, cwd=Path(__file__).resolve().parent.parent)
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {spec.label} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    proc.kill()
-    raise TimeoutError(f"server {spec.label} did not become healthy")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def plot(records: list[dict], label: str, out_dir: Path, name: str) -> Path:
