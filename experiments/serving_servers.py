@@ -73,18 +73,27 @@ def launch_server(spec: ServerSpec, port: int, args: argparse.Namespace) -> subp
         command += ["--model", args.model]
     print("starting:", " ".join(command), flush=True)
     proc = subprocess.Popen(command, cwd=Path(__file__).resolve().parent.parent)
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {spec.label} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
+    if wait_for_health(proc, f"http://127.0.0.1:{port}", SERVER_START_TIMEOUT_S):
+        return proc
+    if proc.poll() is not None:
+        raise RuntimeError(f"server {spec.label} exited with {proc.returncode}")
     proc.kill()
     raise TimeoutError(f"server {spec.label} did not become healthy")
+
+
+def wait_for_health(proc: subprocess.Popen, base_url: str, timeout_s: float,
+                    poll_s: float = 0.5) -> bool:
+    """Poll ``base_url``/health until it answers 200 (True), the process exits or ``timeout_s``
+    passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    return False
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -8,7 +8,6 @@ kill). The server's log goes to a file that a failing start prints.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from experiments.serving_servers import free_port, wait_for_health
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
@@ -97,14 +98,8 @@ class Server:
                 self.proc.wait(timeout=15)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(log_dir: Path, name: str, *args: str, api_key: str | None = None) -> Server:
-    port = _free_port()
+    port = free_port()
     log_path = log_dir / f"{name}.log"
     env = dict(os.environ)
     # One intra-op thread: on a small shared CPU, OpenMP spinning makes each step 10-20x slower.
@@ -127,16 +122,8 @@ def launch(log_dir: Path, name: str, *args: str, api_key: str | None = None) -> 
             command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
     server = Server(f"http://127.0.0.1:{port}", proc, log_path, api_key)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    if wait_for_health(proc, server.base_url, START_TIMEOUT_S):
+        return server
     server.stop()
     pytest.fail(f"server {name} did not start; log:\n{log_path.read_text()[-4000:]}")
 

@@ -17,7 +17,8 @@ from corun.api.server import create_app
 from corun.config import EngineConfig
 from corun.engine import LLMEngine
 from corun.serve import build_parser, engine_config_kwargs, load_tokenizer
-from tests.api.conftest import COMMON_ARGS, _free_port
+from experiments.serving_servers import free_port
+from tests.api.conftest import COMMON_ARGS
 
 START_TIMEOUT_S = 60.0
 
@@ -119,7 +120,7 @@ def serve_in_thread(engine: Any, tokenizer: Any, **app_kwargs: Any) -> Iterator[
 def serve_app(app: Any) -> Iterator[tuple[str, uvicorn.Server]]:
     """``app`` served on a free loopback port; yields its base URL and the uvicorn server (its
     ``server_state.connections`` are the open connections)."""
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     )

@@ -18,7 +18,8 @@ import httpx
 import pytest
 import uvicorn
 
-from tests.api.conftest import _free_port, launch
+from experiments.serving_servers import free_port
+from tests.api.conftest import launch
 from tests.api.inprocess import START_TIMEOUT_S, build_engine
 
 pytestmark = pytest.mark.timeout(180)
@@ -94,7 +95,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
     engine, tokenizer = build_engine("--max-num-seqs", "4")
     gated = _GatedEngine(engine)
     app = create_app(gated, tokenizer, model_name="corun-default", mode="corun")
-    port = _free_port()
+    port = free_port()
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
                             state=app.state.corun, shutdown_timeout_s=120)
     thread = threading.Thread(target=server.run, name="test-draining-uvicorn", daemon=True)
