@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernels.gemm import H200_NUM_SMS, GemmConfig, auto_split_k
+from kernels.gemm import H200_NUM_SMS, TARGET_NUM_CTAS, GemmConfig, auto_split_k, fit_smem
+from kernels.utils import cdiv
+
+DTYPE_BYTES = 2  # the tuner's bf16: shared memory per element of a tile
 
 # One config for every M; persistent (one program per SM looping over tiles).
 BATCH_INVARIANT_POOL = (
@@ -82,11 +85,25 @@ _TAIL_TILES = ((128, 64), (64, 32))  # (block_n, block_n_tail)
 # kv_a's 192 tiles of 128 x 192 at M 8192 run in two waves on 132 SMs, the second 45% full.
 _LARGE_TAIL_TILES = ((64, 128, 64, 4, 3),)  # (block_m, block_n, block_k, warps, stages)
 TAIL_CANDIDATE_SUFFIX = "-tail"
+# At mid M (65..256) tail tiles also change how many programs fill the SMs where 256 divides N:
+# DeepSeek-V3's q_a (N 1536, K 7168) at M 128 has 24 tiles of 128 x 64 (96 programs at the H100
+# pick's split 4, 0.83 of cuBLAS) and 16 of 128 x (64 + 32), 128 programs at split 8 (0.91);
+# at M 256, 128 x (64 + 32) at split 4 ran at 0.89 against the pick's 0.79
+# (probe-gemm-tail-h100.json). So at mid M every TMA-fed whole-tile twin is also split 2, 4 and 8
+# where the programs stay within two an SM; Qwen3-8B's qkv lost with tails there (0.80 at best
+# against the pick's 0.90-0.94), which the tuner's timing, not this list, decides.
+_MID_TAIL_SPLITS = (2, 4, 8)
+MID_TAIL_CANDIDATE_SUFFIX = "-tail-waves"
 
 
-def tail_tiles(n: int) -> tuple[tuple[int, int], ...]:
-    """The (block_n, block_n_tail) of ``_TAIL_TILES`` whose width divides N, where 256 does not."""
-    if n % 256 == 0:
+def _mid_m(m: int) -> bool:
+    return 64 < m <= 256
+
+
+def tail_tiles(n: int, m: int | None = None) -> tuple[tuple[int, int], ...]:
+    """The (block_n, block_n_tail) of ``_TAIL_TILES`` whose width divides N, where 256 does not,
+    and at a mid M (65..256) where it does too."""
+    if n % 256 == 0 and not (m is not None and _mid_m(m)):
         return ()
     return tuple((bn, tail) for bn, tail in _TAIL_TILES if n % (bn + tail) == 0)
 
@@ -99,13 +116,16 @@ _LARGE_SPLITS = (2, 4, 8)
 
 def candidate_set(m: int, n: int | None = None) -> str:
     """The name of the candidate generator at M (what an entry records), with
-    ``TAIL_CANDIDATE_SUFFIX`` where N takes tail tiles (``tail_tiles``), so adding them made
-    only those points stale."""
+    ``TAIL_CANDIDATE_SUFFIX`` where N takes tail tiles (``tail_tiles``; at mid M
+    ``MID_TAIL_CANDIDATE_SUFFIX``, their split twins with them), so adding them made only those
+    points stale."""
     if m > 256:
         name = LARGE_M_CANDIDATE_SET
     else:
         name = MID_M_CANDIDATE_SET if m > 64 else CANDIDATE_SET
-    return name + (TAIL_CANDIDATE_SUFFIX if n is not None and tail_tiles(n) else "")
+    if n is None or not tail_tiles(n, m):
+        return name
+    return name + (MID_TAIL_CANDIDATE_SUFFIX if _mid_m(m) else TAIL_CANDIDATE_SUFFIX)
 
 
 def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfig]:
@@ -157,13 +177,21 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
     if candidate_set(m) == MID_M_CANDIDATE_SET:
         out += [GemmConfig(bm, bn, bk, num_warps=w, num_stages=st, tma=True)
                 for bm, bn, bk, w, st in _MID_DEEP_TILES]
-    tails = tail_tiles(n)
+    tails = tail_tiles(n, m)
     if tails and m > 256:
         extra = [GemmConfig(bm, bn, bk, num_warps=w, num_stages=st, tma=tma)
                  for bm, bn, bk, w, st in _LARGE_TAIL_TILES for tma in (False, True)]
         out += [c for c in extra if c.block_n in {bn for bn, _ in tails}]
-    out += [dataclasses.replace(c, block_n_tail=tail) for bn, tail in tails
-            for c in out if c.block_n == bn and not c.stream_k_programs]
+    twins = [dataclasses.replace(c, block_n_tail=tail) for bn, tail in tails
+             for c in out if c.block_n == bn and not c.stream_k_programs]
+    if tails and _mid_m(m):
+        twins = [fit_smem(twin, DTYPE_BYTES) for twin in twins]
+        twins += [dataclasses.replace(twin, split_k=split) for twin in twins
+                  if twin.tma and twin.split_k == 1
+                  for split in _MID_TAIL_SPLITS
+                  if cdiv(m, twin.block_m) * cdiv(n, twin.tile_n) * split <= TARGET_NUM_CTAS
+                  and cdiv(k, twin.block_k) >= 2 * split]
+    out += twins
     if with_pool:
         out += BATCH_INVARIANT_POOL
     return list(dict.fromkeys(out))  # dedupe, keep order

@@ -217,12 +217,13 @@ def test_dry_run_writes_a_table_the_policy_reads_and_resumes(tmp_path):
 
 def test_tma_twins_from_the_serving_batch_on():
     """Every candidate from M 64 on (mid M and prefill M alike) also runs TMA-fed; decode M
-    below it does not. Mid M's deep tiles come TMA-fed only."""
+    below it does not. Mid M's deep tiles come TMA-fed only, and so do the wave splits of its
+    tail twins (test_mid_m_tail_tiles_with_their_wave_splits_where_256_divides_n_too)."""
     deep = {GemmConfig(*tile[:3], num_warps=tile[3], num_stages=tile[4], tma=True)
             for tile in gemm_candidates._MID_DEEP_TILES}
     for m in (64, 128, 256, 512, 8192):
         configs = [c for c in gemm_candidates.candidates(m, 6144, 4096, with_pool=False)
-                   if c not in deep]
+                   if c not in deep and not c.block_n_tail]
         plain = [c for c in configs if not c.tma]
         assert [dataclasses.replace(c, tma=False) for c in configs if c.tma] == plain, m
     for m in (8, 32):
@@ -377,10 +378,10 @@ def test_a_run_off_the_gpu_names_its_out(tmp_path):
 def test_tail_tiles_are_candidates_where_n_is_a_whole_number_of_them_and_not_of_256():
     """DeepSeek-V3's kv_a (N 576 = 3 x 192) gets the 128 + 64 and 64 + 32 twins of its
     candidates of those widths, stream-K aside, and its entries a candidate set of their own
-    (so only they went stale); N 6144 and the LM heads' 151936 get none."""
+    (so only they went stale); N 6144 and the LM heads' 151936 get none outside mid M."""
     assert gemm_candidates.tail_tiles(576) == ((128, 64), (64, 32))
     assert gemm_candidates.tail_tiles(6144) == gemm_candidates.tail_tiles(151936) == ()
-    for m in tune_gemm.M_VALUES:
+    for m in (m for m in tune_gemm.M_VALUES if not 64 < m <= 256):
         configs = gemm_candidates.candidates(m, 576, 7168, with_pool=False)
         tails = [c for c in configs if c.block_n_tail]
         assert tails and all(not c.stream_k_programs for c in tails), m
@@ -401,3 +402,38 @@ def test_tail_tiles_are_candidates_where_n_is_a_whole_number_of_them_and_not_of_
     assert not tune_gemm._needs_retune({**before, "n": 6144}, every_m)
     assert not tune_gemm._needs_retune(
         {**before, "candidate_set": gemm_candidates.candidate_set(8192, 576)}, every_m)
+
+
+def test_mid_m_tail_tiles_with_their_wave_splits_where_256_divides_n_too():
+    """At M 65..256 a whole number of 192- or 96-wide tiles takes tail twins even where 256
+    divides N (they change how many programs fill the SMs): DeepSeek-V3's q_a (N 1536) gets the
+    probe's winners, 128 x (64 + 32) at split 8 (M 128) and 4 (M 256), TMA-fed; every twin fits
+    shared memory and a split keeps two K blocks and the programs within two an SM. Those points
+    get a candidate set of their own; N without such tiles (4096, 151936) gets no tail."""
+    from kernels.gemm import SMEM_BUDGET_BYTES, TARGET_NUM_CTAS
+    from kernels.utils import cdiv
+
+    assert gemm_candidates.tail_tiles(1536, 128) == ((128, 64), (64, 32))
+    assert gemm_candidates.tail_tiles(1536) == gemm_candidates.tail_tiles(1536, 512) == ()
+    assert gemm_candidates.tail_tiles(4096, 128) == gemm_candidates.tail_tiles(151936, 256) == ()
+    for m, split in ((128, 8), (256, 4)):
+        configs = gemm_candidates.candidates(m, 1536, 7168, with_pool=False)
+        winner = GemmConfig(128, 64, 64, split_k=split, num_warps=4, num_stages=4, tma=True,
+                            block_n_tail=32)
+        assert winner in configs, m
+        tails = [c for c in configs if c.block_n_tail]
+        assert all(c.smem_bytes(2) <= SMEM_BUDGET_BYTES for c in tails)
+        assert all(not c.stream_k_programs for c in tails)
+        for c in tails:
+            if c.split_k > 1:
+                assert cdiv(7168, c.block_k) >= 2 * c.split_k, c
+        for c in (c for c in tails if c.split_k == 8):
+            assert cdiv(m, c.block_m) * cdiv(1536, c.tile_n) * 8 <= TARGET_NUM_CTAS, c
+        assert gemm_candidates.candidate_set(m, 1536) == (
+            gemm_candidates.candidate_set(m) + gemm_candidates.MID_TAIL_CANDIDATE_SUFFIX)
+        assert gemm_candidates.candidate_set(m, 4096) == gemm_candidates.candidate_set(m)
+        assert not any(c.block_n_tail for c in gemm_candidates.candidates(m, 4096, 4096))
+    assert gemm_candidates.candidate_set(512, 1536) == gemm_candidates.candidate_set(512)
+    entry = {"m": 128, "n": 1536, "candidate_set": gemm_candidates.MID_M_CANDIDATE_SET}
+    assert tune_gemm._needs_retune(entry, {128})
+    assert not tune_gemm._needs_retune({**entry, "n": 4096}, {128})
