@@ -3,8 +3,9 @@
 ``candidates(m, n, k)`` is a bounded set per M range (decode, mid M 65-256, large M), each tile
 also split-K where the tiles alone leave SMs idle, stream-K at the decode batches and mid M,
 TMA-fed from ``TMA_MIN_M``, deeper whole tiles at mid M and tail tiles where N is a whole number
-of them and not of 256 (``tail_tiles``). ``candidate_set(m, n)`` names the generator a table entry
-was tuned with, so ``tune_gemm --retune-m`` redoes only the points whose candidates changed.
+of them and not of 256, or at mid M of them at all, with split twins there (``tail_tiles``).
+``candidate_set(m, n)`` names the generator a table entry was tuned with, so
+``tune_gemm --retune-m`` redoes only the points whose candidates changed.
 ``BATCH_INVARIANT_POOL`` is the portable batch-invariant peer's pool (one config for every M).
 Each constant says which measurement put it there.
 """
@@ -135,7 +136,9 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
     of one row tile as stream-K over ``STREAM_K_PROGRAMS``; from ``TMA_MIN_M`` on every one of
     those TMA-fed as well; at mid M (65..256) the deeper TMA-fed whole tiles of
     ``_MID_DEEP_TILES``; where N takes tail tiles (``tail_tiles``), the twin with the tail of
-    every candidate of that block_n but stream-K; plus the batch-invariant pool when
+    every candidate of that block_n but stream-K (at mid M fitted to shared memory, and each
+    TMA-fed unsplit twin also split ``_MID_TAIL_SPLITS`` ways within two programs an SM); plus
+    the batch-invariant pool when
     ``with_pool`` (timed at every point of the bench shapes for its geometric mean)."""
     tiles: list[GemmConfig] = []
     splits: tuple[int, ...] = ()
