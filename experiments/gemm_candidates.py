@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernels.gemm import H200_NUM_SMS, TARGET_NUM_CTAS, GemmConfig, auto_split_k, fit_smem
+from kernels.gemm import (
+    H200_NUM_SMS,
+    MIN_K_BLOCKS_PER_SPLIT,
+    TARGET_NUM_CTAS,
+    GemmConfig,
+    auto_split_k,
+    fit_smem,
+)
 from kernels.utils import cdiv
 
 DTYPE_BYTES = 2  # the tuner's bf16: shared memory per element of a tile
@@ -99,6 +106,16 @@ MID_TAIL_CANDIDATE_SUFFIX = "-tail-waves"
 
 def _mid_m(m: int) -> bool:
     return 64 < m <= 256
+
+
+def wave_splits(config: GemmConfig, m: int, n: int, k: int,
+                splits: tuple[int, ...] = _MID_TAIL_SPLITS) -> list[GemmConfig]:
+    """``config`` split each of ``splits`` ways where its programs stay within
+    ``TARGET_NUM_CTAS`` (two an SM) and each split keeps ``MIN_K_BLOCKS_PER_SPLIT`` K blocks."""
+    programs = cdiv(m, config.block_m) * cdiv(n, config.tile_n)
+    return [dataclasses.replace(config, split_k=split) for split in splits
+            if programs * split <= TARGET_NUM_CTAS
+            and cdiv(k, config.block_k) >= MIN_K_BLOCKS_PER_SPLIT * split]
 
 
 def tail_tiles(n: int, m: int | None = None) -> tuple[tuple[int, int], ...]:
@@ -189,11 +206,8 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
              for c in out if c.block_n == bn and not c.stream_k_programs]
     if tails and _mid_m(m):
         twins = [fit_smem(twin, DTYPE_BYTES) for twin in twins]
-        twins += [dataclasses.replace(twin, split_k=split) for twin in twins
-                  if twin.tma and twin.split_k == 1
-                  for split in _MID_TAIL_SPLITS
-                  if cdiv(m, twin.block_m) * cdiv(n, twin.tile_n) * split <= TARGET_NUM_CTAS
-                  and cdiv(k, twin.block_k) >= 2 * split]
+        twins += [split for twin in twins if twin.tma and twin.split_k == 1
+                  for split in wave_splits(twin, m, n, k)]
     out += twins
     if with_pool:
         out += BATCH_INVARIANT_POOL

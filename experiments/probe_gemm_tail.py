@@ -16,7 +16,6 @@ row's bits).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments.gemm_candidates import wave_splits  # noqa: E402
 from experiments.harness import bench_us, probe_main  # noqa: E402
 from kernels.gemm import (  # noqa: E402
     TARGET_NUM_CTAS,
@@ -36,7 +36,7 @@ from kernels.gemm import (  # noqa: E402
     gemm_config,
 )
 from kernels.mode import Mode  # noqa: E402
-from kernels.utils import cdiv, device_card  # noqa: E402
+from kernels.utils import device_card  # noqa: E402
 
 # (layer, N, K, M values): kv_a where 256 leaves waste, q_a and Qwen3-8B's qkv where it does not
 # (whole numbers of 192 too) at the M whose minimums they set or sit near.
@@ -61,10 +61,8 @@ def tail_configs(m: int, n: int, k: int) -> dict[str, GemmConfig]:
                                    block_n_tail=bn // 2), 2)
         name = f"{bm}x({bn}+{bn // 2})x{bk} w{warps} s{tile.num_stages}"
         out[name] = tile
-        programs = cdiv(m, bm) * cdiv(n, tile.tile_n)
-        for split in SPLITS:
-            if programs * split <= MAX_PROGRAMS and cdiv(k, bk) >= 2 * split:
-                out[f"{name} split {split}"] = dataclasses.replace(tile, split_k=split)
+        for split in wave_splits(tile, m, n, k, SPLITS):
+            out[f"{name} split {split.split_k}"] = split
     return out
 
 
