@@ -21,7 +21,6 @@ columns. This times, per M:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -32,10 +31,11 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments.gemm_candidates import wave_splits  # noqa: E402
 from experiments.harness import bench_us, probe_main  # noqa: E402
-from kernels.gemm import TARGET_NUM_CTAS, GemmConfig, gemm, gemm_config  # noqa: E402
+from kernels.gemm import GemmConfig, gemm, gemm_config  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
-from kernels.utils import cdiv, device_card  # noqa: E402
+from kernels.utils import device_card  # noqa: E402
 
 LAYER, N, K = "deepseek-v3.kv_a", 576, 7168
 M_VALUES = (512, 2048, 8192)
@@ -51,10 +51,8 @@ def wide_configs(m: int) -> dict[str, GemmConfig]:
              "128x128x64 w8 s4": GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True)}
     out = dict(tiles)
     for name, cfg in tiles.items():
-        num_tiles = cdiv(m, cfg.block_m) * (WIDE_N // cfg.block_n)
-        for split in (2, 4):
-            if num_tiles * split <= TARGET_NUM_CTAS:
-                out[f"{name} split {split}"] = dataclasses.replace(cfg, split_k=split)
+        for split in wave_splits(cfg, m, WIDE_N, K, (2, 4)):
+            out[f"{name} split {split.split_k}"] = split
     return out
 
 
