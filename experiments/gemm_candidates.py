@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from kernels.gemm import (
     H200_NUM_SMS,
     MIN_K_BLOCKS_PER_SPLIT,
@@ -24,7 +26,7 @@ from kernels.gemm import (
 )
 from kernels.utils import cdiv
 
-DTYPE_BYTES = 2  # the tuner's bf16: shared memory per element of a tile
+DTYPE = torch.bfloat16  # what tune_gemm times the candidates in
 
 # One config for every M; persistent (one program per SM looping over tiles).
 BATCH_INVARIANT_POOL = (
@@ -205,7 +207,7 @@ def candidates(m: int, n: int, k: int, with_pool: bool = True) -> list[GemmConfi
     twins = [dataclasses.replace(c, block_n_tail=tail) for bn, tail in tails
              for c in out if c.block_n == bn and not c.stream_k_programs]
     if tails and _mid_m(m):
-        twins = [fit_smem(twin, DTYPE_BYTES) for twin in twins]
+        twins = [fit_smem(twin, DTYPE.itemsize) for twin in twins]
         twins += [split for twin in twins if twin.tma and twin.split_k == 1
                   for split in wave_splits(twin, m, n, k)]
     out += twins

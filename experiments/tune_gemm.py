@@ -48,6 +48,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 
 from experiments.gemm_candidates import (  # noqa: E402
     BATCH_INVARIANT_POOL,
+    DTYPE,
     candidate_set,
     candidates,
 )
@@ -63,7 +64,6 @@ from kernels.utils import device_card  # noqa: E402
 from models.config import NAMED_CONFIGS  # noqa: E402
 
 M_VALUES = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
-DTYPE = torch.bfloat16
 
 # The models whose GEMMs the engine's benchmarks run, most important first (the budget cuts the
 # tail): the headline's Qwen3-8B, the kernels table's 30B-A3B and DeepSeek-V3, then the rest of
