@@ -30,13 +30,12 @@ reads through the block table, computes the same bits afterwards.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from dataclasses import dataclass
 
 import torch
 
-from corun import logits_processing, memory_plan
+from corun import memory_plan, memory_profile
 from corun.config import DYNAMIC_GRAPH_PREFILL_ROWS, EngineConfig
 from corun.fingerprint import LogitsDigest
 from corun.graph_runner import GraphRunner
@@ -85,17 +84,6 @@ def check_model_len(config: EngineConfig, model_config) -> None:
             f"max_model_len: {config.max_model_len} exceeds the {longest} positions the model "
             f"serves (max_position_embeddings, or YaRN's original_max_position_embeddings x "
             f"factor)")
-
-
-def profile_context_lens(num_tokens: int, max_model_len: int, num_rows: int) -> tuple[int, ...]:
-    """Context lengths of the memory profile's prefill step: ``num_tokens`` cut into sequences
-    of at most ``max_model_len`` (no sequence is longer, and its block table has no more
-    columns), at most one per chunk row."""
-    lengths: list[int] = []
-    while num_tokens > 0 and len(lengths) < num_rows:
-        lengths.append(min(num_tokens, max_model_len))
-        num_tokens -= lengths[-1]
-    return tuple(lengths)
 
 
 class ModelRunner:
@@ -152,7 +140,7 @@ class ModelRunner:
                                             max(config.decode_buckets))
         self.prefill_buffers = self._buffers(*self._prefill_buffer_capacity())
         self.num_kv_blocks = self._agree_num_blocks(
-            config.num_kv_blocks or self._auto_num_blocks(spec))
+            config.num_kv_blocks or memory_profile.auto_num_blocks(self, spec))
         self.kv_cache = KVCache(spec, self.num_kv_blocks, config.block_size, self.dtype,
                                 self.device)
         # Blocks are dim 2 of the MHA storage [L, 2, NB, ...] and dim 1 of the MLA one [L, NB, ...].
@@ -176,10 +164,10 @@ class ModelRunner:
     def _prefill_buffer_capacity(self) -> tuple[int, int]:
         """(tokens, rows) of the prefill step buffers: the largest prefill step's, with the rows
         of a dynamic bucket where it has more (its padded decode rows)."""
-        tokens, rows = self._prefill_capacity()
+        tokens, rows = self.prefill_capacity()
         return tokens, max([rows] + [b.num_seqs for b in self.dynamic_buckets])
 
-    def _prefill_capacity(self) -> tuple[int, int]:
+    def prefill_capacity(self) -> tuple[int, int]:
         """(tokens, rows) of the largest prefill step the scheduler can make."""
         config = self.config
         if config.is_packed_prefill:
@@ -237,11 +225,11 @@ class ModelRunner:
         for shape in self.fixed_shapes():
             if not self.graphable(shape):
                 continue
-            bufs = self._buffers_of(shape)
+            bufs = self.buffers_of(shape)
             bufs.fill(shape, [])  # all padding: the capture's own runs write and read nothing
             bound = self._bind(shape, bufs)
             self.graph_runner.capture(shape, "prefill" if shape.is_prefill else "decode",
-                                      lambda bound=bound: self._forward(bound))
+                                      lambda bound=bound: self.forward(bound))
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -250,13 +238,13 @@ class ModelRunner:
         for shape in self.fixed_shapes():
             if self.graph_runner is not None and self.graph_runner.can_replay(shape):
                 continue
-            bufs = self._buffers_of(shape)
+            bufs = self.buffers_of(shape)
             host = bufs.fill(shape, [])
             self._launch(shape, bufs, host)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    # -- KV cache sizing --------------------------------------------------------------------------
+    # -- KV cache sizing (the GPU profile: corun.memory_profile) ------------------------------
 
     def _check_memory(self, model_config) -> None:
         """Before building anything: the weights and the KV cache this config asks for fit in
@@ -266,17 +254,6 @@ class ModelRunner:
             return  # unreadable checkpoint config: building the model reports why
         memory = memory_plan.plan(self.config, model_config)
         memory_plan.check_fits(memory, memory_plan.available_bytes(self.device), self.config)
-
-    def _auto_num_blocks(self, spec) -> int:
-        """What the config can use (``memory_plan.config_num_blocks``); on a GPU bounded by
-        free memory, or sized from it under an explicit ``gpu_memory_utilization``."""
-        if self.device.type != "cuda":
-            return memory_plan.config_num_blocks(self.config)
-        peak = self._profile_peak_bytes(spec)
-        free, total = torch.cuda.mem_get_info(self.device)
-        return memory_plan.gpu_num_blocks(self.config, free, total, peak,
-                                          spec.bytes_per_block(self.config.block_size,
-                                                               self.dtype))
 
     def _agree_num_blocks(self, num_blocks: int) -> int:
         """The same block count on every rank: the scheduler (rank 0) hands out block ids that
@@ -290,78 +267,9 @@ class ModelRunner:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.parallel.group)
         return int(agreed.item())
 
-    def _profile_steps(self, scratch: KVCache):
-        """(bound buffers, batch) of the largest prefill step and of the largest decode step,
-        on padding over ``scratch``. The prefill batch carries the largest contexts a step can
-        expand (MLA expands every row's cached context): the step's tokens as whole sequences of
-        at most ``max_model_len``, one per chunk row, as far as the rows go.
-
-        Keyed "decode" / "prefill", and "graph": the largest captured dynamic bucket, whose
-        graph keeps its memory while eager dynamic steps run beside it."""
-        largest = {}
-        for shape in [self._largest_dynamic_shape()] + self.fixed_shapes():
-            if shape is not None:
-                key = "prefill" if shape.is_prefill else "decode"
-                if key not in largest or shape.num_tokens > largest[key].num_tokens:
-                    largest[key] = shape
-        if self.config.use_cuda_graphs and self.dynamic_buckets \
-                and self.graphable(self.dynamic_buckets[0]):
-            largest["graph"] = self.dynamic_buckets[0]
-        for key, shape in largest.items():
-            bufs = self._buffers_of(shape)
-            host = bufs.fill(shape, [])
-            bound = bufs.bind(shape, scratch, self.ops, self.config.max_model_len, host,
-                              cache=False)
-            batch = bound.batch
-            if shape.is_prefill:
-                batch = dataclasses.replace(batch, context_lens_host=profile_context_lens(
-                    shape.num_tokens, self.config.max_model_len, batch.block_tables.shape[0]))
-            yield key, bound, batch
-
-    @torch.inference_mode()
-    def _profile_peak_bytes(self, spec) -> int:
-        """Activation peak of the largest prefill step and of the largest decode step (their sum
-        under ``overlap_prefill_decode``, where both are in flight), plus the largest captured
-        dynamic bucket's, each run once on padding over a one-block scratch cache, plus the
-        per-request work after the forward (logits processing with its penalty pool at
-        max_num_seqs rows, top-N logprobs: ``logits_processing.profile_peak_bytes``)."""
-        scratch = KVCache(spec, 1, self.config.block_size, self.dtype, self.device)
-        peaks = {}
-        for key, bound, batch in self._profile_steps(scratch):
-            peaks[key] = memory_plan.cuda_peak_bytes(
-                functools.partial(self._forward, bound, batch), self.device)
-        del scratch
-        torch.cuda.empty_cache()
-        steps = [peaks[k] for k in ("decode", "prefill") if k in peaks]
-        total = sum(steps) if self.config.overlap_prefill_decode else max(steps)
-        processing = logits_processing.profile_peak_bytes(
-            self.sampler, self.vocab_size, self.config.max_num_seqs, self.device,
-            self.config.max_logprobs)
-        torch.cuda.empty_cache()
-        return total + peaks.get("graph", 0) + self._graph_output_bytes() + processing
-
-    def _graph_output_bytes(self) -> int:
-        """What the captured graphs' outputs hold for as long as the graphs live: each graph
-        keeps its own logits, samples and hidden rows (a pool shares only what is freed during
-        a capture), which no profiled peak counts."""
-        if not self.config.use_cuda_graphs:
-            return 0
-        hidden = self.model_config.hidden_size * self.dtype.itemsize
-        return sum(shape.num_sample_rows * (self.vocab_size * 4 + 3 * 8)
-                   + shape.num_tokens * hidden
-                   for shape in self.fixed_shapes() if self.graphable(shape))
-
-    def _largest_dynamic_shape(self) -> StepShape | None:
-        """The dynamic modes' largest prefill step: the whole token budget, the most rows."""
-        if self.config.is_corun:
-            return None
-        tokens, rows = self._prefill_capacity()
-        return StepShape(True, tokens, rows, rows, max_q_len=min(tokens, self.config.max_model_len),
-                         is_fixed=False)
-
     # -- running steps ----------------------------------------------------------------------------
 
-    def _buffers_of(self, shape: StepShape) -> StepBuffers:
+    def buffers_of(self, shape: StepShape) -> StepBuffers:
         return self.prefill_buffers if shape.is_prefill else self.decode_buffers
 
     def _bind(self, shape: StepShape, bufs: StepBuffers,
@@ -374,7 +282,7 @@ class ModelRunner:
             max_seq_len = host.max_seq_len
         return bufs.bind(shape, self.kv_cache, self.ops, max_seq_len, host)
 
-    def _forward(self, bound: BoundStep, batch: ForwardBatch | None = None,
+    def forward(self, bound: BoundStep, batch: ForwardBatch | None = None,
                  all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole step on the bound views: forward, LM head on the sample rows, sampler and
         logits digest -> (logits [R, V] fp32, samples [R, 3] int64, hidden [T, H] of every row,
@@ -400,7 +308,7 @@ class ModelRunner:
         if shape.is_prefill and shape.is_fixed:  # per-step host ints of a reused binding
             batch = dataclasses.replace(batch, context_lens_host=host.context_lens)
         # The greedy shortcut is the torch backend's (a host flag); a graph never takes it.
-        return self._forward(bound, batch, all_greedy=host.all_greedy)
+        return self.forward(bound, batch, all_greedy=host.all_greedy)
 
     def _publish(self, shape: StepShape, bufs: StepBuffers, host: StepHost) -> None:
         """Hand a filled step to the other tensor-parallel ranks (nothing to do at TP=1)."""
@@ -411,7 +319,7 @@ class ModelRunner:
         this rank's buffer of the same layout, then the same shape runs (``corun.tp_executor``)."""
         import torch.distributed as dist
 
-        bufs = self._buffers_of(header.shape)
+        bufs = self.buffers_of(header.shape)
         dist.broadcast(bufs.dev, src=0, group=self.parallel.group)
         self._launch(header.shape, bufs, header.host)
 
@@ -434,7 +342,7 @@ class ModelRunner:
         """Fill ``part``'s shape (``step_shape``) from its chunks, run it, and sample its sample
         rows."""
         shape = self.step_shape(part.shape)
-        bufs = self._buffers_of(shape)
+        bufs = self.buffers_of(shape)
         host = bufs.fill(shape, part.chunks)
         self._publish(shape, bufs, host)
         return self._result(part, host, *self._launch(shape, bufs, host))
@@ -457,7 +365,7 @@ class ModelRunner:
         """
         if self.device.type != "cuda":
             return self.execute(decode), self.execute(prefill)
-        d_bufs, p_bufs = self._buffers_of(decode.shape), self._buffers_of(prefill.shape)
+        d_bufs, p_bufs = self.buffers_of(decode.shape), self.buffers_of(prefill.shape)
         if d_bufs is p_bufs:
             raise ValueError("execute_overlapped: expects a decode part and a prefill part")
         d_host = d_bufs.fill(decode.shape, decode.chunks)

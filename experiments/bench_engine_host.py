@@ -51,7 +51,7 @@ def measure(batch: int, output_tokens: int, final_only: bool, stop: bool) -> dic
     engine = llm.engine
     step_record: dict[str, float] = {}
     engine.scheduler.schedule = _timed(step_record, "schedule", engine.scheduler.schedule)
-    engine.runner._forward = _timed(step_record, "forward", engine.runner._forward)
+    engine.runner.forward = _timed(step_record, "forward", engine.runner.forward)
     engine._commit_part = _timed(step_record, "commit", engine._commit_part)
     engine._make_output = _timed(step_record, "outputs", engine._make_output)
     params = SamplingParams(temperature=0.8, seed=1, max_tokens=output_tokens, ignore_eos=True,

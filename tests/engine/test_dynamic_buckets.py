@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from corun.config import DYNAMIC_GRAPH_TOKENS, EngineConfig
 from corun.engine import LLMEngine
+from corun.memory_profile import graph_output_bytes
 from corun.model_runner import ModelRunner
 from corun.outputs import RequestOutput
 from corun.sampling_params import SamplingParams
@@ -307,11 +308,11 @@ def test_memory_profile_counts_every_graphs_outputs():
     hidden rows [T, H]: the profile adds them for every graphable shape (a CUDA config; only
     the arithmetic runs here)."""
     runner = ModelRunner(EngineConfig(mode="default", dynamic_graph_tokens=BUCKETS, **TINY))
-    assert runner._graph_output_bytes() == 0  # no graphs on the CPU
+    assert graph_output_bytes(runner) == 0  # no graphs on the CPU
     runner.config = dataclasses.replace(runner.config, device="cuda")
     hidden, vocab = runner.model_config.hidden_size, runner.vocab_size
     shapes = runner.fixed_shapes()
     assert len(shapes) == len(runner.config.decode_buckets) + len(runner.dynamic_buckets)
     expected = sum(s.num_sample_rows * (vocab * 4 + 24) + s.num_tokens * hidden * 4
                    for s in shapes)
-    assert runner._graph_output_bytes() == expected
+    assert graph_output_bytes(runner) == expected

@@ -1,4 +1,4 @@
-"""The memory profile's steps (ModelRunner._profile_steps) run on any model at any sizes.
+"""The memory profile's steps (corun.memory_profile.profile_steps) run on any model at any sizes.
 
 On the GPU the profile runs the largest prefill step once with the largest contexts it can
 expand; MLA expands every row's cached context through the block table. A step of more tokens
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from corun.config import EngineConfig
-from corun.model_runner import ModelRunner, profile_context_lens
+from corun.memory_profile import profile_context_lens, profile_steps
+from corun.model_runner import ModelRunner
 from models.forward_batch import KVCache
 
 
@@ -35,13 +36,13 @@ def test_profile_steps_run_when_a_step_holds_more_tokens_than_a_sequence(mode):
                       runner.device)
     prefill = 0
     with torch.inference_mode():
-        for _, bound, batch in runner._profile_steps(scratch):
+        for _, bound, batch in profile_steps(runner, scratch):
             if bound.shape.is_prefill:
                 prefill += 1
                 assert max(batch.context_lens_host) <= config.max_model_len
                 assert sum(batch.context_lens_host) > config.max_model_len
             # The scratch cache is uninitialised memory: only that every row ran is checked (an
             # index past the block table raises on the CPU, asserts on the GPU).
-            _, _, hidden = runner._forward(bound, batch)
+            _, _, hidden = runner.forward(bound, batch)
             assert hidden.shape[0] == bound.input_ids.shape[0]
     assert prefill == 1
