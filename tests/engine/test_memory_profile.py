@@ -8,11 +8,14 @@ sequences) once indexed past the block table's columns: a device-side assert on 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+from corun import logits_processing, memory_plan
 from corun.config import EngineConfig
-from corun.memory_profile import profile_context_lens, profile_steps
+from corun.memory_profile import profile_context_lens, profile_peak_bytes, profile_steps
 from corun.model_runner import ModelRunner
 from models.forward_batch import KVCache
 
@@ -46,3 +49,36 @@ def test_profile_steps_run_when_a_step_holds_more_tokens_than_a_sequence(mode):
             _, _, hidden = runner.forward(bound, batch)
             assert hidden.shape[0] == bound.input_ids.shape[0]
     assert prefill == 1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_profile_peak_bytes_adds_the_steps_peaks_as_they_can_be_in_flight(monkeypatch, overlap):
+    """The GPU-only sum, run on the CPU with the CUDA peak counter replaced by one that runs the
+    work and reports a size per step: every profiled step's forward and the logits processing
+    run, and the peaks add as the docstring says (the larger step alone, or both under
+    ``overlap_prefill_decode``, where a decode and a prefill step are in flight together)."""
+    processing_bytes = 7
+    ran = []
+
+    def fake_peak(run, device):
+        run()
+        if isinstance(run, functools.partial) and run.func == runner.forward:
+            shape = run.args[0].shape
+            ran.append(shape)
+            return 1000 * shape.num_tokens
+        return processing_bytes
+
+    monkeypatch.setattr(memory_plan, "cuda_peak_bytes", fake_peak)
+    monkeypatch.setattr(logits_processing, "cuda_peak_bytes", fake_peak)
+    config = EngineConfig(model="tiny-qwen3", device="cpu", dtype="float32", mode="corun",
+                          max_num_seqs=4, decode_batch_size=4, max_model_len=64,
+                          num_kv_blocks=64, prefill_chunk_size=16, prefill_step_tokens=32,
+                          max_prefill_seqs_per_step=2, prefill_token_budget=32,
+                          overlap_prefill_decode=overlap)
+    runner = ModelRunner(config)
+    peak = profile_peak_bytes(runner, runner.model.kv_cache_spec())
+    decode = max(s.num_tokens for s in ran if not s.is_prefill)
+    prefill = max(s.num_tokens for s in ran if s.is_prefill)
+    assert len(ran) == 2  # the largest decode step and the largest prefill step, once each
+    steps = decode + prefill if overlap else max(decode, prefill)
+    assert peak == 1000 * steps + processing_bytes  # no graphs on the CPU
