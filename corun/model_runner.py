@@ -283,7 +283,7 @@ class ModelRunner:
         return bufs.bind(shape, self.kv_cache, self.ops, max_seq_len, host)
 
     def forward(self, bound: BoundStep, batch: ForwardBatch | None = None,
-                 all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole step on the bound views: forward, LM head on the sample rows, sampler and
         logits digest -> (logits [R, V] fp32, samples [R, 3] int64, hidden [T, H] of every row,
         which prompt logprobs read). Captured as one graph."""
