@@ -92,8 +92,12 @@ def bench_us(
             _warm_up(fn, warmup_ms)
             ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
             return float(ms) * 1e3
-        except Exception:  # not capturable: a host sync inside fn
+        except Exception as err:  # not capturable: a host sync inside fn
             torch.cuda.synchronize()
+            # Said aloud: do_bench flushes L2 and times the launch, so such a time is not
+            # comparable with a graph-replayed peer's.
+            print(f"bench_us: no CUDA graph ({type(err).__name__}: {str(err)[:160]}); "
+                  f"timed with do_bench", file=sys.stderr)
     ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     return float(ms) * 1e3
 
