@@ -26,10 +26,9 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.gemm_candidates import wave_splits  # noqa: E402
+from experiments.gemm_candidates import DTYPE, wave_splits  # noqa: E402
 from experiments.harness import bench_us, probe_main  # noqa: E402
 from kernels.gemm import (  # noqa: E402
-    TARGET_NUM_CTAS,
     GemmConfig,
     fit_smem,
     gemm,
@@ -48,8 +47,6 @@ POINTS = (("deepseek-v3.kv_a", 576, 7168, (128, 512, 2048, 8192)),
 # full; 64 x 192 makes 384 programs, and at 3 stages (98 KB) two fit an SM.
 _TILES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
           (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 4))
-SPLITS = (2, 4, 8)
-MAX_PROGRAMS = TARGET_NUM_CTAS  # splits past two programs an SM are not timed
 
 
 def tail_configs(m: int, n: int, k: int) -> dict[str, GemmConfig]:
@@ -58,10 +55,10 @@ def tail_configs(m: int, n: int, k: int) -> dict[str, GemmConfig]:
     out = {}
     for bm, bn, bk, warps, stages in _TILES:
         tile = fit_smem(GemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, tma=True,
-                                   block_n_tail=bn // 2), 2)
+                                   block_n_tail=bn // 2), DTYPE.itemsize)
         name = f"{bm}x({bn}+{bn // 2})x{bk} w{warps} s{tile.num_stages}"
         out[name] = tile
-        for split in wave_splits(tile, m, n, k, SPLITS):
+        for split in wave_splits(tile, m, n, k):
             out[f"{name} split {split.split_k}"] = split
     return out
 
@@ -70,10 +67,10 @@ def collect() -> list[dict]:
     records = []
     for label, n, k, m_values in POINTS:
         torch.manual_seed(0)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+        w = torch.randn(n, k, device="cuda", dtype=DTYPE) / math.sqrt(k)
         for m in m_values:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            pick = gemm_config(m, n, k, torch.bfloat16, Mode.CORUN, card=device_card(w.device))
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+            pick = gemm_config(m, n, k, DTYPE, Mode.CORUN, card=device_card(w.device))
             reference = gemm(x, w, mode=Mode.CORUN)
             cublas_us = bench_us(lambda x=x, w=w: F.linear(x, w), 10, 30)
             pick_us = bench_us(lambda x=x, w=w: gemm(x, w, mode=Mode.CORUN), 10, 30)

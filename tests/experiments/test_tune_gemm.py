@@ -422,7 +422,7 @@ def test_mid_m_tail_tiles_with_their_wave_splits_where_256_divides_n_too():
                             block_n_tail=32)
         assert winner in configs, m
         tails = [c for c in configs if c.block_n_tail]
-        assert all(c.smem_bytes(2) <= SMEM_BUDGET_BYTES for c in tails)
+        assert all(c.smem_bytes(gemm_candidates.DTYPE.itemsize) <= SMEM_BUDGET_BYTES for c in tails)
         assert all(not c.stream_k_programs for c in tails)
         for c in tails:
             if c.split_k > 1:
