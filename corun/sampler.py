@@ -3,8 +3,9 @@
 Each row's token is a pure function of that row's logits and of its request's
 ``(seed, sample index, position)``: the noise is Philox keyed by the request seed with the
 counter (vocab index, position, sample index), never a global generator
-(``kernels.reference.sampling_uniform_reference``). So a request samples the same tokens whatever
-rows sit beside it, and the ``n`` samples of one request differ (their sample indices differ).
+(``kernels.sampling_reference.sampling_uniform_reference``). So a request samples the same
+tokens whatever rows sit beside it, and the ``n`` samples of one request differ (their sample
+indices differ).
 
 Backends: ``kernels.sampling.sample`` / ``token_logprobs`` on ``triton``; the reference
 (``sample_reference``, ``log_softmax``) on ``torch``, with the same numerics.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import sample_reference
+from kernels.sampling_reference import sample_reference
 
 
 def seed_to_int64(seed: int) -> int:

@@ -5,7 +5,7 @@ engine, so a bad request never disturbs the ones in flight.
 
 The seed binds the sampling noise to the request: token ``t`` of sample ``i`` draws its noise from
 Philox keyed by ``(seed, i, position of t)`` only
-(``kernels.reference.sampling_uniform_reference``), so the same request with the same seed
+(``kernels.sampling_reference.sampling_uniform_reference``), so the same request with the same seed
 samples the same tokens whatever runs beside it. Without a seed the engine draws one at admission
 (from the OS, not from any global generator) and reports it.
 """

@@ -8,13 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.reference import (
-    SAMPLING_U_MAX,
-    philox_4x32,
-    sample_reference,
-    sampling_uniform_reference,
-    top_k_top_p_mask_reference,
-)
 from kernels.sampling import (
     SamplingConfig,
     _sample_launch,
@@ -23,6 +16,13 @@ from kernels.sampling import (
     sampling_config,
     sampling_uniform,
     token_logprobs,
+)
+from kernels.sampling_reference import (
+    SAMPLING_U_MAX,
+    philox_4x32,
+    sample_reference,
+    sampling_uniform_reference,
+    top_k_top_p_mask_reference,
 )
 from tests.utils import assert_close
 
