@@ -4,7 +4,8 @@ For every GEMM (N, K) of the real named models (``gemm_shapes``: read off a meta
 each model in ``TUNED_MODELS``, LM heads included) and M in ``M_VALUES`` it times a bounded
 candidate set (``experiments.gemm_candidates.candidates``: M-range tiles, with split-K variants
 where the tiles alone leave SMs idle; fixed pools so the number of compiled kernels stays small),
-keeps the median-fastest config that also matches cuBLAS numerically, and records cuBLAS's time
+keeps the median-fastest config that also matches cuBLAS numerically (the fastest few of one
+pass are timed twice more and ranked by their medians: ``FINALISTS``), and records cuBLAS's time
 beside it, and the fastest candidate without split-K (``no_split_config``: what the
 ``batch_invariant_tuned`` policy runs at that point). The portable batch-invariant baseline gets
 ONE config: the member of ``BATCH_INVARIANT_POOL`` with the lowest geometric-mean time over the
@@ -14,7 +15,8 @@ The file is rewritten after every point, so a cut run keeps what it measured; a 
 bounds the sweep, points past it are left to the policy's literal fallback and the header says
 ``complete: false``; ``--resume`` tunes only the points the file lacks (its ``runs`` list each
 run's header), and ``--retune-m 64,128,256`` with it tunes those M values again (after the
-candidate set grew, e.g. by the TMA-fed tiles), keeping the file's other points.
+candidate set grew, e.g. by the TMA-fed tiles), keeping the file's other points; ``--repick``
+with it tunes again the points picked on one timing each, before the finalists' rounds.
 
 ``--models`` and ``--m-values`` narrow what one run tunes (with ``--resume`` the file keeps its
 other points; without it they need an ``--out`` outside ``kernels/tuned/``, e.g. a results file).
@@ -24,7 +26,7 @@ the H200's is every card's base, and another card's file holds the points tuned 
 policy overlays on the H200's. ``--merge-from FILE...`` folds tuned entries timed on one card
 (results files of narrowed runs) into ``--out`` without timing anything.
 
-    python -m experiments.tune_gemm [--budget-s 300] [--resume [--retune-m M,M]]
+    python -m experiments.tune_gemm [--budget-s 300] [--resume [--retune-m M,M] [--repick]]
         [--models deepseek-v3] [--m-values 512,2048] [--out kernels/tuned/gemm_<card>.json]
     python -m experiments.tune_gemm --out kernels/tuned/gemm_h100.json --merge-from FILE...
 """
@@ -35,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -209,6 +212,36 @@ def _pool_choice(entries: list[dict], previous: GemmConfig | None = None) -> Gem
     return BATCH_INVARIANT_POOL[best]
 
 
+# The sweep times each candidate once, and one capture's time can be far off the config's: on
+# the H100, DeepSeek-V3's q_a at M 256 picked a split-4 tail tile timed 14.3 us in the sweep,
+# which took 14.7, 16.0 and 17.7 us timed again in three rounds (probe-gemm-tail-h100.json and
+# bench_gemm: 17.6 us), while the runner-up held 14.8-15.2 us. The fastest few (and the fastest
+# few that keep K whole, batch_invariant_tuned's pool) are timed FINALIST_REPEATS more times,
+# interleaved, and each finalist's median is its time: a pick is one that is fast every time.
+FINALISTS = 4
+FINALISTS_NO_SPLIT = 2
+FINALIST_REPEATS = 2
+
+
+def _keeps_k_whole(config: GemmConfig) -> bool:
+    return config.split_k == 1 and not config.stream_k_programs
+
+
+def _retime_finalists(setup: Setup, x, w, expected, m: int,
+                      timed: dict[GemmConfig, float]) -> dict[GemmConfig, list[float]]:
+    """The finalists of ``timed`` (the first pass) and their times: the first pass's and
+    FINALIST_REPEATS more rounds'. The pick is the finalist of least median, never a candidate
+    timed once. A finalist that fails a later round is dropped."""
+    ranked = sorted(timed, key=timed.get)
+    whole = [c for c in ranked if _keeps_k_whole(c)]
+    finalists = list(dict.fromkeys(ranked[:FINALISTS] + whole[:FINALISTS_NO_SPLIT]))
+    samples = {c: [timed[c]] for c in finalists}
+    for _ in range(FINALIST_REPEATS):
+        for config in finalists:
+            samples[config].append(_time_config(setup, x, w, expected, with_row_mask(config, m)))
+    return {c: t for c, t in samples.items() if None not in t}
+
+
 def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tensor) -> dict | None:
     """One (shape, M): every candidate timed; the entry the table records, or None."""
     x = torch.randn(m, k, device=setup.device, dtype=setup.dtype)
@@ -229,10 +262,16 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
     if not timed:
         print(f"  {label} M={m}: no candidate ran", file=sys.stderr)
         return None
-    best = min(timed, key=timed.get)
+    first_pass = timed
+    samples = _retime_finalists(setup, x, w, expected, m, first_pass)
+    if not samples:
+        print(f"  {label} M={m}: no finalist ran in every round", file=sys.stderr)
+        return None
+    timed = {c: statistics.median(t) for c, t in samples.items()}
     # batch_invariant_tuned's entry: the fastest candidate that keeps K whole in one program
     # (stream-K cuts it too, where the programs' shares end).
-    no_split = {c: t for c, t in timed.items() if c.split_k == 1 and not c.stream_k_programs}
+    no_split = {c: t for c, t in timed.items() if _keeps_k_whole(c)}
+    best = min(timed, key=timed.get)
     best_no_split = min(no_split, key=no_split.get) if no_split else None
     entry = {"m": m, "n": n, "k": k, "layer": label,
              "dtype": str(setup.dtype).removeprefix("torch."),
@@ -240,11 +279,14 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
              **({"no_split_config": best_no_split.to_dict(),
                  "no_split_us": round(no_split[best_no_split], 3)} if best_no_split else {}),
              # The fastest stream-K candidate, picked or not: how close it came.
-             **({"stream_k_us": round(min(t for c, t in timed.items() if c.stream_k_programs), 3)}
-                if any(c.stream_k_programs for c in timed) else {}),
+             **({"stream_k_us": round(min(t for c, t in first_pass.items()
+                                          if c.stream_k_programs), 3)}
+                if any(c.stream_k_programs for c in first_pass) else {}),
+             # the pick's every timing (first pass, then the rounds): how steady it was
+             "us_rounds": [round(t, 3) for t in samples[best]],
              "cublas_us": round(cublas_us, 3),
              "ratio_vs_cublas": round(cublas_us / timed[best], 4),
-             "candidates": len(timed), "candidate_set": candidate_set(m, n)}
+             "candidates": len(first_pass), "candidate_set": candidate_set(m, n)}
     if with_pool and all(pool_timed.get(c) is not None for c in BATCH_INVARIANT_POOL):
         entry["pool_us"] = [round(pool_timed[c], 3) for c in BATCH_INVARIANT_POOL]
     print(f"  {label:28s} M={m:5d} best {timed[best]:9.2f} us  cuBLAS {cublas_us:9.2f} us"
@@ -342,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retune-m", default="", metavar="M,M",
                         help="with --resume: tune these M values again (new candidates), every "
                              "shape, keeping the file's other points")
+    parser.add_argument("--repick", action="store_true",
+                        help="with --resume: tune again this run's points (--models / "
+                             "--m-values narrow them) whose pick was timed once (no us_rounds: "
+                             "before the finalists' re-timing); a cut run goes on where it "
+                             "stopped")
     parser.add_argument("--models", default="", metavar="NAME,NAME",
                         help=f"tune only these models' shapes (of {', '.join(TUNED_MODELS)})")
     parser.add_argument("--m-values", default="", metavar="M,M",
@@ -361,8 +408,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--out: expected a path (without a GPU there is no card to name the "
                          "table after)")
         args.out = tuned_path(device_card(torch.device("cuda")))
-    if args.retune_m and not args.resume:
-        parser.error("--retune-m needs --resume (it re-tunes points of the existing file)")
+    if (args.retune_m or args.repick) and not args.resume:
+        parser.error("--retune-m / --repick need --resume (they re-tune points of the existing "
+                     "file)")
     models = [v for v in args.models.split(",") if v]
     m_values = [int(v) for v in args.m_values.split(",") if v.strip()]
     if set(models) - set(TUNED_MODELS) or set(m_values) - set(M_VALUES):
@@ -403,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
         # Entries of this sweep's candidate sets only (they record their candidate count).
         done = [e for e in previous["entries"] if "candidates" in e]
         stale = frozenset((e["m"], e["n"], e["k"]) for e in done if _needs_retune(e, retune))
+        if args.repick:
+            covered = {(m, n, k) for _, n, k in setup.shapes for m in setup.m_values}
+            stale |= {(e["m"], e["n"], e["k"]) for e in done if "us_rounds" not in e} & covered
         runs = previous["header"].get("runs", [])
         if previous.get("batch_invariant"):
             previous_choice = GemmConfig.from_dict(previous["batch_invariant"])

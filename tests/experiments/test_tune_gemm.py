@@ -145,6 +145,77 @@ def test_no_split_pick_never_cuts_k(monkeypatch):
     assert entry["stream_k_us"] == 1.0  # the fastest stream-K time, kept whether it won or not
 
 
+def test_the_pick_is_the_finalist_fast_every_round_not_one_lucky_timing(monkeypatch):
+    """A candidate timed fast once and slow twice more loses to a steady one: the fastest
+    FINALISTS of the first pass (and the fastest that keep K whole) are timed FINALIST_REPEATS
+    more times and ranked by median; the entry keeps the pick's every timing."""
+    setup = dataclasses.replace(tune_gemm.dry_run_setup(), max_candidates=None)
+    lucky = GemmConfig(32, 32, 16, split_k=4)
+    steady = GemmConfig(32, 16, 16, split_k=2)
+    whole = GemmConfig(16, 16, 16)
+    slow = [GemmConfig(16, 16, 32, split_k=s, num_stages=st) for s in (2, 4) for st in (2, 3)]
+    assert tune_gemm.FINALISTS == 4 and len({lucky, steady, *slow}) == 6
+    rounds = {lucky: [1.0, 3.0, 3.2], steady: [1.5, 1.6, 1.4], whole: [5.0, 5.5, 4.5],
+              **{c: [2.0 + i / 10, 9.0, 9.0] for i, c in enumerate(slow)}}
+    calls: list[GemmConfig] = []
+
+    def time_config(setup, x, w, expected, config):
+        calls.append(config)
+        return rounds[config][calls.count(config) - 1]
+
+    monkeypatch.setattr(tune_gemm, "candidates",
+                        lambda m, n, k, with_pool=True: [lucky, steady, whole, *slow])
+    monkeypatch.setattr(tune_gemm, "_time_config", time_config)
+    entry = tune_gemm._tune_point(setup, "tiny", 64, 48, 64, torch.randn(48, 64))
+    assert GemmConfig.from_dict(entry["config"]) == steady
+    assert entry["us"] == 1.5 and entry["us_rounds"] == [1.5, 1.6, 1.4]
+    # the finalists: the first pass's four fastest, and `whole` (no split) though 7th
+    retimed = {c for c in calls if calls.count(c) == 1 + tune_gemm.FINALIST_REPEATS}
+    assert retimed == {lucky, steady, slow[0], slow[1], whole}
+    assert GemmConfig.from_dict(entry["no_split_config"]) == whole and entry["no_split_us"] == 5.0
+    assert entry["candidates"] == 7
+
+
+def test_a_finalist_failing_a_round_is_dropped(monkeypatch):
+    setup = dataclasses.replace(tune_gemm.dry_run_setup(), max_candidates=None)
+    flaky, other = GemmConfig(16, 16, 16), GemmConfig(32, 16, 16)
+    rounds = {flaky: [1.0, None, 1.0], other: [2.0, 2.0, 2.0]}
+    calls: list[GemmConfig] = []
+
+    def time_config(setup, x, w, expected, config):
+        calls.append(config)
+        return rounds[config][calls.count(config) - 1]
+
+    monkeypatch.setattr(tune_gemm, "candidates", lambda m, n, k, with_pool=True: [flaky, other])
+    monkeypatch.setattr(tune_gemm, "_time_config", time_config)
+    entry = tune_gemm._tune_point(setup, "tiny", 64, 48, 64, torch.randn(48, 64))
+    assert GemmConfig.from_dict(entry["config"]) == other
+
+
+def test_repick_retunes_the_points_timed_once_and_resumes(tmp_path):
+    """--repick tunes again this run's points whose pick has no us_rounds (picked on one timing);
+    a cut run leaves the rest with their old entries, and the same command goes on with them."""
+    out = tmp_path / "gemm_tuned.json"
+    assert tune_gemm.main(["--dry-run", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for e in data["entries"]:
+        e.pop("us_rounds")
+        e["us"] = -1.0  # an old entry's mark
+    out.write_text(json.dumps(data))
+    argv = ["--dry-run", "--out", str(out), "--resume", "--repick", "--m-values", "128,512"]
+    assert tune_gemm.main([*argv, "--budget-s", "0"]) == 0
+    cut = json.loads(out.read_text())["entries"]
+    assert len(cut) == len(data["entries"])
+    assert sum("us_rounds" in e for e in cut) == 1
+    assert tune_gemm.main(argv) == 0
+    done = json.loads(out.read_text())["entries"]
+    assert {(e["m"], e["n"]) for e in done if "us_rounds" in e} == {
+        (m, n) for _, n, _ in tune_gemm.dry_run_setup().shapes for m in (128, 512)}
+    assert all(e["us"] == -1.0 for e in done if e["m"] == 1)  # outside --m-values: kept
+    with pytest.raises(SystemExit):
+        tune_gemm.main(["--dry-run", "--out", str(out), "--repick"])
+
+
 @pytest.mark.parametrize("m", [1, 512])
 def test_candidates_are_timed_as_each_policy_runs_them(m, monkeypatch):
     """The table's picks serve the M-dependent policies, which mask the rows of a part-empty
@@ -165,7 +236,13 @@ def test_candidates_are_timed_as_each_policy_runs_them(m, monkeypatch):
     assert {dataclasses.replace(c, mask_rows=False) for c in masked} == \
         {c for c in (other, *pool) if m < c.block_m}
     assert set(pool) <= set(timed)  # each pool config unmasked, as batch_invariant runs it
-    assert len(timed) == 1 + len(pool) + len({c for c in pool if m < c.block_m})
+    # then the finalists' rounds: each finalist as the M-dependent policies run it
+    first_pass = 1 + len(pool) + len({c for c in pool if m < c.block_m})
+    rounds = timed[first_pass:]
+    finalists = set(rounds)
+    assert len(rounds) == tune_gemm.FINALIST_REPEATS * len(finalists)
+    assert finalists == {tune_gemm.with_row_mask(c, m) for c in (other, *pool)
+                         if tune_gemm.with_row_mask(c, m) in finalists}
     assert entry["pool_us"] == [2.0] * len(pool)  # batch_invariant's times: never masked
     assert entry["us"] == (1.0 if m < other.block_m else 2.0)
     assert "mask_rows" not in entry["config"]  # the policy adds it; the table keeps the tile
