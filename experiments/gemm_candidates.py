@@ -99,9 +99,9 @@ TAIL_CANDIDATE_SUFFIX = "-tail"
 # DeepSeek-V3's q_a (N 1536, K 7168) at M 128 has 24 tiles of 128 x 64 (96 programs at the H100
 # pick's split 4, 0.83 of cuBLAS) and 16 of 128 x (64 + 32), 128 programs at split 8 (0.91);
 # at M 256, 128 x (64 + 32) at split 4 ran at 0.89 against the pick's 0.79
-# (probe-gemm-tail-h100.json). So at mid M every TMA-fed whole-tile twin is also split 2, 4 and 8
-# where the programs stay within two an SM; Qwen3-8B's qkv lost with tails there (0.80 at best
-# against the pick's 0.90-0.94), which the tuner's timing, not this list, decides.
+# (probe-gemm-tail-h100-run16.json). So at mid M every TMA-fed whole-tile twin is also split 2,
+# 4 and 8 where the programs stay within two an SM; Qwen3-8B's qkv lost with tails there (0.80
+# at best against the pick's 0.90-0.94), which the tuner's timing, not this list, decides.
 _MID_TAIL_SPLITS = (2, 4, 8)
 MID_TAIL_CANDIDATE_SUFFIX = "-tail-waves"
 

@@ -213,11 +213,12 @@ def _pool_choice(entries: list[dict], previous: GemmConfig | None = None) -> Gem
 
 
 # The sweep times each candidate once, and one capture's time can be far off the config's: on
-# the H100, DeepSeek-V3's q_a at M 256 picked a split-4 tail tile timed 14.3 us in the sweep,
-# which took 14.7, 16.0 and 17.7 us timed again in three rounds (probe-gemm-tail-h100.json and
-# bench_gemm: 17.6 us), while the runner-up held 14.8-15.2 us. The fastest few (and the fastest
-# few that keep K whole, batch_invariant_tuned's pool) are timed FINALIST_REPEATS more times,
-# interleaved, and each finalist's median is its time: a pick is one that is fast every time.
+# the H100, the seventeenth session's sweep timed DeepSeek-V3's q_a at M 256 with a split-4 tail
+# tile at 14.3 us (0.98 of cuBLAS) and picked it; probe_gemm_tail and bench_gemm then timed the
+# same config at 17.7 and 17.9 us, cuBLAS at 14.2 and 14.1 (probe-gemm-tail-h100.json,
+# kernels-h100-gemm-run14.json). The fastest few (and the fastest few that keep K whole,
+# batch_invariant_tuned's pool) are timed FINALIST_REPEATS more times, interleaved, and each
+# finalist's median is its time: a pick is one that is fast every time.
 FINALISTS = 4
 FINALISTS_NO_SPLIT = 2
 FINALIST_REPEATS = 2
