@@ -137,7 +137,7 @@ def loads_only_us(x: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, programs: i
 def replays_loads(cfg: GemmConfig, m: int) -> bool:
     """Whether ``_loads_only_kernel`` replays ``cfg``'s loads: TMA-fed, K not cut (no split or
     stream-K), and one row tile covering M (the kernel loads row tile 0 only)."""
-    return cfg.tma and cfg.split_k == 1 and not cfg.stream_k_programs and m <= cfg.block_m
+    return cfg.tma and cfg.keeps_k_whole and m <= cfg.block_m
 
 
 def fastest_whole_tile(variants: list[dict], m: int) -> tuple[dict, GemmConfig] | None:

@@ -224,17 +224,13 @@ FINALISTS_NO_SPLIT = 2
 FINALIST_REPEATS = 2
 
 
-def _keeps_k_whole(config: GemmConfig) -> bool:
-    return config.split_k == 1 and not config.stream_k_programs
-
-
 def _retime_finalists(setup: Setup, x, w, expected, m: int,
                       timed: dict[GemmConfig, float]) -> dict[GemmConfig, list[float]]:
     """The finalists of ``timed`` (the first pass) and their times: the first pass's and
     FINALIST_REPEATS more rounds'. The pick is the finalist of least median, never a candidate
     timed once. A finalist that fails a later round is dropped."""
     ranked = sorted(timed, key=timed.get)
-    whole = [c for c in ranked if _keeps_k_whole(c)]
+    whole = [c for c in ranked if c.keeps_k_whole]
     finalists = list(dict.fromkeys(ranked[:FINALISTS] + whole[:FINALISTS_NO_SPLIT]))
     samples = {c: [timed[c]] for c in finalists}
     for _ in range(FINALIST_REPEATS):
@@ -271,7 +267,7 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
     timed = {c: statistics.median(t) for c, t in samples.items()}
     # batch_invariant_tuned's entry: the fastest candidate that keeps K whole in one program
     # (stream-K cuts it too, where the programs' shares end).
-    no_split = {c: t for c, t in timed.items() if _keeps_k_whole(c)}
+    no_split = {c: t for c, t in timed.items() if c.keeps_k_whole}
     best = min(timed, key=timed.get)
     best_no_split = min(no_split, key=no_split.get) if no_split else None
     entry = {"m": m, "n": n, "k": k, "layer": label,

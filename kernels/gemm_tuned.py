@@ -106,6 +106,12 @@ class GemmConfig:
                              f"expected block_n_tail 0, got {self.block_n_tail}")
 
     @property
+    def keeps_k_whole(self) -> bool:
+        """A row's K summed in one program, neither split nor streamed: what
+        ``batch_invariant_tuned``'s no-split entries must be."""
+        return self.split_k == 1 and not self.stream_k_programs
+
+    @property
     def tile_n(self) -> int:
         """The columns of one output tile: block_n, and the tail's beside it."""
         return self.block_n + self.block_n_tail
@@ -186,12 +192,12 @@ def _parse_tuned_table(data: dict) -> TunedTable:
         # only have "config", which serves when it does not split K.
         if "no_split_config" in entry:
             fastest = GemmConfig.from_dict(entry["no_split_config"])
-            if fastest.split_k != 1 or fastest.stream_k_programs:
+            if not fastest.keeps_k_whole:
                 raise ValueError(f"no_split_config of ({m}, {key}) cuts K: split_k "
                                  f"{fastest.split_k}, stream_k_programs "
                                  f"{fastest.stream_k_programs}")
             no_split.setdefault(key, []).append((m, fastest))
-        elif config.split_k == 1 and not config.stream_k_programs:
+        elif config.keeps_k_whole:
             no_split.setdefault(key, []).append((m, config))
     bi = data.get("batch_invariant")
 
