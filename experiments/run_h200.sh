@@ -10,6 +10,8 @@
 #            as 512 wide columns and 64 narrow ones, two launches)
 #   probe-tail  experiments/probe_gemm_tail.py -> probe-gemm-tail-CARD.json (tail tiles, 128 + 64
 #            columns, at kv_a, q_a and Qwen3-8B's qkv beside the pick)
+#   probe-capture  experiments/probe_capture_spread.py -> probe-capture-spread-CARD.json (a pick's
+#            and cuBLAS's time over several graph captures, same and fresh operands)
 #   launch   experiments/bench_launch_cost.py -> launch-cost-h200.json (host us per op, GPU us beside)
 #   logits   experiments/bench_logits_processing.py -> logits-processing-CARD.json (batched vs row by row)
 #   models   experiments/bench_models.py -> models-h200.json; MODELS_ARGS adds flags (e.g. --decode-batch 128 --name ...)
@@ -124,6 +126,7 @@ for stage in "$@"; do
     probe-gemm) run probe-gemm ${PROBE_LIMIT:-120} python3 -m experiments.probe_gemm_m1 ;;
     probe-narrow-n) run probe-narrow-n ${PROBE_LIMIT:-150} python3 -m experiments.probe_gemm_narrow_n ;;
     probe-tail) run probe-tail ${PROBE_LIMIT:-150} python3 -m experiments.probe_gemm_tail ;;
+    probe-capture) run probe-capture ${PROBE_LIMIT:-150} python3 -m experiments.probe_capture_spread ;;
     launch)  run launch ${LAUNCH_LIMIT:-120} python3 -m experiments.bench_launch_cost ;;
     logits)  run logits ${LOGITS_LIMIT:-90} python3 -m experiments.bench_logits_processing \
                  --device cuda --name logits-processing-$CARD ;;
