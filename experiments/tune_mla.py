@@ -12,6 +12,9 @@ result rejects the candidate at that shape), and picks:
   geometric-mean time over the tuned batches (the policy never reads B); the split count stays
   ceil(len / split_size).
 - ``decode_default``: the fastest tile per (batch, context); splits from the default heuristic.
+  Picked at one point, with no geometric mean to damp a lucky timing, so its ``DEFAULT_FINALISTS``
+  fastest tiles are timed ``FINALIST_REPEATS`` more times, interleaved, and ranked by median
+  (the entry keeps the pick's rounds, ``us_rounds``).
 - ``prefill``: one tile for every length and mode, the lowest geometric mean over the lengths.
 
 Decode candidates (``python -m experiments.ptxas_report mla-decode`` compiles each for sm_90a
@@ -168,14 +171,35 @@ def _geomean_best(times: dict[MLATile, list[float]], points: int) -> MLATile | N
     return min(full, key=lambda t: sum(math.log(x) for x in full[t]))
 
 
-def _decode_point(sweep: Sweep, batch: int, ctx: int) -> dict[tuple[str, int], dict]:
-    """Times of every candidate at one (batch, ctx) for each split policy: {(kind, split): {tile:
-    us}}."""
+# decode_default's finalists: a pick is fast in at least two of its three timings, not once
+DEFAULT_FINALISTS = 3
+FINALIST_REPEATS = 2
+
+
+def _retime_finalists(timed: dict[MLATile, float],
+                      time_tile: Callable[[MLATile], float | None]) -> dict[MLATile, list[float]]:
+    """The ``DEFAULT_FINALISTS`` fastest of ``timed`` (one pass) with FINALIST_REPEATS more
+    rounds each, interleaved; a finalist that fails a later round is dropped."""
+    finalists = sorted(timed, key=timed.get)[:DEFAULT_FINALISTS]
+    samples = {tile: [timed[tile]] for tile in finalists}
+    for _ in range(FINALIST_REPEATS):
+        for tile in finalists:
+            samples[tile].append(time_tile(tile))
+    return {tile: us for tile, us in samples.items() if None not in us}
+
+
+def _decode_point(sweep: Sweep, batch: int, ctx: int
+                  ) -> tuple[dict[int, dict[MLATile, float]], dict[MLATile, float],
+                             dict[MLATile, list[float]]]:
+    """Every candidate timed at one (batch, ctx): decode_fixed's times per split ({split: {tile:
+    us}}), decode_default's first pass ({tile: us}) and its finalists' rounds ({tile: [us]})."""
     dims = sweep.dims
     x = bench_mla.decode_inputs(dims, [ctx] * batch, ctx, seed=batch * 100003 + ctx)
     policies = [("decode_fixed", Mode.CORUN, s) for s in sweep.fixed_splits]
     policies.append(("decode_default", Mode.DEFAULT, sweep.fixed_splits[0]))
-    result = {}
+    fixed: dict[int, dict[MLATile, float]] = {}
+    default: dict[MLATile, float] = {}
+    rounds: dict[MLATile, list[float]] = {}
     for kind, mode, split in policies:
 
         def run(tile: MLATile, mode=mode, split=split):
@@ -183,19 +207,33 @@ def _decode_point(sweep: Sweep, batch: int, ctx: int) -> dict[tuple[str, int], d
                               split_size=split, tile=tile)  # fmt: skip
 
         expected = run(LITERAL_DECODE)
+
+        def time_tile(tile: MLATile, kind=kind, run=run, expected=expected) -> float | None:
+            return _time_candidate(lambda: run(tile), expected, f"{kind} {tile}", sweep.bench)
+
         timed = {}
         for tile in sweep.decode_candidates:
-            us = _time_candidate(lambda t=tile: run(t), expected, f"{kind} {tile}", sweep.bench)
+            us = time_tile(tile)
             if us is not None:
                 timed[tile] = us
-        result[(kind, split)] = timed
-        best = min(timed, key=timed.get) if timed else None
+        if kind == "decode_fixed":
+            fixed[split] = timed
+            best = min(timed, key=timed.get) if timed else None
+        else:
+            default = timed
+            rounds = _retime_finalists(timed, time_tile) if timed else {}
+            best = _median_best(rounds)
         base = timed.get(LITERAL_DECODE)
         if best is not None:
+            best_us = statistics.median(rounds[best]) if kind == "decode_default" else timed[best]
             print(f"  {kind:14s} split {split:5d} B={batch:4d} ctx={ctx:6d} best "
-                  f"{timed[best]:9.1f} us  literal {base or float('nan'):9.1f} us  {best}",
+                  f"{best_us:9.1f} us  literal {base or float('nan'):9.1f} us  {best}",
                   flush=True)  # fmt: skip
-    return result
+    return fixed, default, rounds
+
+
+def _median_best(rounds: dict[MLATile, list[float]]) -> MLATile | None:
+    return min(rounds, key=lambda tile: statistics.median(rounds[tile]), default=None)
 
 
 def tune_decode(sweep: Sweep, deadline: float) -> tuple[list[dict], bool]:
@@ -211,19 +249,20 @@ def tune_decode(sweep: Sweep, deadline: float) -> tuple[list[dict], bool]:
             if time.monotonic() > deadline:
                 complete = False
                 break
-            point = _decode_point(sweep, batch, ctx)
+            point_fixed, default, rounds = _decode_point(sweep, batch, ctx)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # the point's multi-GB cache is garbage now
             done += 1
-            for (kind, split), timed in point.items():
-                if kind == "decode_fixed":
-                    for tile, us in timed.items():
-                        fixed[split].setdefault(tile, []).append(us)
-                elif timed:
-                    best = min(timed, key=timed.get)
-                    entries.append({**base, "kind": kind, "batch": batch, "ctx": ctx,
-                                    "config": best.to_dict(), "us": round(timed[best], 3),
-                                    "literal_us": _round(timed.get(LITERAL_DECODE))})  # fmt: skip
+            for split, timed in point_fixed.items():
+                for tile, us in timed.items():
+                    fixed[split].setdefault(tile, []).append(us)
+            best = _median_best(rounds)
+            if best is not None:
+                entries.append({**base, "kind": "decode_default", "batch": batch, "ctx": ctx,
+                                "config": best.to_dict(),
+                                "us": round(statistics.median(rounds[best]), 3),
+                                "us_rounds": _rounds(rounds[best]),
+                                "literal_us": _round(default.get(LITERAL_DECODE))})  # fmt: skip
         for split, times in fixed.items():
             best = _geomean_best(times, done)
             if best is None:
