@@ -14,7 +14,8 @@ with an HTTP 400 whose body names the field. Rules every request model follows:
   ``"<field>: not supported"`` unless it holds its neutral value (``UNSUPPORTED_FIELDS``); other
   unknown fields are ignored, as vLLM and OpenAI ignore them.
 
-Response models are in ``corun.api.response_models``.
+The shared base model and bounds are in ``corun.api.request_base``, ``response_format`` in
+``corun.api.response_format``, and response models in ``corun.api.response_models``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     PrivateAttr,
@@ -35,72 +34,26 @@ from pydantic import (
 )
 
 from corun.api import unsupported
+from corun.api.request_base import (
+    MAX_INT32,
+    MAX_INT64,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MIN_SEED,
+    MIN_TOP_P,
+    StrictRequest,
+    Text,
+    check_json_strings,
+)
+from corun.api.response_format import STRUCTURED_FIELDS, ResponseFormat
 from corun.structured_output import StructuredOutput
 
-# OpenAI caps top_logprobs at 20; vLLM's default max_logprobs is 20 too.
-MAX_LOGPROBS = 20
-# Beyond this, n is a denial-of-service knob more than a sampling parameter.
-MAX_N = 128
-# The engine's Philox keys are 64-bit unsigned; a drawn seed can be >= 2**63 and must replay.
-# Negative seeds down to int64's are taken as vLLM takes them (corun.sampling_params.MIN_SEED).
-MAX_SEED = 2**64 - 1
-MIN_SEED = -(2**63)
-# The sampler holds top_k in an int32 tensor; token counts are int32 on the device too.
-MAX_INT32 = 2**31 - 1
-MAX_INT64 = 2**63 - 1
-# top_p is an fp32 on the device: a smaller positive value rounds to 0, outside (0, 1].
-MIN_TOP_P = 2.0**-126
-# Every stop string is matched and every stop id checked at every step of the request, on the
-# engine thread that all requests share: bound the lists (OpenAI allows 4 stop strings).
-MAX_STOP_STRINGS = 64
-MAX_STOP_TOKEN_IDS = 1024
-# OpenAI accepts up to 300 logit_bias entries; each costs a write per sampled token.
-MAX_LOGIT_BIAS = 1024
 
-
-def _valid_unicode(text: str) -> str:
-    """Reject lone surrogates: they are not Unicode scalar values, so no UTF-8 exists for them."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        bad = text[exc.start]
-        raise ValueError(
-            f"invalid Unicode: lone surrogate {bad!r} at index {exc.start} (send valid UTF-8)"
-        ) from None
-    return text
-
-
-# Every string of a request is a Text.
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-
-
-def _check_json_strings(value: Any) -> Any:
-    """Every string (keys included) of a free-form JSON value is valid Unicode."""
-    if isinstance(value, str):
-        _valid_unicode(value)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_json_strings(key)
-            _check_json_strings(item)
-    elif isinstance(value, list):
-        for item in value:
-            _check_json_strings(item)
-    return value
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        # An explicit null takes the field's default, exactly as if the field were absent.
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
-
-
-class StreamOptions(_Request):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
     # vLLM: usage on every chunk, not only on the final one.
     continuous_usage_stats: bool = False
@@ -141,74 +94,7 @@ StopStrings = Annotated[
 ]
 
 
-# -- structured output ------------------------------------------------------------------------
-
-
-class TextFormat(_Request):
-    type: Literal["text"]
-
-
-class JsonObjectFormat(_Request):
-    type: Literal["json_object"]
-
-
-class JsonSchema(_Request):
-    """OpenAI's ``response_format.json_schema``; the output matches ``schema`` whether or not
-    ``strict`` is set (there is no best-effort mode)."""
-
-    name: Text
-    description: Text | None = None
-    # "schema" would shadow BaseModel.schema.
-    schema_: Annotated[dict[str, Any], AfterValidator(_check_json_strings)] = Field(alias="schema")
-    strict: bool | None = None
-
-    @model_validator(mode="after")
-    def _compiles(self) -> JsonSchema:
-        self.structured  # noqa: B018 - an unsupported schema is a 400 here, naming the field
-        return self
-
-    @property
-    def structured(self) -> StructuredOutput:
-        return StructuredOutput.from_schema(self.schema_, field="response_format.json_schema")
-
-
-class JsonSchemaFormat(_Request):
-    type: Literal["json_schema"]
-    json_schema: JsonSchema
-
-
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
-
-
-class OtherFormat(_Request):
-    """A ``response_format`` of another type: refused by name."""
-
-    type: Any
-
-    @field_validator("type")
-    @classmethod
-    def _refuse(cls, kind: Any) -> Any:
-        allowed = ", ".join(repr(t) for t in RESPONSE_FORMAT_TYPES)
-        raise ValueError(f"not supported (only {allowed}; got {kind!r})")
-
-
-def _format_kind(value: Any) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"{kind}-format".replace("_", "-") if kind in RESPONSE_FORMAT_TYPES else "other-format"
-
-
-ResponseFormat = Annotated[
-    Annotated[TextFormat, Tag("text-format")]
-    | Annotated[JsonObjectFormat, Tag("json-object-format")]
-    | Annotated[JsonSchemaFormat, Tag("json-schema-format")]
-    | Annotated[OtherFormat, Tag("other-format")],
-    Discriminator(_format_kind),
-]
-# Per-request structured output: OpenAI's response_format and vLLM's guided_* fields.
-STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
-
-
-class _SamplingFields(_Request):
+class _SamplingFields(StrictRequest):
     """The sampling fields both endpoints share (OpenAI's plus vLLM's ``top_k`` etc.)."""
 
     model: Text | None = None
@@ -249,7 +135,7 @@ class _SamplingFields(_Request):
     response_format: ResponseFormat | None = None
     # vLLM: a JSON schema (an object, or its JSON text), a regex matched in full, or a list of
     # strings the output is exactly one of.
-    guided_json: Annotated[dict[str, Any], AfterValidator(_check_json_strings)] | Text | None = None
+    guided_json: Annotated[dict[str, Any], AfterValidator(check_json_strings)] | Text | None = None
     guided_regex: Text | None = None
     guided_choice: list[Annotated[Text, Field(min_length=1)]] | None = Field(default=None,
                                                                              min_length=1)
@@ -379,12 +265,12 @@ class CompletionRequest(
         return list(self.prompt)
 
 
-class TextContent(_Request):
+class TextContent(StrictRequest):
     type: Literal["text", "input_text", "output_text"]
     text: Text
 
 
-class OtherContent(_Request):
+class OtherContent(StrictRequest):
     """A content part of another type (image_url, input_audio, file, ...): refused by name."""
 
     type: Text
@@ -414,7 +300,7 @@ Content = Annotated[
 ]
 
 
-class ChatMessage(unsupported.refusing(unsupported.MESSAGE, _Request, "_MessageFields")):
+class ChatMessage(unsupported.refusing(unsupported.MESSAGE, StrictRequest, "_MessageFields")):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
     name: Text | None = None
@@ -461,13 +347,13 @@ def _check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | No
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise ValueError(f"{reserved[0]!r} is set by the server and cannot be overridden")
-    return _check_json_strings(kwargs)
+    return check_json_strings(kwargs)
 
 
 TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_check_template_kwargs)]
 
 
-class _ChatFields(_Request):
+class _ChatFields(StrictRequest):
     """What renders a conversation: shared by chat completions and ``/tokenize``."""
 
     add_generation_prompt: bool = True
@@ -548,6 +434,6 @@ class TokenizeRequest(unsupported.refusing(unsupported.TOKENIZE, _ChatFields, "_
         return self.messages is None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(StrictRequest):
     model: Text | None = None
     tokens: TokenIds
