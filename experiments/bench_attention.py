@@ -62,8 +62,8 @@ from kernels.attention import (
     decode_launch_grids,
     decode_preloaded_pages,
     prefill_attention,
-    store_kv,
 )
+from kernels.kv_store import store_kv
 from kernels.mode import Mode
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B

@@ -91,8 +91,9 @@ def stubbed_kernels() -> Iterator[None]:
 def _op_calls(device: str) -> dict[str, Callable[[], object]]:
     """One zero-argument call per (op, shape), its tensors built once on ``device``."""
     from kernels.activation import silu_mul
-    from kernels.attention import decode_attention, prefill_attention, store_kv
+    from kernels.attention import decode_attention, prefill_attention
     from kernels.gemm import gemm
+    from kernels.kv_store import store_kv
     from kernels.logits_digest import logits_digest
     from kernels.mla import mla_decode, mla_prefill_attention, store_mla_kv
     from kernels.moe import fused_moe

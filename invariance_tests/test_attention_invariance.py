@@ -19,8 +19,8 @@ from kernels.attention import (
     decode_attention,
     decode_attention_config,
     prefill_attention,
-    store_kv,
 )
+from kernels.kv_store import store_kv
 from kernels.mode import Mode
 from tests.utils import assert_bitwise_equal
 

@@ -19,7 +19,7 @@ _EXPORTS = {
     "silu_mul": "kernels.activation",
     "sample": "kernels.sampling",
     "token_logprobs": "kernels.sampling",
-    "store_kv": "kernels.attention",
+    "store_kv": "kernels.kv_store",
     "prefill_attention": "kernels.attention",
     "decode_attention": "kernels.attention",
     "store_mla_kv": "kernels.mla",

@@ -1,5 +1,6 @@
-"""Paged attention: ``store_kv``, causal (chunked) ``prefill_attention`` and split-KV
-``decode_attention``, with their configs and per-mode policies. Kernels: ``attention_kernels.py``.
+"""Paged attention: causal (chunked) ``prefill_attention`` and split-KV ``decode_attention``, with
+their configs and per-mode policies. Kernels: ``attention_kernels.py``; the KV write that fills
+the caches they read, ``store_kv``: ``kv_store.py``.
 
 Layouts: K/V caches [num_blocks, block_size, num_kv_heads, head_dim] (block_size a power of 2
 >= 8), per-sequence int32 block-table rows, GQA with num_q_heads a multiple of num_kv_heads,
@@ -49,8 +50,8 @@ from kernels.attention_kernels import (
     _decode_combine_kernel,
     _decode_split_kernel,
     _prefill_attention_kernel,
-    _store_kv_kernel,
 )
+from kernels.kv_store import check_caches, is_pow2
 from kernels.mode import Mode
 from kernels.utils import (
     FLOAT_DTYPES,
@@ -86,55 +87,9 @@ DECODE_MAX_SPLITS_DEFAULT = 64
 DECODE_COMBINE_BLOCK_S = 32
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     # Upcast bf16 tiles (interpreter only) are fp32 operands and take the fp32 setting too.
     return "ieee" if upcast_dot_operands(dtype) else dot_precision(dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# store_kv
-# ----------------------------------------------------------------------------------------------
-
-
-def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write k, v [T, Hkv, D] into the paged caches at flat slots (block * block_size + offset).
-
-    Slot -1 skips the token (padded decode slots). A pure copy: bitwise, in every mode.
-    """
-    check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    check_tensor("v", v, ndim=3, dtypes=(k.dtype,), last_dim_contiguous=True)
-    check_shape("v", v, k.shape)
-    _check_caches(k_cache, v_cache, k.dtype)
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32),
-                 contiguous=True)
-    check_shape("slot_mapping", slot_mapping, (k.shape[0],))
-    check_shape("k", k, (-1, k_cache.shape[2], k_cache.shape[3]))
-    check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if is_host_checkable(slot_mapping) and slot_mapping.numel():
-        if int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < -1:
-            raise ValueError(f"slot_mapping: slots must lie in [-1, {num_slots}), got "
-                             f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
-    num_tokens, num_kv_heads, head_dim = k.shape
-    if num_tokens == 0:
-        return
-    _store_kv_kernel[(num_tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping,
-        head_dim, k_cache.shape[1],
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_D=next_power_of_2(head_dim),
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,23 +97,11 @@ def store_kv(
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> None:
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=(dtype,), last_dim_contiguous=True)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=(dtype,), last_dim_contiguous=True)
-    check_shape("v_cache", v_cache, k_cache.shape)
-    if v_cache.stride() != k_cache.stride():
-        # The kernels address both caches with one set of strides.
-        raise ValueError(f"v_cache: expected the strides of k_cache {k_cache.stride()}, "
-                         f"got {v_cache.stride()}")
-    if not _is_pow2(k_cache.shape[1]) or k_cache.shape[1] < 8:
-        raise ValueError(f"k_cache: block_size must be a power of 2 >= 8, got {k_cache.shape[1]}")
-
-
 def _check_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
 ) -> None:
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    _check_caches(k_cache, v_cache, q.dtype)
+    check_caches(k_cache, v_cache, q.dtype)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
@@ -166,7 +109,7 @@ def _check_paged_attention(
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q: num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
                          f"{num_kv_heads}")
-    if not _is_pow2(head_dim) or not 16 <= head_dim <= 256:
+    if not is_pow2(head_dim) or not 16 <= head_dim <= 256:
         raise ValueError(f"q: head_dim must be a power of 2 in [16, 256], got {head_dim}")
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
     if block_tables.stride(1) != 1:

@@ -1,4 +1,4 @@
-"""Triton kernels of paged attention: KV store, causal prefill, split-KV decode and its combine.
+"""Triton kernels of paged attention: causal prefill, split-KV decode and its combine.
 
 The launchers, configs and policies live in ``kernels/attention.py``; this file holds only the
 ``@triton.jit`` code. Layouts: q [T or B, Hq, D]; K/V caches [num_blocks, block_size, Hkv, D];
@@ -23,35 +23,6 @@ import triton.language as tl
 
 # exp2-based softmax: fold log2(e) into the scale once.
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _store_kv_kernel(
-    # pointers
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    # sizes
-    head_dim, block_size,
-    # strides
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_co, stride_ch,
-    # constexprs
-    BLOCK_D: tl.constexpr,
-):
-    """One program per (token, kv head): copy one head row of k and v into its cache slot."""
-    pid_t = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    slot = tl.load(slot_mapping_ptr + pid_t).to(tl.int64)
-    if slot < 0:  # padded decode slot: nothing to write
-        return
-    block = slot // block_size
-    offset = slot % block_size
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = offs_d < head_dim
-    k = tl.load(k_ptr + pid_t * stride_kt + pid_h * stride_kh + offs_d, mask=mask)
-    v = tl.load(v_ptr + pid_t * stride_vt + pid_h * stride_vh + offs_d, mask=mask)
-    dst = block * stride_cb + offset * stride_co + pid_h * stride_ch + offs_d
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 @triton.jit

@@ -164,7 +164,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor, ops: OpsConfig) -> None:
     """Write k, v [T, Hkv, D] into the paged caches at ``slot_mapping`` (-1 = skip)."""
     if ops.backend == "triton":
-        from kernels.attention import store_kv as store_kv_kernel
+        from kernels.kv_store import store_kv as store_kv_kernel
 
         return store_kv_kernel(k, v, k_cache, v_cache, slot_mapping)
     _write_slots(k_cache, k, slot_mapping)

@@ -22,8 +22,8 @@ from kernels.attention import (
     decode_preloaded_pages,
     prefill_attention,
     prefill_attention_config,
-    store_kv,
 )
+from kernels.kv_store import store_kv
 from kernels.mode import Mode
 from kernels.reference import (
     decode_attention_reference,

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import PrefillAttentionConfig, decode_attention, prefill_attention, store_kv
+from kernels.attention import PrefillAttentionConfig, decode_attention, prefill_attention
 from kernels.gemm import gemm
+from kernels.kv_store import store_kv
 from kernels.mla import mla_decode, store_mla_kv
 from kernels.rope import build_rope_cache, rope
 from kernels.sampling import sample, sampling_uniform
