@@ -1,7 +1,7 @@
 """Whether a GEMM config's time depends on the graph capture or the operands' addresses.
 
 Between two H100 runs of the GEMM family, DeepSeek-V3's shared down at M 128 went from 8.90 to
-11.07 us with its config unchanged while cuBLAS moved 3% (kernels-h100.json run13 against
+11.07 us with its config unchanged while cuBLAS moved 3% (kernels-h100-gemm-run13.json against
 kernels-h100-gemm-run14.json), and q_a at M 256 was 14.29 us in the tuner and 17.65 in the
 benchmark. ``bench_us`` captures one graph per point, so a time that depends on the capture, or
 on where the allocator put the operands, rides into every row. This times each point's pick and

@@ -1,6 +1,7 @@
 """README views of the GEMM tuning runs and probes written as results files: a ``tune_gemm`` run
 into a file of its own (``tune-gemm-*``, beside an earlier candidate set's run), and the
-``probe_gemm_*`` probes (mid M, kv_a's narrow columns, tail tiles). Looked up by
+``probe_gemm_*`` probes (mid M, kv_a's narrow columns, tail tiles) and the capture-spread probe.
+Looked up by
 ``experiments.report`` through ``experiments.report_kernels.VIEWS``."""
 
 from __future__ import annotations
@@ -169,6 +170,30 @@ def probe_gemm_tail_block(head: dict, records: list[dict], *, name: str) -> str:
               "configs that did not run"]
     return _source(head, name) + "\n\n" + _table(header, rows)
 
+def probe_capture_spread_block(head: dict, records: list[dict], *, name: str) -> str:
+    """experiments/probe_capture_spread.py: per point and condition (same operands each capture,
+    fresh ones each capture), the pick's and cuBLAS's median time over the captures with their
+    extremes and max / min, and the median of the per-capture ratios."""
+    from kernels.gemm import GemmConfig
+
+    def times(series: dict) -> str:
+        return (f"{_fmt(series['median_us'])} ({_fmt(series['min_us'])}-"
+                f"{_fmt(series['max_us'])}), {_fmt(series['max_over_min'], 3)}")
+
+    rows = []
+    for r in records:
+        for condition in ("same_operands", "fresh_operands"):
+            c = r[condition]
+            rows.append([r["layer"], r["M"], GemmConfig.from_dict(r["pick"]).label,
+                         condition.replace("_", " "), times(c["ours"]), times(c["cublas"]),
+                         _fmt(c["ratio_median"])])
+    header = ["layer", "M", "the pick", "operands", "pick: median (min-max) us, max / min",
+              "cuBLAS: median (min-max) us, max / min", "of cuBLAS's speed (median)"]
+    rounds = records[0]["rounds"] if records else 0
+    return (_source(head, name) + f"\n\n{rounds} graph captures per condition, the pick and "
+            "cuBLAS interleaved.\n\n" + _table(header, rows))
+
+
 GEMM_VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "tune-gemm-deepseek-large-m-h100": tuned_gemm_block(
         "tune-gemm-deepseek-large-m-h100", "tune-gemm-deepseek-large-m-h100-before"),
@@ -183,4 +208,7 @@ GEMM_VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
        for name in ("probe-gemm-narrow-n-h100", "probe-gemm-narrow-n-h200")},
     **{name: functools.partial(probe_gemm_tail_block, name=name)
        for name in ("probe-gemm-tail-h100", "probe-gemm-tail-h200")},
+    **{name: functools.partial(probe_capture_spread_block, name=name)
+       for name in ("probe-capture-spread-h100", "probe-capture-spread-h100-before-repick",
+                    "probe-capture-spread-h200")},
 }

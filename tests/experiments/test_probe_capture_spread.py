@@ -16,3 +16,23 @@ def test_spread_reads_median_extremes_and_their_ratio():
 def test_a_steady_series_has_ratio_one():
     assert spread([14.17] * ROUNDS)["max_over_min"] == 1.0
 
+
+
+def test_the_readme_view_shows_each_condition_with_its_spread():
+    from experiments.report_gemm import probe_capture_spread_block
+
+    def series(times: list[float]) -> dict:
+        return {"ours": spread(times), "cublas": spread([8.0, 8.1]), "ratio_median": 0.85}
+
+    record = {"layer": "deepseek-v3.shared.down", "M": 128, "rounds": 2,
+              "pick": {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4,
+                       "num_stages": 4, "tma": True},
+              "same_operands": series([8.9, 8.9]), "fresh_operands": series([8.9, 11.5])}
+    head = {"machine": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6",
+            "date": "2026-12-07", "command": "python -m experiments.probe_capture_spread"}
+    text = probe_capture_spread_block(head, [record], name="probe-capture-spread-h100")
+    rows = [line for line in text.splitlines() if line.startswith("| deepseek")]
+    assert [row.split(" | ")[3] for row in rows] == ["same operands", "fresh operands"]
+    assert "8.90 (8.90-8.90), 1.000" in rows[0]
+    assert "10.20 (8.90-11.50), 1.292" in rows[1]
+    assert "2 graph captures per condition" in text
