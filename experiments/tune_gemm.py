@@ -5,8 +5,9 @@ each model in ``TUNED_MODELS``, LM heads included) and M in ``M_VALUES`` it time
 candidate set (``experiments.gemm_candidates.candidates``: M-range tiles, with split-K variants
 where the tiles alone leave SMs idle; fixed pools so the number of compiled kernels stays small),
 keeps the median-fastest config that also matches cuBLAS numerically (the fastest few of one
-pass are timed twice more and ranked by their medians: ``FINALISTS``), and records cuBLAS's time
-beside it, and the fastest candidate without split-K (``no_split_config``: what the
+pass are timed twice more, each time on fresh copies of the operands, and ranked by their
+medians: ``FINALISTS``), and records cuBLAS's time beside it (the median of the same three
+placements), and the fastest candidate without split-K (``no_split_config``: what the
 ``batch_invariant_tuned`` policy runs at that point). The portable batch-invariant baseline gets
 ONE config: the member of ``BATCH_INVARIANT_POOL`` with the lowest geometric-mean time over the
 points of ``POOL_MODEL`` (the whole pool is timed at each of them).
@@ -224,19 +225,28 @@ FINALISTS_NO_SPLIT = 2
 FINALIST_REPEATS = 2
 
 
-def _retime_finalists(setup: Setup, x, w, expected, m: int,
-                      timed: dict[GemmConfig, float]) -> dict[GemmConfig, list[float]]:
+def _retime_finalists(setup: Setup, x, w, expected, m: int, timed: dict[GemmConfig, float],
+                      cublas_us: float) -> tuple[dict[GemmConfig, list[float]], list[float]]:
     """The finalists of ``timed`` (the first pass) and their times: the first pass's and
-    FINALIST_REPEATS more rounds'. The pick is the finalist of least median, never a candidate
-    timed once. A finalist that fails a later round is dropped."""
+    FINALIST_REPEATS more rounds'; and cuBLAS's time in each round. The pick is the finalist of
+    least median, never a candidate timed once. A finalist that fails a later round is dropped.
+
+    Each later round runs on fresh copies of x and w, allocated while the earlier rounds' are
+    alive, so the three timings see three placements: over six placements DeepSeek-V3's shared
+    down at M 128 took 8.88-11.49 us with one config, cuBLAS 8.00-8.18
+    (probe-capture-spread-h100.json), and the same operands recaptured moved 1.02x at most."""
     ranked = sorted(timed, key=timed.get)
     whole = [c for c in ranked if c.keeps_k_whole]
     finalists = list(dict.fromkeys(ranked[:FINALISTS] + whole[:FINALISTS_NO_SPLIT]))
     samples = {c: [timed[c]] for c in finalists}
+    placements, cublas_rounds = [(x, w)], [cublas_us]
     for _ in range(FINALIST_REPEATS):
+        x, w = x.clone(), w.clone()
+        placements.append((x, w))
+        cublas_rounds.append(setup.bench(lambda x=x, w=w: torch.nn.functional.linear(x, w)))
         for config in finalists:
             samples[config].append(_time_config(setup, x, w, expected, with_row_mask(config, m)))
-    return {c: t for c, t in samples.items() if None not in t}
+    return {c: t for c, t in samples.items() if None not in t}, cublas_rounds
 
 
 def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tensor) -> dict | None:
@@ -260,7 +270,8 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
         print(f"  {label} M={m}: no candidate ran", file=sys.stderr)
         return None
     first_pass = timed
-    samples = _retime_finalists(setup, x, w, expected, m, first_pass)
+    samples, cublas_rounds = _retime_finalists(setup, x, w, expected, m, first_pass, cublas_us)
+    cublas_us = statistics.median(cublas_rounds)
     if not samples:
         print(f"  {label} M={m}: no finalist ran in every round", file=sys.stderr)
         return None
@@ -282,6 +293,7 @@ def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tenso
              # the pick's every timing (first pass, then the rounds): how steady it was
              "us_rounds": [round(t, 3) for t in samples[best]],
              "cublas_us": round(cublas_us, 3),
+             "cublas_us_rounds": [round(t, 3) for t in cublas_rounds],
              "ratio_vs_cublas": round(cublas_us / timed[best], 4),
              "candidates": len(first_pass), "candidate_set": candidate_set(m, n)}
     if with_pool and all(pool_timed.get(c) is not None for c in BATCH_INVARIANT_POOL):

@@ -514,3 +514,34 @@ def test_mid_m_tail_tiles_with_their_wave_splits_where_256_divides_n_too():
     entry = {"m": 128, "n": 1536, "candidate_set": gemm_candidates.MID_M_CANDIDATE_SET}
     assert tune_gemm._needs_retune(entry, {128})
     assert not tune_gemm._needs_retune({**entry, "n": 4096}, {128})
+
+
+def test_each_finalists_round_runs_on_fresh_operands_and_cublas_beside_it(monkeypatch):
+    """A config's time moves with where its operands lie (probe-capture-spread-h100.json), so
+    each later round times the finalists on fresh copies of x and w, and cuBLAS on the same
+    copies: the entry's cuBLAS time is the median of the same three placements."""
+    setup = dataclasses.replace(tune_gemm.dry_run_setup(), max_candidates=None)
+    config = GemmConfig(16, 16, 16)
+    monkeypatch.setattr(tune_gemm, "candidates", lambda m, n, k, with_pool=True: [config])
+    seen = []
+
+    def time_config(setup, x, w, expected, config):
+        seen.append((x.data_ptr(), w.data_ptr(), x.clone(), w.clone()))
+        return 1.0 + len(seen)
+
+    cublas = iter([7.0, 5.0, 6.0])
+
+    def bench(self, fn):  # only cuBLAS goes through Setup.bench here
+        fn()
+        return next(cublas)
+
+    monkeypatch.setattr(tune_gemm, "_time_config", time_config)
+    monkeypatch.setattr(tune_gemm.Setup, "bench", bench)
+    w = torch.randn(48, 64)
+    entry = tune_gemm._tune_point(setup, "tiny", 8, 48, 64, w)
+    assert len(seen) == 1 + tune_gemm.FINALIST_REPEATS
+    assert len({(x_ptr, w_ptr) for x_ptr, w_ptr, _, _ in seen}) == len(seen)  # three placements
+    assert all(torch.equal(x, seen[0][2]) and torch.equal(w_copy, w) for _, _, x, w_copy in seen)
+    assert entry["us_rounds"] == [2.0, 3.0, 4.0] and entry["us"] == 3.0
+    assert entry["cublas_us_rounds"] == [7.0, 5.0, 6.0] and entry["cublas_us"] == 6.0
+    assert entry["ratio_vs_cublas"] == 2.0
