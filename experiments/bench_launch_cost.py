@@ -93,9 +93,9 @@ def _op_calls(device: str) -> dict[str, Callable[[], object]]:
     from kernels.activation import silu_mul
     from kernels.attention import decode_attention, prefill_attention
     from kernels.gemm import gemm
-    from kernels.kv_store import store_kv
+    from kernels.kv_store import store_kv, store_mla_kv
     from kernels.logits_digest import logits_digest
-    from kernels.mla import mla_decode, mla_prefill_attention, store_mla_kv
+    from kernels.mla import mla_decode, mla_prefill_attention
     from kernels.moe import fused_moe
     from kernels.moe_align import moe_align
     from kernels.moe_routing import grouped_topk, softmax_topk

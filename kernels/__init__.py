@@ -22,7 +22,7 @@ _EXPORTS = {
     "store_kv": "kernels.kv_store",
     "prefill_attention": "kernels.attention",
     "decode_attention": "kernels.attention",
-    "store_mla_kv": "kernels.mla",
+    "store_mla_kv": "kernels.kv_store",
     "mla_decode": "kernels.mla",
     "mla_prefill_attention": "kernels.mla",
     "softmax_topk": "kernels.moe_routing",

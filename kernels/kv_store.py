@@ -1,9 +1,12 @@
-"""``store_kv``: the paged KV cache write that prefill and decode attention read from, its Triton
-kernel and the cache checks both share.
+"""The paged cache writes, each a Triton kernel and its launcher: ``store_kv`` fills the K/V caches
+that prefill and decode attention read (with the cache checks attention shares), ``store_mla_kv``
+the MLA latent cache that ``kernels.mla`` reads.
 
-Layout: K/V caches [num_blocks, block_size, num_kv_heads, head_dim], block_size a power of 2 >= 8;
-a token's flat slot is block * block_size + offset. The write is a copy, so its bits are the
-input's in every mode (reference: ``kernels.reference.store_kv_reference``).
+Layouts: K/V caches [num_blocks, block_size, num_kv_heads, head_dim], block_size a power of 2
+>= 8; the MLA cache [num_blocks, block_size, latent_dim + rope_dim]. A token's flat slot is
+block * block_size + offset; slot -1 (a padded token) is skipped. Each write is a copy, so its
+bits are the input's in every mode (references: ``kernels.reference.store_kv_reference``,
+``store_mla_kv_reference``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import triton.language as tl
 
 from kernels.utils import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     check_same_device,
     check_shape,
     check_tensor,
@@ -50,6 +54,43 @@ def _store_kv_kernel(
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
+
+
+@triton.jit
+def _store_mla_kv_kernel(
+    # pointers
+    latent_ptr,
+    k_pe_ptr,
+    kv_cache_ptr,
+    slot_mapping_ptr,
+    # sizes
+    latent_dim,
+    rope_dim,
+    block_size,
+    # strides
+    stride_latent_t,
+    stride_k_pe_t,
+    stride_cache_b,
+    stride_cache_t,
+    # constexprs
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + pid_t).to(tl.int64)
+    if slot < 0:  # padded token: nothing to write
+        return
+    row_ptr = (
+        kv_cache_ptr + (slot // block_size) * stride_cache_b + (slot % block_size) * stride_cache_t
+    )
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < latent_dim
+    latent = tl.load(latent_ptr + pid_t.to(tl.int64) * stride_latent_t + offs_l, mask=mask_l)
+    tl.store(row_ptr + offs_l, latent, mask=mask_l)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rope_dim
+    k_pe = tl.load(k_pe_ptr + pid_t.to(tl.int64) * stride_k_pe_t + offs_r, mask=mask_r)
+    tl.store(row_ptr + latent_dim + offs_r, k_pe, mask=mask_r)
 
 
 def is_pow2(n: int) -> bool:
@@ -103,3 +144,37 @@ def store_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_D=next_power_of_2(head_dim),
     )
+
+
+def store_mla_kv(
+    latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``[latent | k_pe]`` ([T, Lkv], [T, R]) at flat slots of the MLA cache
+    [NB, BS, Lkv + R].
+
+    Slot ``-1`` (a padded token) is skipped. A copy: exact and invariant in every mode.
+    """
+    check_tensor("latent", latent, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_tensor("k_pe", k_pe, ndim=2, dtypes=(latent.dtype,), last_dim_contiguous=True)
+    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(latent.dtype,), last_dim_contiguous=True)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
+    check_same_device(latent=latent, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    num_tokens, latent_dim = latent.shape
+    rope_dim = k_pe.shape[1]
+    check_shape("k_pe", k_pe, (num_tokens, -1))
+    check_shape("kv_cache", kv_cache, (-1, -1, latent_dim + rope_dim))
+    check_shape("slot_mapping", slot_mapping, (num_tokens,))
+    num_blocks, block_size, _ = kv_cache.shape
+    if is_host_checkable(slot_mapping) and num_tokens > 0:
+        if int(slot_mapping.max()) >= num_blocks * block_size or int(slot_mapping.min()) < -1:
+            raise ValueError(
+                f"slot_mapping: slots must lie in [-1, {num_blocks * block_size}) (-1: skip)"
+            )
+    if num_tokens == 0:
+        return
+    _store_mla_kv_kernel[(num_tokens,)](
+        latent, k_pe, kv_cache, slot_mapping,
+        latent_dim, rope_dim, block_size,
+        latent.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        BLOCK_L=next_power_of_2(latent_dim), BLOCK_R=next_power_of_2(rope_dim),
+    )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V3 MLA): cache store, absorbed decode, expanded prefill.
+"""Multi-head latent attention (DeepSeek-V3 MLA): absorbed decode and expanded prefill. The cache
+write, ``store_mla_kv``, is in kernels/kv_store.py.
 
 Layouts:
 
@@ -30,7 +31,6 @@ Invariance (DESIGN.md, "Three modes, one engine"):
   each sequence's own cu_seqlens offset, so a chunk packed into a step after other chunks (with
   zero-length padding rows and padding tokens after the last sequence, whose rows are written as
   zeros) gives the same bits as alone.
-- ``store_mla_kv`` is a copy: exact in every mode.
 
 The Triton kernels are in kernels/mla_kernels.py; the tiles and their tuned table in
 kernels/mla_tuned.py.
@@ -48,13 +48,11 @@ from kernels.mla_kernels import (
     _mla_decode_combine_kernel,
     _mla_decode_kernel,
     _mla_prefill_kernel,
-    _store_mla_kv_kernel,
 )
 from kernels.mla_tuned import TUNED_PATH, MLATile, MLATunedTable, checked_in_table, load_mla_tuned
 from kernels.mode import Mode
 from kernels.utils import (
     FLOAT_DTYPES,
-    INDEX_DTYPES,
     cdiv,
     check_block_ids,
     check_same_device,
@@ -81,52 +79,12 @@ __all__ = [
     "preloaded_pages",
     "mla_prefill_attention",
     "mla_prefill_config",
-    "store_mla_kv",
 ]
 
 # H200 streaming multiprocessors: the default-mode split heuristic fills them.
 NUM_SMS = 132
 # Default mode never splits below this many tokens per split (below it the combine dominates).
 MIN_DEFAULT_SPLIT_TOKENS = 64
-
-
-# ----------------------------------------------------------------------------------------------
-# store
-# ----------------------------------------------------------------------------------------------
-
-
-def store_mla_kv(
-    latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write ``[latent | k_pe]`` ([T, Lkv], [T, R]) at flat slots of the MLA cache
-    [NB, BS, Lkv + R].
-
-    Slot ``-1`` (a padded token) is skipped. A copy: exact and invariant in every mode.
-    """
-    check_tensor("latent", latent, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    check_tensor("k_pe", k_pe, ndim=2, dtypes=(latent.dtype,), last_dim_contiguous=True)
-    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(latent.dtype,), last_dim_contiguous=True)
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
-    check_same_device(latent=latent, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
-    num_tokens, latent_dim = latent.shape
-    rope_dim = k_pe.shape[1]
-    check_shape("k_pe", k_pe, (num_tokens, -1))
-    check_shape("kv_cache", kv_cache, (-1, -1, latent_dim + rope_dim))
-    check_shape("slot_mapping", slot_mapping, (num_tokens,))
-    num_blocks, block_size, _ = kv_cache.shape
-    if is_host_checkable(slot_mapping) and num_tokens > 0:
-        if int(slot_mapping.max()) >= num_blocks * block_size or int(slot_mapping.min()) < -1:
-            raise ValueError(
-                f"slot_mapping: slots must lie in [-1, {num_blocks * block_size}) (-1: skip)"
-            )
-    if num_tokens == 0:
-        return
-    _store_mla_kv_kernel[(num_tokens,)](
-        latent, k_pe, kv_cache, slot_mapping,
-        latent_dim, rope_dim, block_size,
-        latent.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        BLOCK_L=next_power_of_2(latent_dim), BLOCK_R=next_power_of_2(rope_dim),
-    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------

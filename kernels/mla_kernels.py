@@ -45,43 +45,6 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _store_mla_kv_kernel(
-    # pointers
-    latent_ptr,
-    k_pe_ptr,
-    kv_cache_ptr,
-    slot_mapping_ptr,
-    # sizes
-    latent_dim,
-    rope_dim,
-    block_size,
-    # strides
-    stride_latent_t,
-    stride_k_pe_t,
-    stride_cache_b,
-    stride_cache_t,
-    # constexprs
-    BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    pid_t = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + pid_t).to(tl.int64)
-    if slot < 0:  # padded token: nothing to write
-        return
-    row_ptr = (
-        kv_cache_ptr + (slot // block_size) * stride_cache_b + (slot % block_size) * stride_cache_t
-    )
-    offs_l = tl.arange(0, BLOCK_L)
-    mask_l = offs_l < latent_dim
-    latent = tl.load(latent_ptr + pid_t.to(tl.int64) * stride_latent_t + offs_l, mask=mask_l)
-    tl.store(row_ptr + offs_l, latent, mask=mask_l)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rope_dim
-    k_pe = tl.load(k_pe_ptr + pid_t.to(tl.int64) * stride_k_pe_t + offs_r, mask=mask_r)
-    tl.store(row_ptr + latent_dim + offs_r, k_pe, mask=mask_r)
-
-
-@triton.jit
 def _load_rows(base_ptr, rows, offs_d, row_mask, D_END: tl.constexpr, D_FULL: tl.constexpr,
                ROW_MASKED: tl.constexpr):
     """Load a [rows, offs_d] tile; masks are emitted only where a constexpr says they are needed

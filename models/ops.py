@@ -226,7 +226,7 @@ def store_mla_kv(latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tenso
                  slot_mapping: torch.Tensor, ops: OpsConfig) -> None:
     """Write [latent | k_pe] ([T, Lkv], [T, R]) into the MLA cache [NB, BS, Lkv + R]."""
     if ops.backend == "triton":
-        from kernels.mla import store_mla_kv as store_mla_kernel
+        from kernels.kv_store import store_mla_kv as store_mla_kernel
 
         return store_mla_kernel(latent, k_pe, kv_cache, slot_mapping)
     _write_slots(kv_cache, torch.cat([latent, k_pe], dim=-1), slot_mapping)

@@ -10,8 +10,8 @@ import torch
 
 from kernels.attention import PrefillAttentionConfig, decode_attention, prefill_attention
 from kernels.gemm import gemm
-from kernels.kv_store import store_kv
-from kernels.mla import mla_decode, store_mla_kv
+from kernels.kv_store import store_kv, store_mla_kv
+from kernels.mla import mla_decode
 from kernels.rope import build_rope_cache, rope
 from kernels.sampling import sample, sampling_uniform
 from tests.kernels.test_attention import make_paged

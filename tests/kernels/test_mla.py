@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import mla as mla_module
+from kernels.kv_store import store_mla_kv
 from kernels.mla import (
     MLATile,
     MLATunedTable,
@@ -18,7 +19,6 @@ from kernels.mla import (
     mla_decode_config,
     mla_prefill_attention,
     mla_prefill_config,
-    store_mla_kv,
 )
 from kernels.mode import Mode
 from kernels.reference import mla_decode_reference, store_mla_kv_reference
