@@ -2,7 +2,7 @@
 
 ``collect()`` times ``kernels.gemm.gemm`` under ``corun`` and ``batch_invariant`` against
 ``torch.nn.functional.linear`` (cuBLAS) measured in the same call, at the real (N, K) of
-``experiments.tune_gemm.gemm_shapes(BENCH_MODELS)`` (every GEMM of Qwen3-8B, Qwen3-30B-A3B and
+``experiments.gemm_shapes.gemm_shapes(BENCH_MODELS)`` (every GEMM of Qwen3-8B, Qwen3-30B-A3B and
 DeepSeek-V3, LM heads included) and decode/prefill M. ``check_invariance_gpu()`` checks
 position invariance (every mode), batch invariance (batch_invariant) and runs the negative controls
 (default mode across M; another BLOCK_K) in bf16 at real shapes. Where M leaves the corun
@@ -32,8 +32,8 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.gemm_candidates import tail_tiles  # noqa: E402
+from experiments.gemm_shapes import BENCH_MODELS, gemm_shapes  # noqa: E402
 from experiments.harness import bench_us, family_main, kernel_record, memory_bound_us  # noqa: E402
-from experiments.tune_gemm import BENCH_MODELS, gemm_shapes  # noqa: E402
 from kernels.gemm import GemmConfig, fit_smem, gemm, gemm_config, table_files  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
 from kernels.utils import device_card  # noqa: E402

@@ -246,7 +246,7 @@ def gemm_reports(ms: tuple[int, ...] = (128, 256)) -> list[dict]:
     """The corun policy's GEMM launch at the decode M of issue 13 for every GEMM shape of the
     kernel benchmark (experiments/tune_gemm.py's BENCH_MODELS), and its twin: the same tile
     TMA-fed where the pick loads with cp.async, or cp.async-fed where the pick is TMA-fed."""
-    from experiments.tune_gemm import BENCH_MODELS, gemm_shapes
+    from experiments.gemm_shapes import BENCH_MODELS, gemm_shapes
     from kernels import gemm
     from kernels.mode import Mode
 

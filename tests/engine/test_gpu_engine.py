@@ -214,7 +214,7 @@ def test_packed_prefill_keeps_bits_at_real_shapes(name, monkeypatch):
 def _real_gemm_shapes() -> list[tuple[int, int]]:
     """(N, K) of every GEMM of Qwen3-8B, Qwen3-30B-A3B and DeepSeek-V3 (LM heads included): the
     shapes the tuned table covers and the kernels benchmark times."""
-    from experiments.tune_gemm import BENCH_MODELS, gemm_shapes
+    from experiments.gemm_shapes import BENCH_MODELS, gemm_shapes
 
     return [(n, k) for _, n, k in gemm_shapes(BENCH_MODELS)]
 

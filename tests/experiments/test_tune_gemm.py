@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 
-from experiments import gemm_candidates, tune_gemm
+from experiments import gemm_candidates, gemm_shapes, tune_gemm
 from kernels.gemm import H200_NUM_SMS, GemmConfig, load_tuned_table
 from models.config import NAMED_CONFIGS
 
 
 def test_shapes_are_every_gemm_of_the_named_models_once():
-    shapes = tune_gemm.gemm_shapes()
+    shapes = gemm_shapes.gemm_shapes()
     by_label = {label: (n, k) for label, n, k in shapes}
     assert len({(n, k) for _, n, k in shapes}) == len(shapes)
     q8 = NAMED_CONFIGS["qwen3-8b"]
@@ -32,8 +32,8 @@ def test_shapes_are_every_gemm_of_the_named_models_once():
     assert by_label["qwen3-30b-a3b.router"] == (128, 2048)
     # Every model of the sweep contributes, and the bench's subset is a prefix of it.
     assert {label.rsplit(".", 1)[0].split(".shared")[0] for label in by_label} == set(
-        tune_gemm.TUNED_MODELS)
-    bench = tune_gemm.gemm_shapes(tune_gemm.BENCH_MODELS)
+        gemm_shapes.TUNED_MODELS)
+    bench = gemm_shapes.gemm_shapes(gemm_shapes.BENCH_MODELS)
     assert bench == shapes[: len(bench)]
 
 
@@ -75,7 +75,7 @@ def test_an_entry_is_stale_only_against_its_own_m_ranges_candidate_set(tmp_path)
     splits made M 512-8192 entries of the earlier name stale, and no M <= 256 entry."""
     small, large = gemm_candidates.CANDIDATE_SET, gemm_candidates.LARGE_M_CANDIDATE_SET
     mid = gemm_candidates.MID_M_CANDIDATE_SET
-    every_m = set(tune_gemm.M_VALUES)
+    every_m = set(gemm_shapes.M_VALUES)
     assert not tune_gemm._needs_retune({"m": 64, "candidate_set": small}, every_m)
     assert not tune_gemm._needs_retune({"m": 128, "candidate_set": mid}, every_m)
     assert tune_gemm._needs_retune({"m": 128, "candidate_set": small}, every_m)
@@ -230,7 +230,7 @@ def test_candidates_are_timed_as_each_policy_runs_them(m, monkeypatch):
     monkeypatch.setattr(tune_gemm, "_time_config",  # masked 1 us, re-read 2 us
                         lambda setup, x, w, expected, config:
                         timed.append(config) or (1.0 if config.mask_rows else 2.0))
-    label = f"{tune_gemm.POOL_MODEL}.tiny_qkv"
+    label = f"{gemm_shapes.POOL_MODEL}.tiny_qkv"
     entry = tune_gemm._tune_point(setup, label, m, 48, 64, torch.randn(48, 64))
     masked = {c for c in timed if c.mask_rows}
     assert {dataclasses.replace(c, mask_rows=False) for c in masked} == \
@@ -362,13 +362,13 @@ def test_models_and_m_values_narrow_a_run_and_never_claim_the_whole_table(tmp_pa
     the whole table's points (so it is not complete); --resume then fills in the rest, keeping
     them. Narrowing the checked-in table without --resume is refused."""
     out = tmp_path / "narrow.json"
-    assert tune_gemm.main(["--dry-run", "--out", str(out), "--models", tune_gemm.POOL_MODEL,
+    assert tune_gemm.main(["--dry-run", "--out", str(out), "--models", gemm_shapes.POOL_MODEL,
                            "--m-values", "128"]) == 0
     narrow = json.loads(out.read_text())
     assert [(e["layer"], e["m"]) for e in narrow["entries"]] == [
-        (f"{tune_gemm.POOL_MODEL}.tiny_qkv", 128)]
+        (f"{gemm_shapes.POOL_MODEL}.tiny_qkv", 128)]
     assert narrow["header"]["complete"] is False and narrow["header"]["expected_points"] == 6
-    assert narrow["header"]["tuned_this_run"] == {"models": [tune_gemm.POOL_MODEL],
+    assert narrow["header"]["tuned_this_run"] == {"models": [gemm_shapes.POOL_MODEL],
                                                   "m_values": [128]}
     assert tune_gemm.main(["--dry-run", "--out", str(out), "--resume"]) == 0
     whole = json.loads(out.read_text())
@@ -382,10 +382,10 @@ def test_models_and_m_values_narrow_a_run_and_never_claim_the_whole_table(tmp_pa
 def test_models_narrow_by_each_models_own_gemms_not_by_label():
     """A shape two models share carries its first model's label; --models still finds it for
     the second (Qwen3-0.6B's GEMMs all carry earlier models' labels or its own)."""
-    shapes = tuple(tune_gemm.gemm_shapes())
-    for model in tune_gemm.TUNED_MODELS:
-        own = {(n, k) for _, n, k in tune_gemm.model_gemm_shapes(model)}
-        assert {(n, k) for _, n, k in tune_gemm.models_shapes(shapes, [model])} == own, model
+    shapes = tuple(gemm_shapes.gemm_shapes())
+    for model in gemm_shapes.TUNED_MODELS:
+        own = {(n, k) for _, n, k in gemm_shapes.model_gemm_shapes(model)}
+        assert {(n, k) for _, n, k in gemm_shapes.models_shapes(shapes, [model])} == own, model
 
 
 def test_a_narrowed_run_with_nothing_to_tune_is_refused(tmp_path):
@@ -420,7 +420,7 @@ def test_merge_from_folds_one_cards_files_into_its_table_later_files_winning(tmp
     head = table["header"]
     assert head["machine"] == h100 and head["triton"] == "3.6.0" and head["complete"] is False
     assert [r["command"] for r in head["runs"]] == ["tune into a.json", "tune into b.json"]
-    assert head["points"] == 3 and head["expected_points"] == len(tune_gemm.gemm_shapes()) * 9
+    assert head["points"] == 3 and head["expected_points"] == len(gemm_shapes.gemm_shapes()) * 9
     assert table["batch_invariant"] is None
     assert load_tuned_table(out).lookup(200, 96, 80, torch.bfloat16).block_m == 64
     kept = GemmConfig(64, 128, 64, persistent=True).to_dict()
@@ -458,7 +458,7 @@ def test_tail_tiles_are_candidates_where_n_is_a_whole_number_of_them_and_not_of_
     (so only they went stale); N 6144 and the LM heads' 151936 get none outside mid M."""
     assert gemm_candidates.tail_tiles(576) == ((128, 64), (64, 32))
     assert gemm_candidates.tail_tiles(6144) == gemm_candidates.tail_tiles(151936) == ()
-    for m in (m for m in tune_gemm.M_VALUES if not 64 < m <= 256):
+    for m in (m for m in gemm_shapes.M_VALUES if not 64 < m <= 256):
         configs = gemm_candidates.candidates(m, 576, 7168, with_pool=False)
         tails = [c for c in configs if c.block_n_tail]
         assert tails and all(not c.stream_k_programs for c in tails), m
@@ -473,7 +473,7 @@ def test_tail_tiles_are_candidates_where_n_is_a_whole_number_of_them_and_not_of_
         large_m = gemm_candidates.candidates(8192, 576, 7168)
         assert dataclasses.replace(two_an_sm, tma=tma) in large_m
     assert two_an_sm not in gemm_candidates.candidates(128, 576, 7168)
-    every_m = set(tune_gemm.M_VALUES)
+    every_m = set(gemm_shapes.M_VALUES)
     before = {"m": 8192, "n": 576, "candidate_set": gemm_candidates.LARGE_M_CANDIDATE_SET}
     assert tune_gemm._needs_retune(before, every_m)
     assert not tune_gemm._needs_retune({**before, "n": 6144}, every_m)
