@@ -366,71 +366,6 @@ def columns_block(name: str, columns: list[tuple[str, str]],
     return render
 
 
-def ptxas_block(name: str) -> Callable[[dict, list[dict]], str]:
-    """experiments/ptxas_report.py: per launch, what ptxas reports for sm_90a (compiled offline)."""
-
-    def render(head: dict, records: list[dict]) -> str:
-        # files written before the deferred-wait count keep their columns
-        waits = any("wgmma_deferred_waits" in r for r in records)
-        rows = [[r["case"], r.get("kernel", ""), _fmt(r.get("registers")),
-                 _fmt(r.get("spill_store_bytes")), _fmt(r.get("spill_load_bytes")),
-                 _fmt(r.get("shared_bytes")), "yes" if r.get("fits_shared") else "no",
-                 _fmt(r.get("wgmma"))]
-                + ([_fmt(r.get("wgmma_deferred_waits"))] if waits else [])
-                + [_fmt(r.get("cp_async")), _fmt(r.get("tma_loads")), r.get("error", "")]
-                for r in records]
-        header = (["launch", "kernel", "registers", "spill stores (B)", "spill loads (B)",
-                   "shared (B)", "fits", "wgmma"] + (["wgmma waits leaving one in flight"]
-                                                     if waits else [])
-                  + ["cp.async", "TMA loads", "error"])
-        return "\n".join([
-            _source(head, name), "", f"ptxas {head.get('ptxas', '?')}; {head.get('shape', '')}; "
-            f"shared memory limit {head.get('shared_limit_bytes', '?')} bytes a block.", "",
-            _table(header, rows),
-        ])
-
-    return render
-
-
-def native_tests_block(name: str) -> Callable[[dict, list[dict]], str]:
-    """experiments/native_tests.py: each driver stage's latest native pytest run."""
-    return lambda head, records: _native_tests_table(name, head, records)
-
-
-def _native_tests_table(name: str, head: dict, records: list[dict]) -> str:
-    rows = [[r["stage"], r.get("date", "?"), r["tests"], r["passed"], r["failed"], r["errors"],
-             r["skipped"], ", ".join(f"`{t}`" for t in r.get("failed_ids", []) + r.get(
-                 "error_ids", [])) or "—"] for r in records]
-    commands = "; ".join(f"{r['stage']}: `{r['command']}`" for r in records)
-    return "\n".join([
-        _source(head, name), "", f"pytest commands: {commands}.", "",
-        _table(["stage", "date", "tests", "passed", "failed", "errors", "skipped",
-                "failed or erroring tests"], rows),
-    ])
-
-
-def launch_cost_block(head: dict, records: list[dict]) -> str:
-    """Per op and shape: the launcher's host cost (stubbed kernels on the CPU tensors, and real
-    launches) beside the op's GPU time at the same shape."""
-    by_op: dict[tuple, dict] = {}
-    for r in records:
-        if "shape" in r and "host_us" in r:
-            by_op.setdefault((r["op"], r["shape"]), {})[r["mode"]] = r
-    rows = []
-    for (op, shape), modes in by_op.items():
-        native = modes.get("native", {})
-        rows.append([op, shape, _fmt(modes.get("stub", {}).get("host_us"), 1),
-                     _fmt(native.get("host_us"), 1), _fmt(native.get("gpu_us"), 1),
-                     _fmt(native.get("host_over_gpu"))])
-    forward = [f"{r['mode']}: {r['host_us'] / 1000:.2f} ms" for r in records
-               if r.get("op", "").startswith("qwen3-8b eager")]
-    return (_source(head, "launch-cost-h200") + "\n\n" + f"Timing: {head.get('timing', '?')}.\n\n"
-            + _table(["op", "shape", "host us (stub)", "host us (native)", "GPU us",
-                      "host / GPU"], rows)
-            + ("\n\nLaunch work of one eager Qwen3-8B decode forward (estimate, "
-               + ", ".join(forward) + ")." if forward else ""))
-
-
 VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
     "models-h200": columns_block("models-h200", [
         ("model", "model"), ("num_hidden_layers", "layers"), ("parameters", "parameters"),
@@ -444,7 +379,6 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
        for name in ("kernels-h200", "kernels-h100")},
     **{f"{name}-summary": functools.partial(kernels_summary_block, name=name)
        for name in ("kernels-h200", "kernels-h100")},
-    "launch-cost-h200": launch_cost_block,
     "detokenize-cpu": columns_block("detokenize-cpu", [
         ("output_tokens", "output tokens a sequence"), ("batch", "sequences"),
         ("full_us", "full decode a step (us)"), ("incremental_us", "incremental a step (us)"),
@@ -463,7 +397,6 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("outputs_ms", "outputs ms"), ("host_ms", "host ms a step (all but the forward)"),
         ("decode_steps", "decode steps"),
     ]),
-    **{name: native_tests_block(name) for name in ("native-tests-h200", "native-tests-h100")},
     **{name: columns_block(name, [
         ("batch", "B"), ("context", "context"), ("dots_us", "products only (us)"),
         ("mla_decode_default_us", "mla_decode, default (us)"), ("mma_floor_us", "MMA floor (us)"),
@@ -486,9 +419,6 @@ VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
         ("ratio", "of the peer's speed"), ("baseline_ratio", "baseline, of the peer's speed"),
         ("same_bits", "same bits"),
     ]) for name in ("ab-softmax-fold-h100", "ab-softmax-fold-h200")},
-    **{f"ptxas-{target}-sm90": ptxas_block(f"ptxas-{target}-sm90")
-       for target in ("mla-decode", "mla-prefill", "moe-align", "gemm", "gemm-tail",
-                      "decode-attention")},
 }
 ALIASES = {"kernels-h200-summary": "kernels-h200", "kernels-h100-summary": "kernels-h100"}
 
@@ -496,14 +426,14 @@ ALIASES = {"kernels-h200-summary": "kernels-h200", "kernels-h100-summary": "kern
 def render_readme(text: str) -> str:
     def replace(match: re.Match) -> str:
         name = match.group(1)
-        from experiments import report_kernels, report_serving
+        from experiments import report_device, report_kernels, report_serving
         from experiments.report_research import ALIASES as RESEARCH_ALIASES
         from experiments.report_research import research_view
 
         aliases = {**ALIASES, **RESEARCH_ALIASES, **report_kernels.ALIASES,
                    **report_serving.ALIASES}
         loaded = _load(aliases.get(name, name))
-        view = (VIEWS.get(name) or report_kernels.VIEWS.get(name)
+        view = (VIEWS.get(name) or report_device.VIEWS.get(name) or report_kernels.VIEWS.get(name)
                 or report_serving.VIEWS.get(name) or research_view(name) or generic_block(name))
         body = "_not measured yet_" if loaded is None else view(*loaded)
         return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
