@@ -55,7 +55,6 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-
 @triton.jit
 def _store_mla_kv_kernel(
     # pointers
@@ -76,6 +75,7 @@ def _store_mla_kv_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
+    """One program per token: copy its latent and k_pe rows into one row of its cache slot."""
     pid_t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + pid_t).to(tl.int64)
     if slot < 0:  # padded token: nothing to write
