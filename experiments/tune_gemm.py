@@ -17,7 +17,8 @@ bounds the sweep, points past it are left to the policy's literal fallback and t
 ``complete: false``; ``--resume`` tunes only the points the file lacks (its ``runs`` list each
 run's header), and ``--retune-m 64,128,256`` with it tunes those M values again (after the
 candidate set grew, e.g. by the TMA-fed tiles), keeping the file's other points; ``--repick``
-with it tunes again the points picked on one timing each, before the finalists' rounds.
+with it tunes again the points not picked by the finalists' rounds as they run now (on one timing
+each, or with the rounds on one placement of the operands: ``picked_over_placements``).
 
 ``--models`` and ``--m-values`` narrow what one run tunes (with ``--resume`` the file keeps its
 other points; without it they need an ``--out`` outside ``kernels/tuned/``, e.g. a results file).
@@ -267,6 +268,14 @@ def tune(setup: Setup, budget_s: float, done: list[dict],
     return entries, True
 
 
+def picked_over_placements(entry: dict) -> bool:
+    """Whether an entry's pick came from the finalists' rounds on three placements of the
+    operands. Entries before the finalists have no ``us_rounds``; the first finalists' entries
+    (the nineteenth session's H100 re-pick) have rounds on one placement and no
+    ``cublas_us_rounds``."""
+    return "us_rounds" in entry and "cublas_us_rounds" in entry
+
+
 def _needs_retune(entry: dict, retune: set[int]) -> bool:
     """An entry at an M to re-tune that another candidate set produced."""
     return entry["m"] in retune and entry.get("candidate_set") != candidate_set(entry["m"],
@@ -326,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                              "shape, keeping the file's other points")
     parser.add_argument("--repick", action="store_true",
                         help="with --resume: tune again this run's points (--models / "
-                             "--m-values narrow them) whose pick was timed once (no us_rounds: "
-                             "before the finalists' re-timing); a cut run goes on where it "
+                             "--m-values narrow them) not picked over three placements (timed "
+                             "once, or re-timed on one placement); a cut run goes on where it "
                              "stopped")
     parser.add_argument("--models", default="", metavar="NAME,NAME",
                         help=f"tune only these models' shapes (of {', '.join(TUNED_MODELS)})")
@@ -393,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         stale = frozenset((e["m"], e["n"], e["k"]) for e in done if _needs_retune(e, retune))
         if args.repick:
             covered = {(m, n, k) for _, n, k in setup.shapes for m in setup.m_values}
-            stale |= {(e["m"], e["n"], e["k"]) for e in done if "us_rounds" not in e} & covered
+            stale |= {(e["m"], e["n"], e["k"]) for e in done
+                      if not picked_over_placements(e)} & covered
         runs = previous["header"].get("runs", [])
         if previous.get("batch_invariant"):
             previous_choice = GemmConfig.from_dict(previous["batch_invariant"])

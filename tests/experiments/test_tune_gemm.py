@@ -193,23 +193,27 @@ def test_a_finalist_failing_a_round_is_dropped(monkeypatch):
 
 
 def test_repick_retunes_the_points_timed_once_and_resumes(tmp_path):
-    """--repick tunes again this run's points whose pick has no us_rounds (picked on one timing);
-    a cut run leaves the rest with their old entries, and the same command goes on with them."""
+    """--repick tunes again this run's points not picked over three placements (no us_rounds:
+    picked on one timing; or rounds without cublas_us_rounds: re-timed on one placement); a cut
+    run leaves the rest with their old entries, and the same command goes on with them."""
     out = tmp_path / "gemm_tuned.json"
     assert tune_gemm.main(["--dry-run", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    for e in data["entries"]:
-        e.pop("us_rounds")
+    assert all(tune_gemm.picked_over_placements(e) for e in data["entries"])
+    for i, e in enumerate(data["entries"]):
+        e.pop("cublas_us_rounds")
+        if i % 2:
+            e.pop("us_rounds")
         e["us"] = -1.0  # an old entry's mark
     out.write_text(json.dumps(data))
     argv = ["--dry-run", "--out", str(out), "--resume", "--repick", "--m-values", "128,512"]
     assert tune_gemm.main([*argv, "--budget-s", "0"]) == 0
     cut = json.loads(out.read_text())["entries"]
     assert len(cut) == len(data["entries"])
-    assert sum("us_rounds" in e for e in cut) == 1
+    assert sum(tune_gemm.picked_over_placements(e) for e in cut) == 1
     assert tune_gemm.main(argv) == 0
     done = json.loads(out.read_text())["entries"]
-    assert {(e["m"], e["n"]) for e in done if "us_rounds" in e} == {
+    assert {(e["m"], e["n"]) for e in done if tune_gemm.picked_over_placements(e)} == {
         (m, n) for _, n, _ in tune_gemm.dry_run_setup().shapes for m in (128, 512)}
     assert all(e["us"] == -1.0 for e in done if e["m"] == 1)  # outside --m-values: kept
     with pytest.raises(SystemExit):
