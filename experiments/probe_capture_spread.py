@@ -10,11 +10,16 @@ cuBLAS over ``ROUNDS`` captures, interleaved, in two conditions: the same operan
 every capture's time beside the operands' addresses, so the spread of ours can be read against
 cuBLAS's under the same card state.
 
+``--survey`` asks whether the placement effect is widespread: every GEMM of the kernels table
+(``gemm_shapes(BENCH_MODELS)``) at M 128 and 256, fresh operands only.
+
     python -m experiments.probe_capture_spread  # -> results/probe-capture-spread-<card>.json
+    python -m experiments.probe_capture_spread --survey  # -> ...-capture-spread-survey-<card>.json
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import sys
@@ -27,6 +32,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.gemm_candidates import DTYPE  # noqa: E402
+from experiments.gemm_shapes import BENCH_MODELS, gemm_shapes  # noqa: E402
 from experiments.harness import bench_us, probe_main  # noqa: E402
 from kernels.gemm import gemm, gemm_config  # noqa: E402
 from kernels.mode import Mode  # noqa: E402
@@ -38,6 +44,7 @@ POINTS = (("deepseek-v3.shared.down", 7168, 2048, 128),
           ("qwen3-8b.qkv", 6144, 4096, 128))
 ROUNDS = 6
 CONDITIONS = ("same_operands", "fresh_operands")
+SURVEY_M = (128, 256)
 
 
 def spread(times: list[float]) -> dict:
@@ -53,10 +60,11 @@ def _operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Te
     return x, w
 
 
-def _point(label: str, n: int, k: int, m: int) -> dict:
+def _point(label: str, n: int, k: int, m: int,
+           conditions: tuple[str, ...] = CONDITIONS) -> dict:
     pick = gemm_config(m, n, k, DTYPE, Mode.CORUN, card=device_card(torch.device("cuda")))
     record = {"layer": label, "M": m, "N": n, "K": k, "pick": pick.to_dict(), "rounds": ROUNDS}
-    for condition in CONDITIONS:
+    for condition in conditions:
         held = _operands(m, n, k, seed=0)
         kept = [held]
         ours, cublas, addresses = [], [], []
@@ -86,7 +94,23 @@ def collect() -> list[dict]:
     return [_point(label, n, k, m) for label, n, k, m in POINTS]
 
 
-def main() -> int:
+def collect_survey() -> list[dict]:
+    records = []
+    for label, n, k in gemm_shapes(BENCH_MODELS):
+        for m in SURVEY_M:
+            records.append(_point(label, n, k, m, conditions=("fresh_operands",)))
+            torch.cuda.empty_cache()  # an LM head's six weight copies are gigabytes
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--survey", action="store_true",
+                        help=f"every GEMM of the kernels table at M {SURVEY_M}, fresh operands "
+                             "only (probe-capture-spread-survey-<card>.json)")
+    args = parser.parse_args(argv)
+    if args.survey:
+        return probe_main("capture-spread-survey", collect_survey)
     return probe_main("capture-spread", collect)
 
 

@@ -173,25 +173,44 @@ def probe_gemm_tail_block(head: dict, records: list[dict], *, name: str) -> str:
 def probe_capture_spread_block(head: dict, records: list[dict], *, name: str) -> str:
     """experiments/probe_capture_spread.py: per point and condition (same operands each capture,
     fresh ones each capture), the pick's and cuBLAS's median time over the captures with their
-    extremes and max / min, and the median of the per-capture ratios."""
+    extremes and max / min, and the median of the per-capture ratios; with many points (the
+    ``--survey``), first how often each side's placements spread past ``SPREAD_NOTED``."""
     from kernels.gemm import GemmConfig
 
     def times(series: dict) -> str:
         return (f"{_fmt(series['median_us'])} ({_fmt(series['min_us'])}-"
                 f"{_fmt(series['max_us'])}), {_fmt(series['max_over_min'], 3)}")
 
-    rows = []
+    rows, fresh = [], []
     for r in records:
         for condition in ("same_operands", "fresh_operands"):
+            if condition not in r:
+                continue
             c = r[condition]
             rows.append([r["layer"], r["M"], GemmConfig.from_dict(r["pick"]).label,
                          condition.replace("_", " "), times(c["ours"]), times(c["cublas"]),
                          _fmt(c["ratio_median"])])
+            if condition == "fresh_operands":
+                fresh.append((r, c))
     header = ["layer", "M", "the pick", "operands", "pick: median (min-max) us, max / min",
               "cuBLAS: median (min-max) us, max / min", "of cuBLAS's speed (median)"]
     rounds = records[0]["rounds"] if records else 0
-    return (_source(head, name) + f"\n\n{rounds} graph captures per condition, the pick and "
-            "cuBLAS interleaved.\n\n" + _table(header, rows))
+    said = f"{rounds} graph captures per condition, the pick and cuBLAS interleaved."
+    if len(fresh) > 3:
+        def over(side: str) -> str:
+            spreads = [c[side]["max_over_min"] for _, c in fresh]
+            worst_r, worst_c = max(fresh, key=lambda rc: rc[1][side]["max_over_min"])
+            return (f"{sum(x > SPREAD_NOTED for x in spreads)} of {len(spreads)} points past "
+                    f"{SPREAD_NOTED}x (median {_fmt(statistics.median(spreads), 3)}x, most "
+                    f"{_fmt(worst_c[side]['max_over_min'], 3)}x at {worst_r['layer']} M "
+                    f"{worst_r['M']})")
+        said += (f" Over fresh placements, the pick's time spreads {over('ours')}; cuBLAS's "
+                 f"{over('cublas')}.")
+    return _source(head, name) + "\n\n" + said + "\n\n" + _table(header, rows)
+
+
+# A spread of time over placements the survey counts: past the ~3% cuBLAS's moved between runs
+SPREAD_NOTED = 1.1
 
 
 GEMM_VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
@@ -210,5 +229,6 @@ GEMM_VIEWS: dict[str, Callable[[dict, list[dict]], str]] = {
        for name in ("probe-gemm-tail-h100", "probe-gemm-tail-h200")},
     **{name: functools.partial(probe_capture_spread_block, name=name)
        for name in ("probe-capture-spread-h100", "probe-capture-spread-h100-before-repick",
-                    "probe-capture-spread-h200")},
+                    "probe-capture-spread-h200", "probe-capture-spread-survey-h100",
+                    "probe-capture-spread-survey-h200")},
 }

@@ -12,6 +12,8 @@
 #            columns, at kv_a, q_a and Qwen3-8B's qkv beside the pick)
 #   probe-capture  experiments/probe_capture_spread.py -> probe-capture-spread-CARD.json (a pick's
 #            and cuBLAS's time over several graph captures, same and fresh operands)
+#   probe-capture-survey  the same, fresh operands only, at every GEMM of the kernels table at
+#            M 128 and 256 -> probe-capture-spread-survey-CARD.json
 #   launch   experiments/bench_launch_cost.py -> launch-cost-h200.json (host us per op, GPU us beside)
 #   logits   experiments/bench_logits_processing.py -> logits-processing-CARD.json (batched vs row by row)
 #   models   experiments/bench_models.py -> models-h200.json; MODELS_ARGS adds flags (e.g. --decode-batch 128 --name ...)
@@ -127,6 +129,8 @@ for stage in "$@"; do
     probe-narrow-n) run probe-narrow-n ${PROBE_LIMIT:-150} python3 -m experiments.probe_gemm_narrow_n ;;
     probe-tail) run probe-tail ${PROBE_LIMIT:-150} python3 -m experiments.probe_gemm_tail ;;
     probe-capture) run probe-capture ${PROBE_LIMIT:-150} python3 -m experiments.probe_capture_spread ;;
+    probe-capture-survey) run probe-capture-survey ${PROBE_LIMIT:-240} \
+               python3 -m experiments.probe_capture_spread --survey ;;
     launch)  run launch ${LAUNCH_LIMIT:-120} python3 -m experiments.bench_launch_cost ;;
     logits)  run logits ${LOGITS_LIMIT:-90} python3 -m experiments.bench_logits_processing \
                  --device cuda --name logits-processing-$CARD ;;
