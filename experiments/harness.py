@@ -250,13 +250,18 @@ GRAPH_REPLAY_TIMING = "harness.bench_us: CUDA-graph replay medians after a back-
 
 
 def probe_main(probe: str, collect: Callable[[], list[dict]],
-               timing: str = GRAPH_REPLAY_TIMING) -> int:
+               timing: str = GRAPH_REPLAY_TIMING,
+               header_extra: Callable[[], dict] | None = None) -> int:
     """The command line of a ``probe_<name>.py``: its records into
-    ``<results>/probe-<name>-<card>.json`` (``probe`` with dashes); 2 without a GPU."""
+    ``<results>/probe-<name>-<card>.json`` (``probe`` with dashes); 2 without a GPU.
+    ``header_extra``, called after ``collect``, adds what the run learned to the header (whether
+    a budget cut it, say)."""
     if not torch.cuda.is_available():
         print(f"probe {probe} needs a CUDA device; none found", file=sys.stderr)
         return 2
-    path = write_results(f"probe-{probe}-{card_tag()}", collect(), timing=timing)
+    records = collect()
+    path = write_results(f"probe-{probe}-{card_tag()}", records, timing=timing,
+                         **(header_extra() if header_extra else {}))
     print(f"wrote {path}")
     return 0
 

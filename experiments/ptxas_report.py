@@ -244,7 +244,7 @@ def moe_align_reports(experts: tuple[int, ...] = (128, 192, 256), top_k: int = 8
 
 def gemm_reports(ms: tuple[int, ...] = (128, 256)) -> list[dict]:
     """The corun policy's GEMM launch at the decode M of issue 13 for every GEMM shape of the
-    kernel benchmark (experiments/tune_gemm.py's BENCH_MODELS), and its twin: the same tile
+    kernel benchmark (experiments/gemm_shapes.py's BENCH_MODELS), and its twin: the same tile
     TMA-fed where the pick loads with cp.async, or cp.async-fed where the pick is TMA-fed."""
     from experiments.gemm_shapes import BENCH_MODELS, gemm_shapes
     from kernels import gemm

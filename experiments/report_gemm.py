@@ -206,6 +206,9 @@ def probe_capture_spread_block(head: dict, records: list[dict], *, name: str) ->
                     f"{worst_r['M']})")
         said += (f" Over fresh placements, the pick's time spreads {over('ours')}; cuBLAS's "
                  f"{over('cublas')}.")
+    if head.get("complete") is False:
+        said += (f" Cut by its {_fmt(head.get('budget_s'), 0)} s budget after {len(records)} of "
+                 f"{head.get('expected_points', '?')} points.")
     return _source(head, name) + "\n\n" + said + "\n\n" + _table(header, rows)
 
 

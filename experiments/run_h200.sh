@@ -129,8 +129,8 @@ for stage in "$@"; do
     probe-narrow-n) run probe-narrow-n ${PROBE_LIMIT:-150} python3 -m experiments.probe_gemm_narrow_n ;;
     probe-tail) run probe-tail ${PROBE_LIMIT:-150} python3 -m experiments.probe_gemm_tail ;;
     probe-capture) run probe-capture ${PROBE_LIMIT:-150} python3 -m experiments.probe_capture_spread ;;
-    probe-capture-survey) run probe-capture-survey ${PROBE_LIMIT:-240} \
-               python3 -m experiments.probe_capture_spread --survey ;;
+    probe-capture-survey) run probe-capture-survey ${PROBE_LIMIT:-300} \
+               python3 -m experiments.probe_capture_spread --survey --budget-s ${SURVEY_BUDGET:-240} ;;
     launch)  run launch ${LAUNCH_LIMIT:-120} python3 -m experiments.bench_launch_cost ;;
     logits)  run logits ${LOGITS_LIMIT:-90} python3 -m experiments.bench_logits_processing \
                  --device cuda --name logits-processing-$CARD ;;

@@ -1,7 +1,6 @@
-"""Triton kernels of multi-head latent attention (DeepSeek-V3 MLA); launchers in kernels/mla.py.
+"""Triton kernels of multi-head latent attention (DeepSeek-V3 MLA); launchers in kernels/mla.py
+(the cache write, ``store_mla_kv``, is in kernels/kv_store.py with its kernel).
 
-- ``_store_mla_kv_kernel``: one program per token writes ``[latent | k_pe]`` into the paged MLA
-  cache ``[num_blocks, block_size, latent_dim + rope_dim]``; slot -1 is skipped.
 - ``_mla_decode_kernel`` + ``_mla_decode_combine_kernel``: absorbed decode as split-KV MQA.
   Program (head block, b, split) runs an online softmax over its split's tokens for BLOCK_H
   query heads at once (all heads share the one latent "kv head", so each latent tile is read once

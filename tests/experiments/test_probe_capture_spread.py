@@ -53,3 +53,30 @@ def test_the_survey_counts_the_points_whose_placements_spread_on_each_side():
     assert ("cuBLAS's 2 of 4 points past 1.1x (median 1.062x, most 1.125x at qwen3-8b.o "
             "M 128)") in text
     assert text.count("| fresh operands |") == 4 and "same operands" not in text
+
+
+def test_a_survey_cut_by_its_budget_says_so():
+    records = [{"layer": "qwen3-8b.qkv", "M": 128, "rounds": 6, "pick": PICK,
+                "fresh_operands": _series([10.0, 10.2])}]
+    head = {**HEAD, "complete": False, "budget_s": 240.0, "expected_points": 38}
+    text = probe_capture_spread_block(head, records, name="probe-capture-spread-survey-h100")
+    assert "Cut by its 240 s budget after 1 of 38 points." in text
+    assert "Cut by" not in probe_capture_spread_block({**head, "complete": True}, records,
+                                                      name="probe-capture-spread-survey-h100")
+
+
+def test_the_survey_stops_at_its_budget_and_says_whether_it_finished(monkeypatch):
+    from experiments import probe_capture_spread as probe
+
+    shapes = [("a.qkv", 64, 32), ("a.o", 32, 64)]
+    monkeypatch.setattr(probe, "gemm_shapes", lambda models: shapes)
+    points = []
+    monkeypatch.setattr(probe, "_point", lambda label, n, k, m, **kwargs:
+                        points.append((label, m, kwargs)) or {"layer": label, "M": m})
+    state = {}
+    assert probe.collect_survey(-1.0, state) == [] and state == {"complete": False}
+    records = probe.collect_survey(3600.0, state)
+    assert state == {"complete": True}
+    assert [(r["layer"], r["M"]) for r in records] == [
+        (label, m) for label, _, _ in shapes for m in probe.SURVEY_M]
+    assert all(kw == {"conditions": ("fresh_operands",), "rep_ms": 20} for *_, kw in points)
