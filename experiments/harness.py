@@ -102,6 +102,20 @@ def bench_us(
     return float(ms) * 1e3
 
 
+def timed_rounds(first_pass: dict, finalists: list, rounds: int,
+                 next_round: Callable[[], Callable[[object], float | None]]) -> dict:
+    """Each finalist's first-pass time and ``rounds`` more: {finalist: [us, ...]}. The rounds are
+    interleaved (every finalist once a round), so a card's drift over them touches all alike;
+    ``next_round()`` gives each round's timer, after setting the round up (fresh operands, say).
+    A finalist that fails a round (its timer returns None) is dropped."""
+    samples = {finalist: [first_pass[finalist]] for finalist in finalists}
+    for _ in range(rounds):
+        time_one = next_round()
+        for finalist in finalists:
+            samples[finalist].append(time_one(finalist))
+    return {finalist: us for finalist, us in samples.items() if None not in us}
+
+
 @contextmanager
 def count_jit_compiles() -> Iterator[list[str]]:
     """The Triton kernels compiled inside the block, one name per compile (Triton's

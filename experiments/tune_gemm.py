@@ -64,7 +64,7 @@ from experiments.gemm_shapes import (  # noqa: E402
     gemm_shapes,
     models_shapes,
 )
-from experiments.harness import bench_us, header  # noqa: E402
+from experiments.harness import bench_us, header, timed_rounds  # noqa: E402
 from kernels.gemm import (  # noqa: E402
     GemmConfig,
     gemm,
@@ -170,15 +170,16 @@ def _retime_finalists(setup: Setup, x, w, expected, m: int, timed: dict[GemmConf
     ranked = sorted(timed, key=timed.get)
     whole = [c for c in ranked if c.keeps_k_whole]
     finalists = list(dict.fromkeys(ranked[:FINALISTS] + whole[:FINALISTS_NO_SPLIT]))
-    samples = {c: [timed[c]] for c in finalists}
     placements, cublas_rounds = [(x, w)], [cublas_us]
-    for _ in range(FINALIST_REPEATS):
-        x, w = x.clone(), w.clone()
-        placements.append((x, w))
-        cublas_rounds.append(setup.bench(lambda x=x, w=w: torch.nn.functional.linear(x, w)))
-        for config in finalists:
-            samples[config].append(_time_config(setup, x, w, expected, with_row_mask(config, m)))
-    return {c: t for c, t in samples.items() if None not in t}, cublas_rounds
+
+    def next_round() -> Callable[[GemmConfig], float | None]:
+        x_copy, w_copy = x.clone(), w.clone()
+        placements.append((x_copy, w_copy))
+        cublas_rounds.append(setup.bench(lambda: torch.nn.functional.linear(x_copy, w_copy)))
+        return lambda config: _time_config(setup, x_copy, w_copy, expected,
+                                           with_row_mask(config, m))
+
+    return timed_rounds(timed, finalists, FINALIST_REPEATS, next_round), cublas_rounds
 
 
 def _tune_point(setup: Setup, label: str, m: int, n: int, k: int, w: torch.Tensor) -> dict | None:

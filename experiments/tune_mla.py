@@ -181,11 +181,7 @@ def _retime_finalists(timed: dict[MLATile, float],
     """The ``DEFAULT_FINALISTS`` fastest of ``timed`` (one pass) with FINALIST_REPEATS more
     rounds each, interleaved; a finalist that fails a later round is dropped."""
     finalists = sorted(timed, key=timed.get)[:DEFAULT_FINALISTS]
-    samples = {tile: [timed[tile]] for tile in finalists}
-    for _ in range(FINALIST_REPEATS):
-        for tile in finalists:
-            samples[tile].append(time_tile(tile))
-    return {tile: us for tile, us in samples.items() if None not in us}
+    return harness.timed_rounds(timed, finalists, FINALIST_REPEATS, lambda: time_tile)
 
 
 def _decode_point(sweep: Sweep, batch: int, ctx: int
