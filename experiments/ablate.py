@@ -45,6 +45,7 @@ from corun.config import EngineConfig
 from corun.model_runner import ModelRunner
 from experiments import ablate_axes, bench_offline
 from experiments.harness import card_tag, write_results
+from experiments.offline_workload import make_workload
 from experiments.sweep_offline import measure_point, release_runner
 from kernels.mode import Mode
 
@@ -112,7 +113,7 @@ def offline_axis(args: argparse.Namespace) -> None:
     probe = point_config(plan[0], args)
     model = build_model(args.model, dtype=probe.torch_dtype, device=probe.resolved_device,
                         seed=args.seed)
-    work = bench_offline.make_workload(args.num_requests, args.input_len, args.output_len,
+    work = make_workload(args.num_requests, args.input_len, args.output_len,
                                        model[1].vocab_size, args.seed)
     extra = {"axis": args.axis, "what": ablate_axes.AXES[args.axis].what, "model": args.model,
              "dtype": args.dtype, "values": [p.value for p in plan],

@@ -59,25 +59,24 @@ import dataclasses
 import gc
 import json
 import random
-import statistics
 import time
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from corun.config import EngineConfig
-from corun.engine import LLMEngine, StepRecord
+from corun.engine import LLMEngine
 from corun.model_runner import ModelRunner
-from corun.outputs import RequestOutput
 from corun.sampling_params import SamplingParams
-from experiments.bench_models import decode_weight_bytes
-from experiments.harness import (
-    WARMUP_LENGTHS,
-    bandwidth_label,
-    count_jit_compiles,
-    memory_bound_us,
-    write_results,
+from experiments.harness import WARMUP_LENGTHS, bandwidth_label, count_jit_compiles, write_results
+from experiments.offline_stats import latency_stats, step_profile
+from experiments.offline_workload import (
+    Workload,
+    fingerprints,
+    make_shared_prefix_workload,
+    make_workload,
+    num_output_tokens,
+    run_workload,
 )
 
 # Variant -> (engine mode, EngineConfig overrides). corun first: if the device time runs out,
@@ -103,138 +102,6 @@ def config_record(config: EngineConfig, runner: ModelRunner) -> dict:
     actually padded to (none for a model without prefill graphs unless asked)."""
     return {**{k: getattr(config, k) for k in CONFIG_FIELDS},
             "dynamic_step_tokens": runner.dynamic_step_tokens}
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    params: list[SamplingParams]
-
-
-def make_workload(num: int, input_len: tuple[int, int], output_len: int, vocab: int,
-                  seed: int) -> Workload:
-    rng = random.Random(seed)
-    prompts, params = [], []
-    for _ in range(num):
-        length = rng.randint(*input_len)
-        prompts.append([rng.randrange(vocab) for _ in range(length)])
-        params.append(SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0,
-                                     seed=rng.getrandbits(64)))
-    return Workload(prompts, params)
-
-
-def make_shared_prefix_workload(num: int, num_system: int, system_len: tuple[int, int],
-                                question_len: tuple[int, int], output_len: int, n_request: int,
-                                vocab: int, seed: int) -> Workload:
-    """``num`` requests: system prompt ``i % num_system`` plus a question of its own, in a
-    shuffled order; with ``n_request`` > 1 the last one samples a question ``n_request`` times."""
-    rng = random.Random(seed)
-    systems = [[rng.randrange(vocab) for _ in range(rng.randint(*system_len))]
-               for _ in range(num_system)]
-    prompts, params = [], []
-    for i in range(num):
-        question = [rng.randrange(vocab) for _ in range(rng.randint(*question_len))]
-        prompts.append(systems[i % num_system] + question)
-        params.append(SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0,
-                                     seed=rng.getrandbits(64)))
-    order = list(range(num))
-    rng.shuffle(order)
-    prompts, params = [prompts[i] for i in order], [params[i] for i in order]
-    if n_request > 1:
-        prompts.append(systems[0] + [rng.randrange(vocab) for _ in range(question_len[0])])
-        params.append(SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0,
-                                     seed=rng.getrandbits(64), n=n_request))
-    return Workload(prompts, params)
-
-
-def fingerprints(out: RequestOutput) -> tuple:
-    """Every sample's fingerprint (n > 1 requests have several)."""
-    return tuple(c.fingerprint for c in out.outputs)
-
-
-def num_output_tokens(out: RequestOutput) -> int:
-    return sum(len(c.token_ids) for c in out.outputs)
-
-
-def run_workload(engine: LLMEngine, work: Workload, order: list[int],
-                 desc: str | None = None) -> tuple[dict, float]:
-    """Submit ``order``'s requests at once, run to completion; (index -> output, seconds)."""
-    if engine.device_is_cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    # Final outputs only, as LLM.generate asks (and vLLM's offline LLM), from the fifth session
-    # of 2026-12-05 on; the runs before built every request's output (detokenized) every step.
-    ids = {engine.add_request(work.prompts[i], work.params[i], f"r{i}", arrival_time=start,
-                              final_only=True): i
-           for i in order}
-    finals: dict[int, RequestOutput] = {}
-    bar = tqdm(total=len(order), desc=desc, unit="req", disable=desc is None, leave=False)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[ids[out.request_id]] = out
-                bar.update(1)
-    bar.close()
-    return finals, time.perf_counter() - start
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    """The q-quantile, linearly interpolated (numpy's default, as bench_serving and vLLM's
-    serving benchmark take percentiles); before 2026-12-05 it was the value at index int(q n),
-    the upper middle value at p50 of an even count."""
-    if not values:
-        return None
-    return round(float(np.percentile(values, q * 100)), 3)
-
-
-def latency_stats(outputs: list[RequestOutput]) -> dict:
-    ttft = [o.metrics.ttft_s * 1e3 for o in outputs]
-    tpot = [o.metrics.tpot_s * 1e3 for o in outputs if o.metrics.tpot_s is not None]
-    return {
-        "ttft_ms_mean": round(statistics.fmean(ttft), 3), "ttft_ms_p50": _pct(ttft, 0.5),
-        "ttft_ms_p99": _pct(ttft, 0.99),
-        "tpot_ms_mean": round(statistics.fmean(tpot), 3) if tpot else None,
-        "tpot_ms_p50": _pct(tpot, 0.5), "tpot_ms_p99": _pct(tpot, 0.99),
-    }
-
-
-def decode_bound_ms(runner: ModelRunner, context_tokens: float, live: float) -> float:
-    """The weights a decode step of ``live`` tokens reads (``bench_models.decode_weight_bytes``:
-    not the embedding, which is only gathered, nor the experts no token routes to) + the KV of
-    ``context_tokens`` cached tokens, read once at the H200 bandwidth."""
-    weight_bytes = decode_weight_bytes(runner.model_config, max(live, 1),
-                                       runner.dtype.itemsize)
-    kv_per_token = runner.kv_cache.spec.bytes_per_block(1, runner.dtype)
-    return memory_bound_us(weight_bytes + context_tokens * kv_per_token) / 1e3
-
-
-def step_profile(records: list[StepRecord], runner: ModelRunner) -> dict:
-    """Per-kind step counts and median ms; each decode step against its own memory bound."""
-    out: dict = {}
-    for kind in ("prefill", "decode", "combined"):
-        steps = [r for r in records if r.kind == kind]
-        if not steps:
-            continue
-        out[f"{kind}_steps"] = len(steps)
-        out[f"{kind}_step_ms_p50"] = _pct([r.seconds * 1e3 for r in steps], 0.5)
-        out[f"{kind}_seconds"] = round(sum(r.seconds for r in steps), 3)
-        if kind != "prefill":
-            out[f"{kind}_live_mean"] = round(statistics.fmean(r.num_decode_live for r in steps), 2)
-        if kind == "prefill":  # how full the fixed-shape prefill steps were
-            out["prefill_real_token_fraction"] = round(
-                sum(r.num_real_tokens for r in steps) / max(sum(r.num_tokens for r in steps), 1),
-                3)
-    decodes = [r for r in records if r.kind == "decode"]
-    if decodes:
-        ratios = [r.seconds * 1e3 / decode_bound_ms(runner, r.decode_context_tokens,
-                                                    r.num_decode_live) for r in decodes]
-        out["decode_step_over_own_bound_p50"] = _pct(ratios, 0.5)
-        live = statistics.fmean(r.num_decode_live for r in decodes)
-        context = statistics.fmean(r.decode_context_tokens for r in decodes)
-        out["decode_live_mean"] = round(live, 2)
-        out["decode_bound_ms_at_live_mean"] = round(decode_bound_ms(runner, context, live), 4)
-    out["steps"] = len(records)
-    return out
 
 
 def warm_up(engine: LLMEngine, work: Workload, args: argparse.Namespace) -> float:

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from experiments import bench_offline
 from experiments.harness import write_results
+from experiments.offline_workload import make_workload
 
 # Paper family -> (the config run on one H200, its tiny CPU twin for --dry-run).
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         model = build_model(config_name, dtype=probe.torch_dtype, device=probe.resolved_device,
                             seed=args.seed)
         build_s = round(time.perf_counter() - build, 1)
-        work = bench_offline.make_workload(args.num_requests, args.input_len, args.output_len,
+        work = make_workload(args.num_requests, args.input_len, args.output_len,
                                            model[1].vocab_size, args.seed)
         family_records: list[dict] = []
         for mode in args.modes:

@@ -31,15 +31,10 @@ import torch
 from corun.config import ENGINE_DEFAULTS, EngineConfig
 from corun.engine import LLMEngine
 from corun.model_runner import ModelRunner
-from experiments.bench_offline import (
-    latency_stats,
-    make_workload,
-    non_negative_int,
-    step_profile,
-    timed_run,
-    warm_up,
-)
+from experiments.bench_offline import non_negative_int, timed_run, warm_up
 from experiments.harness import write_results
+from experiments.offline_stats import latency_stats, step_profile
+from experiments.offline_workload import make_workload
 
 # The decode split size is baked into the captured graphs, so it keys the runner too.
 RUNNER_FIELDS = ("mode", "decode_batch_size", "prefill_policy", "prefill_chunk_size",

@@ -149,7 +149,7 @@ def test_bench_offline_shared_prefix_compares_caching_on_and_off(tmp_path, monke
 
 def test_offline_percentiles_interpolate_as_numpy():
     """p50 of an even count is the mean of the middle two (it was the upper one)."""
-    from experiments.bench_offline import _pct
+    from experiments.offline_stats import percentile
 
-    assert _pct([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
-    assert _pct([1.0, 2.0], 0.99) == 1.99 and _pct([], 0.5) is None
+    assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
+    assert percentile([1.0, 2.0], 0.99) == 1.99 and percentile([], 0.5) is None
