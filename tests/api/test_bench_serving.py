@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from experiments.bench_serving import RequestResult, arrival_gaps, make_requests, summarize
+from experiments.serving_client import RequestResult, arrival_gaps, make_requests, summarize
 
 
 def test_requests_are_reproducible_and_within_the_length_ranges():
