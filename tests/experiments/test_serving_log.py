@@ -7,7 +7,7 @@ import json
 import pytest
 
 from experiments import serving_log
-from experiments.bench_serving import RequestResult, summarize
+from experiments.serving_client import RequestResult, summarize
 
 
 def _record(ttft: float) -> dict:
