@@ -97,6 +97,16 @@ def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Every flat slot in [-1, num_slots) (-1: skip), where the slots can be read without a
+    device sync (``is_host_checkable``)."""
+    if is_host_checkable(slot_mapping) and slot_mapping.numel():
+        low, high = int(slot_mapping.min()), int(slot_mapping.max())
+        if high >= num_slots or low < -1:
+            raise ValueError(f"slot_mapping: slots must lie in [-1, {num_slots}) (-1: skip), "
+                             f"got [{low}, {high}]")
+
+
 def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> None:
     check_tensor("k_cache", k_cache, ndim=4, dtypes=(dtype,), last_dim_contiguous=True)
     check_tensor("v_cache", v_cache, ndim=4, dtypes=(dtype,), last_dim_contiguous=True)
@@ -124,16 +134,11 @@ def store_kv(
     check_tensor("v", v, ndim=3, dtypes=(k.dtype,), last_dim_contiguous=True)
     check_shape("v", v, k.shape)
     check_caches(k_cache, v_cache, k.dtype)
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32),
-                 contiguous=True)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
     check_shape("slot_mapping", slot_mapping, (k.shape[0],))
     check_shape("k", k, (-1, k_cache.shape[2], k_cache.shape[3]))
     check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if is_host_checkable(slot_mapping) and slot_mapping.numel():
-        if int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < -1:
-            raise ValueError(f"slot_mapping: slots must lie in [-1, {num_slots}), got "
-                             f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
+    check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -165,11 +170,7 @@ def store_mla_kv(
     check_shape("kv_cache", kv_cache, (-1, -1, latent_dim + rope_dim))
     check_shape("slot_mapping", slot_mapping, (num_tokens,))
     num_blocks, block_size, _ = kv_cache.shape
-    if is_host_checkable(slot_mapping) and num_tokens > 0:
-        if int(slot_mapping.max()) >= num_blocks * block_size or int(slot_mapping.min()) < -1:
-            raise ValueError(
-                f"slot_mapping: slots must lie in [-1, {num_blocks * block_size}) (-1: skip)"
-            )
+    check_slots(slot_mapping, num_blocks * block_size)
     if num_tokens == 0:
         return
     _store_mla_kv_kernel[(num_tokens,)](

@@ -94,6 +94,22 @@ def test_mla_launchers_check_block_ids_and_slots():
             store_mla_kv(torch.randn(1, 16), torch.randn(1, 16), cache, torch.tensor(slots))
 
 
+@pytest.mark.interpreter_only(
+    reason="value checks read host tensors only; on a GPU they would sync the device")
+@pytest.mark.parametrize("slots", [[-2, 0], [0, 64]])
+def test_both_cache_writes_name_the_slots_outside_the_cache(slots):
+    """store_kv and store_mla_kv share one slot check: the range allowed and the range given."""
+    low, high = min(slots), max(slots)
+    message = rf"^slot_mapping: slots must lie in \[-1, 64\) \(-1: skip\), got \[{low}, {high}\]$"
+    kc, vc = torch.zeros(8, 8, 2, 16), torch.zeros(8, 8, 2, 16)  # 64 slots
+    with pytest.raises(ValueError, match=message):
+        store_kv(torch.randn(2, 2, 16), torch.randn(2, 2, 16), kc, vc, torch.tensor(slots))
+    with pytest.raises(ValueError, match=message):
+        store_mla_kv(torch.randn(2, 16), torch.randn(2, 16), torch.zeros(8, 8, 32),
+                     torch.tensor(slots))
+    assert not kc.any() and not vc.any()  # refused before any write
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.25, float("nan"), float("inf"), True, "0.25"])
 def test_attention_launchers_refuse_a_scale_that_is_not_a_positive_number(scale):
     """The softmax kernels take the row max of the raw scores and scale it once: the max of the
