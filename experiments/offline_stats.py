@@ -15,9 +15,9 @@ from experiments.harness import memory_bound_us
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """The q-quantile, linearly interpolated (numpy's default, as bench_serving and vLLM's
-    serving benchmark take percentiles); before 2026-12-05 it was the value at index int(q n),
-    the upper middle value at p50 of an even count."""
+    """The q-quantile, linearly interpolated (numpy's default, as serving_client.summarize and
+    vLLM's serving benchmark take percentiles); before 2026-12-05 it was the value at index
+    int(q n), the upper middle value at p50 of an even count."""
     if not values:
         return None
     return round(float(np.percentile(values, q * 100)), 3)
