@@ -1,8 +1,7 @@
 """README views of the GEMM tuning runs and probes written as results files: a ``tune_gemm`` run
 into a file of its own (``tune-gemm-*``, beside an earlier candidate set's run), and the
 ``probe_gemm_*`` probes (mid M, kv_a's narrow columns, tail tiles) and the capture-spread probe.
-Looked up by
-``experiments.report`` through ``experiments.report_kernels.VIEWS``."""
+Looked up by ``experiments.report`` through ``experiments.report_kernels.VIEWS``."""
 
 from __future__ import annotations
 
