@@ -116,6 +116,13 @@ class EngineConfig:
       closed connections).
     - ``max_logprobs``: the largest top-N a request may ask for (``logprobs``,
       ``prompt_logprobs``; vLLM's default 20).
+    - ``path_invariant`` (the deterministic modes): a token's logprob, top logprobs and logits
+      digest have the same bits whether a decode step sampled it or a prefill scored it
+      (``LLM.score``, prompt logprobs, ``corun.training``): every GEMM keeps a row's bits at
+      every M (corun's take the tuned batch-invariant tiles, never split-K) and prefill
+      attention folds each row's keys in the decode's splits. None: on, except under
+      ``default`` (which promises nothing, and refuses True); False: corun's GEMMs may split K
+      by M and prefill attention runs a row as one split (each path stays deterministic).
     """
 
     model: str = "tiny-qwen3"
@@ -146,6 +153,7 @@ class EngineConfig:
     distributed_timeout_s: float = 120.0
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
+    path_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -239,6 +247,13 @@ class EngineConfig:
         if self.overlap_prefill_decode and self.tensor_parallel_size > 1:
             raise ValueError("overlap_prefill_decode: not supported with tensor_parallel_size "
                              f"{self.tensor_parallel_size} > 1 (collectives on two streams)")
+        if self.path_invariant is not None and not isinstance(self.path_invariant, bool):
+            raise ValueError(f"path_invariant: expected None or a bool, "
+                             f"got {self.path_invariant!r}")
+        if self.path_invariant and self.kernel_mode is Mode.DEFAULT:
+            raise ValueError("path_invariant: mode 'default' makes no promise of equal bits "
+                             "(its decode splits follow the batch); use corun, "
+                             "batch_invariant or batch_invariant_tuned")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching: expected a bool, "
                              f"got {self.enable_prefix_caching!r}")
@@ -260,6 +275,13 @@ class EngineConfig:
     @property
     def is_batch_invariant(self) -> bool:
         return self.kernel_mode.is_batch_invariant
+
+    @property
+    def is_path_invariant(self) -> bool:
+        """``path_invariant`` resolved: on by default in every mode but ``default``."""
+        if self.kernel_mode is Mode.DEFAULT:
+            return False
+        return self.path_invariant is not False
 
     @property
     def num_decode_slots(self) -> int:

@@ -115,7 +115,8 @@ class ModelRunner:
         self.model, self.model_config = model
         self.ops = OpsConfig(mode=config.kernel_mode, backend=config.resolved_backend,
                              decode_split_size=config.decode_split_size,
-                             decode_fused_combine=config.decode_fused_combine)
+                             decode_fused_combine=config.decode_fused_combine,
+                             path_invariant=config.is_path_invariant)
         self.vocab_size = self.model_config.vocab_size
         self.block_width = config.max_blocks_per_seq
         self.sampler = Sampler(config.resolved_backend, self.device)

@@ -4,15 +4,15 @@ Two responses (or two offline runs) are comparable bit for bit exactly when thei
 fingerprints are equal: the id hashes the weights (a named config's name and seed, or a digest of
 a checkpoint's files), the dtype, the mode and backend, the step shapes (B and the decode
 buckets, the prefill policy with C, T and R, the block size, max_model_len, which bounds the
-decode grid), the decode split size, the tuned kernel tables the device's card reads, the source
-of the kernels, models and engine (so a change of the code that decides the bits, e.g. a
-kernel's order of addition, changes the id even at one version number; a comment edit changes it
-too, which errs on the safe side), tensor parallelism, the EOS ids, the device (GPU name and
-compute capability, or the CPU's vector ISA) and the torch / triton / corun / outlines-core
-versions (outlines-core compiles structured output's grammars, so it decides which tokens a
-structured request may sample). Pure sizing and pacing knobs (KV block count, queue length,
-token budgets, overlap, CUDA graphs, which replay the eager bits, decode attention's fused
-combine) are left out: they do not change a request's bits.
+decode grid), the decode split size and path invariance, the tuned kernel tables the device's
+card reads, the source of the kernels, models and engine (so a change of the code that decides
+the bits, e.g. a kernel's order of addition, changes the id even at one version number; a
+comment edit changes it too, which errs on the safe side), tensor parallelism, the EOS ids, the
+device (GPU name and compute capability, or the CPU's vector ISA) and the torch / triton / corun
+/ outlines-core versions (outlines-core compiles structured output's grammars, so it decides
+which tokens a structured request may sample). Pure sizing and pacing knobs (KV block count,
+queue length, token budgets, overlap, CUDA graphs, which replay the eager bits, decode
+attention's fused combine) are left out: they do not change a request's bits.
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ def describe(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = (),
         "block_size": config.block_size,
         "max_model_len": config.max_model_len,
         "decode_split_size": config.decode_split_size,
+        "path_invariant": config.is_path_invariant,
         "tensor_parallel_size": config.tensor_parallel_size,
         "tuned_tables": _tuned_tables(config),
         "sources": source_digest(),

@@ -69,9 +69,11 @@ def test_hit_equals_miss_on_the_triton_backend(name):
 @pytest.mark.slow
 def test_reusing_decode_written_blocks_changes_bits_negative_control(monkeypatch):
     """b's prompt is a's prompt plus a's 8 output tokens: with a's decode-written blocks
-    registered, b hits 64 tokens of which 6 were decoded, and its bits change. (A short
-    decode: every step runs the model through the interpreter.)"""
-    config = EngineConfig(model="tiny-qwen3", **BASE, **CONFIGS["batch_invariant"])
+    registered, b hits 64 tokens of which 6 were decoded, and without path invariance its bits
+    change (the decode's attention splits are not the prefill's). (A short decode: every step
+    runs the model through the interpreter.)"""
+    config = EngineConfig(model="tiny-qwen3", **BASE, **CONFIGS["batch_invariant"],
+                          path_invariant=False)
     first = Req("a", prompt(1, 58), max_tokens=8)
     output = run_workload(config, [first]).results["a"][0][0]
     requests = [first, Req("b", prompt(1, 58) + output + prompt(6, 3), arrival_step=18,

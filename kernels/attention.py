@@ -7,30 +7,29 @@ Layouts: K/V caches [num_blocks, block_size, num_kv_heads, head_dim] (block_size
 head_dim a power of 2 in [16, 256]. Numerics: ``kernels.reference`` (softmax in fp32, output in
 q's dtype).
 
-Invariance, per op:
+Invariance, per op (the arithmetic both kernels share: ``attention_kernels.py``):
 
-- ``prefill_attention`` (every mode): the config depends on (head_dim, dtype) only, each query
-  row walks KV tiles of BLOCK_N keys from key 0 whatever its query tile, and tiles fully masked
-  for a row are exact no-ops for it. Guarantee: a prompt prefilled whole or in chunks of C,
-  aligned at multiples of C, with C a multiple of BLOCK_M (128 for 16-bit dtypes, 64 for fp32;
-  BLOCK_M is a multiple of BLOCK_N), gives bitwise the same output rows; the KV written by
-  ``store_kv`` is a copy, identical by construction. With that alignment a row also sits at the
-  same offset of its query tile in both runs. Unaligned C only adds a different in-tile row
-  offset: GPU MMA rows do not depend on it, but the interpreter's BLAS matmul does, so it is not
-  promised (``experiments/bench_attention.check_invariance_gpu`` reports it on the H200).
-  A prompt's rows are also independent of the other sequences in the batch: tiles start at each
-  sequence's own cu_seqlens offset, so a chunk packed into a step at any row offset (beside
-  zero-length padding rows and trailing padding tokens, whose rows are written as zeros) has
-  the bits it has alone.
-- ``decode_attention`` under ``corun`` and ``batch_invariant``: a sequence is cut into splits of a
-  fixed ``split_size`` tokens, so its bits depend only on its own query, length and KV: not on the
-  other sequences, the batch size, its slot, or ``max_seq_len`` (which only sizes the grid, so one
-  launch shape serves every step of a CUDA graph). A sequence that is one split is written by
-  stage 1 directly, whether or not the grid needs stage 2 for others. The splits are combined
-  one at a time in split order, by stage 2 or, with ``fused_combine``, by the sequence's last
-  lane inside stage 1: the same bits, so the choice may depend on anything. Under ``default``
-  the split size follows the batch's longest sequence and the batch size to fill the GPU, so a
-  sequence's bits change when only the other sequences change.
+- ``prefill_attention`` (every mode): the config depends on (head_dim, dtype, split size) only,
+  never on the chunk length or the batch, and a row's bits depend on its position, its keys
+  and the split size alone: not on its query tile, its offset in it, the chunking of its
+  prompt or the other sequences of the step. A chunk packed into a step at any row offset
+  (beside zero-length padding rows and trailing padding tokens, whose rows are written as
+  zeros) has the bits it has alone. The KV written by ``store_kv`` is a copy, identical by
+  construction.
+- ``decode_attention`` under ``corun`` and the batch-invariant modes: a sequence is cut into
+  splits of a fixed ``split_size`` tokens, so its bits depend only on its own query, length and
+  KV: not on the other sequences, the batch size, its slot, or ``max_seq_len`` (which only sizes
+  the grid, so one launch shape serves every step of a CUDA graph). A sequence that is one split
+  is written by stage 1 directly, whether or not the grid needs stage 2 for others. The splits
+  are folded one at a time in split order, by stage 2 or, with ``fused_combine``, by the
+  sequence's last lane inside stage 1: the same bits, so the choice may depend on anything.
+  Under ``default`` the split size follows the batch's longest sequence and the batch size to
+  fill the GPU, so a sequence's bits change when only the other sequences change.
+- **decode == prefill** (path invariance): a token's decode row and its prefill row (the same
+  query, position and keys) have the same bits when prefill runs with the decode's
+  ``split_size`` (``prefill_attention(split_size=...)``; its BLOCK_N is then the decode's,
+  ``decode_block_n``). The deterministic modes' engines pass it; ``default`` prefills each row
+  as one split, and its decode splits follow the batch, so its two paths differ.
 
 Host-side checks: shapes, dtypes, devices and host ints always. Checks that read tensor values
 (cu_seqlens consistency, lengths vs table capacity, block ids < num_blocks, slots in range) run
@@ -63,6 +62,7 @@ from kernels.utils import (
     check_tensor,
     dot_precision,
     is_host_checkable,
+    is_interpreter,
     next_power_of_2,
     preload_page_count,
     upcast_dot_operands,
@@ -82,9 +82,9 @@ DECODE_RESIDENT_PROGRAMS = 3 * NUM_SMS
 DECODE_PRELOAD_3_STAGE_PROGRAMS = 2 * NUM_SMS
 # Cap on the default mode's splits, bounding the partial-output buffer and the combine loop.
 DECODE_MAX_SPLITS_DEFAULT = 64
-# Splits the combine loads per unrolled step. They are added one at a time in split order
-# whatever it is; a constant anyway, so the combine's code never changes with max_seq_len.
-DECODE_COMBINE_BLOCK_S = 32
+# A prefill without a split size runs each row as one split of at most this many keys (more
+# than any context a block table can hold).
+ONE_SPLIT = 2**30
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -131,16 +131,22 @@ class PrefillAttentionConfig:
 
 
 def prefill_attention_config(
-    head_dim: int, dtype: torch.dtype, mode: Mode
+    head_dim: int, dtype: torch.dtype, mode: Mode, split_size: int | None = None
 ) -> PrefillAttentionConfig:
-    """Tile config of prefill attention. Depends on (head_dim, dtype) only: never on the chunk
-    length or the batch, so chunked and whole prefill walk the same KV tiles. The same in every
-    mode (the kernel is already chunk- and batch-invariant)."""
+    """Tile config of prefill attention. Depends on (head_dim, dtype, split_size) only: never on
+    the chunk length or the batch, so chunked and whole prefill walk the same KV tiles. The same
+    in every mode (the kernel is already chunk- and batch-invariant). With a split size the KV
+    tile is the decode kernel's (``decode_block_n``): a row's online softmax then takes the
+    decode's steps."""
     if dtype == torch.float32:  # 4-byte tiles: halve them to stay within shared memory
-        return PrefillAttentionConfig(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-    if head_dim >= 128:
-        return PrefillAttentionConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    return PrefillAttentionConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+        cfg = PrefillAttentionConfig(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    elif head_dim >= 128:
+        cfg = PrefillAttentionConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    else:
+        cfg = PrefillAttentionConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if split_size is None:
+        return cfg
+    return dataclasses.replace(cfg, BLOCK_N=decode_block_n(split_size))
 
 
 def prefill_attention(
@@ -154,6 +160,7 @@ def prefill_attention(
     *,
     max_q_len: int,
     mode: Mode = Mode.CORUN,
+    split_size: int | None = None,
     config: PrefillAttentionConfig | None = None,
 ) -> torch.Tensor:
     """Causal, variable-length, chunked prefill over the paged cache -> [T, Hq, D] in q's dtype.
@@ -161,8 +168,11 @@ def prefill_attention(
     q [T, Hq, D] holds each sequence's chunk back to back (``cu_seqlens_q`` [B + 1] int32);
     ``context_lens`` [B] int32 is each sequence's length including the chunk, whose K/V must
     already be stored; query i of sequence b sits at position context_lens[b] - q_len_b + i.
-    Chunk- and batch-invariant in every mode (module docstring). ``config`` overrides the policy
-    (tests use small tiles to exercise many tiles cheaply).
+    Chunk- and batch-invariant in every mode (module docstring). ``split_size``: each row's keys
+    are cut into splits of that many tokens and folded as ``decode_attention`` folds a
+    sequence's, so a row has the bits of the decode of the same token at that split size (a
+    multiple of the config's BLOCK_N); None: one split, whatever the length. ``config``
+    overrides the policy (tests use small tiles to exercise many tiles cheaply).
 
     Packed steps (several requests' chunks in one fixed-shape step): a row of length 0
     (q_len 0, context_len 0) is a padding slot and contributes nothing; rows of q after
@@ -199,10 +209,14 @@ def prefill_attention(
                              f"(q_lens {q_lens}, table capacity {capacity}), got {ctx}")
         check_block_ids(block_tables, context_lens, block_size, k_cache.shape[0])
 
+    cfg = config or prefill_attention_config(q.shape[2], q.dtype, mode, split_size)
+    if split_size is not None and (isinstance(split_size, bool) or not isinstance(split_size, int)
+                                   or split_size < 1 or split_size % cfg.BLOCK_N):
+        raise ValueError(f"split_size: expected None or a positive multiple of BLOCK_N "
+                         f"{cfg.BLOCK_N}, got {split_size!r}")
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
-    cfg = config or prefill_attention_config(q.shape[2], q.dtype, mode)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     # At least one tile lane: with max_q_len 0 (a step of padding only) the padding rows still
     # need their zeros.
@@ -212,11 +226,12 @@ def prefill_attention(
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
         q.shape[0], num_seqs, num_m_tiles, num_q_heads // k_cache.shape[2], block_size,
-        scale * LOG2E,
+        ONE_SPLIT if split_size is None else split_size, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=head_dim,
-        UPCAST=upcast_dot_operands(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
+        UPCAST=upcast_dot_operands(q.dtype), SERIAL_DOT=is_interpreter(),
+        DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -271,7 +286,9 @@ def decode_launch_grids(cfg: DecodeAttentionConfig, num_seqs: int, num_q_heads: 
     return grids
 
 
-def _decode_block_n(split_size: int) -> int:
+def decode_block_n(split_size: int) -> int:
+    """The KV tile of the fixed-split decode (and of a prefill that follows its splits): the
+    largest of 64, 32, 16 that divides the split size."""
     return next(bn for bn in (64, 32, 16) if split_size % bn == 0)
 
 
@@ -320,7 +337,7 @@ def decode_attention_config(
     else:
         if split_size < 16 or split_size % 16:
             raise ValueError(f"split_size: expected a positive multiple of 16, got {split_size}")
-        size, block_n = split_size, _decode_block_n(split_size)
+        size, block_n = split_size, decode_block_n(split_size)
         max_num_splits = cdiv(max_seq_len, size)
         # Enough lanes to fill the GPU; programs loop over the remaining splits.
         lanes = decode_lanes(max_num_splits, programs_per_split, DECODE_TARGET_PROGRAMS)
@@ -438,8 +455,8 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         BLOCK_N=cfg.BLOCK_N, BLOCK_H=cfg.BLOCK_H, BLOCK_D=head_dim,
-        UPCAST=upcast_dot_operands(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
-        FUSED_COMBINE=fused, COMBINE_BLOCK_S=DECODE_COMBINE_BLOCK_S, GPU_FENCE=q.is_cuda,
+        UPCAST=upcast_dot_operands(q.dtype), SERIAL_DOT=is_interpreter(),
+        DOT_PRECISION=_dot_precision(q.dtype), FUSED_COMBINE=fused, GPU_FENCE=q.is_cuda,
         LANE_PAGES=decode_preloaded_pages(cfg, block_size),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -449,7 +466,6 @@ def decode_attention(
             head_dim, cfg.split_size,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
             mid_lse.stride(1), out.stride(0), out.stride(1),
-            BLOCK_S=DECODE_COMBINE_BLOCK_S, BLOCK_D=head_dim,
-            num_warps=4,
+            BLOCK_D=head_dim, num_warps=4,
         )
     return out

@@ -24,6 +24,13 @@ class OpsConfig:
     ``backend="triton"`` runs every op through ``kernels/``; ``backend="torch"`` runs the plain
     torch path in ``models/ops.py`` (the CPU engine in CI uses it: position-invariant at a fixed
     shape, and batch-invariant under ``Mode.BATCH_INVARIANT`` by computing in fixed row tiles).
+
+    ``path_invariant`` (any mode but ``default``): a token's rows have the same bits whichever
+    path computes them, a decode step or a prefill chunk: the GEMM-like kernels keep a row's bits
+    at every M (``gemm_mode``) and prefill attention folds each row's keys in the decode's splits
+    (``prefill_split_size``). Off, corun's GEMMs may pick split-K from M and prefill attention
+    runs each row as one split: only the decode and prefill paths differ, each stays
+    deterministic.
     """
 
     mode: Mode = Mode.CORUN
@@ -32,6 +39,7 @@ class OpsConfig:
     decode_split_size: int = 256
     # Decode attention combines the splits in its split launch (same bits, one launch fewer).
     decode_fused_combine: bool = False
+    path_invariant: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -46,6 +54,31 @@ class OpsConfig:
         if not isinstance(self.decode_fused_combine, bool):
             raise TypeError(f"decode_fused_combine: expected a bool, "
                             f"got {type(self.decode_fused_combine).__name__}")
+        if not isinstance(self.path_invariant, bool):
+            raise TypeError(f"path_invariant: expected a bool, "
+                            f"got {type(self.path_invariant).__name__}")
+
+    @property
+    def is_path_invariant(self) -> bool:
+        """Whether decode and prefill rows of one token have the same bits (never under
+        ``default``, whose decode splits follow the batch)."""
+        return self.path_invariant and self.mode is not Mode.DEFAULT
+
+    @property
+    def gemm_mode(self) -> Mode:
+        """The policy of the kernels whose rows could change with M (GEMMs, MLA's per-head
+        products, MoE expert GEMMs). Under path invariance corun's take the tuned batch-invariant
+        policy (tiles per shape, never split-K: a row's bits the same at the decode's M and the
+        prefill's); otherwise the mode itself."""
+        if self.mode is Mode.CORUN and self.path_invariant:
+            return Mode.BATCH_INVARIANT_TUNED
+        return self.mode
+
+    @property
+    def prefill_split_size(self) -> int | None:
+        """The split size prefill attention folds each row's keys in: the decode's under path
+        invariance, else None (one split a row)."""
+        return self.decode_split_size if self.is_path_invariant else None
 
 
 @dataclass
@@ -134,6 +167,26 @@ class ForwardBatch:
             seq_lens=self.seq_lens, max_seq_len=self.max_seq_len,
             token_mask=None if self.token_mask is None else self.token_mask[:nd],
             decode_arrivals=self.decode_arrivals)
+
+    def per_token_decode(self) -> ForwardBatch:
+        """A prefill batch's tokens as a decode batch, one "sequence" per token: token i of a
+        chunk attends to its own causal prefix (``seq_lens`` = its position + 1) through its
+        sequence's block table; the padding tokens of a packed step get length 0 (zeros). What a
+        prefill computes with the decode kernels, so each row has its decode's bits. Device ops
+        only (no host sync)."""
+        cu = self.cu_seqlens_q.long()
+        num_seqs, num_tokens = cu.numel() - 1, self.num_tokens
+        # Tokens after cu_seqlens_q[-1] (a packed step's padding) form an extra "sequence".
+        q_lens = torch.cat([cu[1:] - cu[:-1], num_tokens - cu[-1:]])
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(num_seqs + 1, device=cu.device), q_lens, output_size=num_tokens)
+        padding = seq_of_token == num_seqs
+        seq_lens = torch.where(padding, 0, self.positions + 1).to(torch.int32)
+        tables = self.block_tables[seq_of_token.clamp(max=max(num_seqs - 1, 0))]
+        return ForwardBatch(
+            is_prefill=False, positions=self.positions, slot_mapping=self.slot_mapping,
+            block_tables=tables, kv_cache=self.kv_cache, ops=self.ops, seq_lens=seq_lens,
+            max_seq_len=self.max_seq_len, token_mask=self.token_mask)
 
     def prefill_part(self) -> ForwardBatch:
         """The prefill chunks of a mixed batch as a prefill batch (views, no copies)."""

@@ -91,8 +91,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig,
     if ops.backend == "triton":
         from kernels.gemm import gemm
 
-        return gemm(x, weight, bias, mode=ops.mode)
-    return _torch_matmul(x, weight, bias, ops.mode)
+        return gemm(x, weight, bias, mode=ops.gemm_mode)
+    return _torch_matmul(x, weight, bias, ops.gemm_mode)
 
 
 def bmm(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig) -> torch.Tensor:
@@ -102,7 +102,7 @@ def bmm(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig) -> torch.Tensor:
     under batch_invariant, where each head is a Triton GEMM so a row never depends on M. Torch
     backend: one batched matmul under default, else each head through ``_torch_matmul``.
     """
-    if ops.backend == "triton" and not ops.mode.is_batch_invariant:
+    if ops.backend == "triton" and not ops.gemm_mode.is_batch_invariant:
         return torch.matmul(x, weight.transpose(1, 2))
     if ops.backend == "torch" and ops.mode is Mode.DEFAULT:
         return torch.matmul(x, weight.transpose(1, 2))
@@ -179,8 +179,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
         return prefill_kernel(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                               batch.context_lens, scale, max_q_len=batch.max_q_len,
-                              mode=batch.ops.mode)
-    if batch.ops.mode.is_batch_invariant:
+                              mode=batch.ops.mode, split_size=batch.ops.prefill_split_size)
+    if batch.ops.mode.is_batch_invariant or batch.ops.is_path_invariant:
         return _prefill_per_query(q, k_cache, v_cache, batch, scale)
     return ref.prefill_attention_reference(q, k_cache, v_cache, batch.block_tables,
                                            batch.cu_seqlens_q, batch.context_lens, scale)
@@ -192,19 +192,12 @@ def _prefill_per_query(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
     The dynamic schedules chunk a prompt by the shared token budget, and a CPU matmul over L
     queries gives a row different bits for different L; one query at a time, with exactly its
-    prefix, makes a token's bits a function of its own position only - the same as decode.
+    prefix, makes a token's bits a function of its own position only - those of its decode
+    (path invariance).
     """
-    cu = batch.cu_seqlens_q.long()
-    num_seqs = cu.numel() - 1
-    # A packed step (batch-invariant kernels under corun's schedule) ends in padding tokens that
-    # belong to no sequence: they form an extra "sequence" of length 0, whose rows are zeros.
-    q_lens = torch.cat([cu[1:] - cu[:-1], q.shape[0] - cu[-1:]])
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs + 1, device=q.device), q_lens,
-                                           output_size=q.shape[0])
-    padding = seq_of_token == num_seqs
-    token_lens = torch.where(padding, 0, batch.positions + 1).to(torch.int32)
-    tables = batch.block_tables[seq_of_token.clamp(max=num_seqs - 1)]
-    return ref.decode_attention_reference(q, k_cache, v_cache, tables, token_lens, scale)
+    tokens = batch.per_token_decode()
+    return ref.decode_attention_reference(q, k_cache, v_cache, tokens.block_tables,
+                                          tokens.seq_lens, scale)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -320,7 +313,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
         # Ids straight from the routers are in range: skip the host-side check (a device sync
         # per layer that stalls the launch queue).
-        return fused_moe_kernel(x, w13, w2, topk_weights, topk_ids, mode=ops.mode,
+        return fused_moe_kernel(x, w13, w2, topk_weights, topk_ids, mode=ops.gemm_mode,
                                 token_mask=token_mask, check_ids=False)
     # An expert's row count depends on the other tokens' routing: 16-row tiles in every mode
     # but default, so a row's bits depend on neither that count nor its place among the rows.

@@ -5,7 +5,9 @@ kv_a_layernorm-ed latent and the roped, head-shared k_pe (576 values for V3).
 
 - Prefill (compute-friendly): store the chunk's rows, gather each sequence's whole context from
   the cache, expand it with kv_b_proj into per-head k_nope / v, and run dense causal attention
-  (``mla_prefill_attention``, bottom-right aligned) with qk dim nope + rope.
+  (``mla_prefill_attention``, bottom-right aligned) with qk dim nope + rope. Under path
+  invariance (``OpsConfig.is_path_invariant``) each prefill token takes the absorbed decode path
+  instead, one "sequence" per token, so a token's prefill row has its decode's bits.
 - Decode (absorbed): ``q_latent = q_nope @ W_UK`` per head, MQA over the latent cache
   (``mla_decode``, split at the fixed decode split size under corun / batch_invariant), then
   ``@ W_UV`` and o_proj. W_UK / W_UV are split out of kv_b_proj after loading.
@@ -39,6 +41,10 @@ from models.parallel import SINGLE, ParallelContext
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
+# Prefill tokens one path-invariant decode launch takes (``MLAAttention._prefill_as_decode``):
+# its split partials are [tokens, heads, max splits, kv_lora_rank] fp32, 256 MiB for
+# DeepSeek-V3's 128 heads at 8 splits.
+PATH_INVARIANT_TOKENS = 128
 
 
 def mla_rotary(config: ModelConfig) -> RotaryEmbedding:
@@ -109,18 +115,46 @@ class MLAAttention(nn.Module):
         if not batch.is_prefill:
             out = self._decode(q_nope, q_pe, kv_cache, batch)
         elif batch.num_decode_tokens == 0:
-            out = self._prefill(torch.cat([q_nope, q_pe], dim=-1), kv_cache, batch)
+            out = self._prefill(q_nope, q_pe, kv_cache, batch)
         else:
             nd = batch.num_decode_tokens
             out = self._decode(q_nope[:nd], q_pe[:nd], kv_cache, batch.decode_part())
             if nd < num_tokens:
-                prefill = self._prefill(torch.cat([q_nope[nd:], q_pe[nd:]], dim=-1), kv_cache,
-                                        batch.prefill_part())
+                prefill = self._prefill(q_nope[nd:], q_pe[nd:], kv_cache, batch.prefill_part())
                 out = torch.cat([out, prefill])
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim), o)
 
-    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor,
+    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                  batch: ForwardBatch) -> torch.Tensor:
+        """Path invariance: each token through the absorbed decode (``_prefill_as_decode``);
+        otherwise the expanded, compute-friendly form (``_prefill_expanded``)."""
+        if batch.ops.is_path_invariant:
+            return self._prefill_as_decode(q_nope, q_pe, kv_cache, batch)
+        return self._prefill_expanded(torch.cat([q_nope, q_pe], dim=-1), kv_cache, batch)
+
+    def _prefill_as_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                           kv_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Every prefill token runs the decode computation over its own causal prefix: the
+        absorbed products at M = the tokens of one launch (per head, batch-invariant GEMMs) and
+        ``mla_decode`` with one "sequence" per token, so its rows have its decode's bits. The
+        expanded form reduces other products (k_nope = c @ W_UK, then q . k over nope + rope)
+        and cannot. At most ``PATH_INVARIANT_TOKENS`` tokens a launch, bounding the decode's
+        fp32 split partials ([tokens, heads, splits, kv_lora_rank])."""
+        tokens = batch.per_token_decode()
+        outs = []
+        for start in range(0, q_nope.shape[0], PATH_INVARIANT_TOKENS):
+            end = min(start + PATH_INVARIANT_TOKENS, q_nope.shape[0])
+            part = ForwardBatch(
+                is_prefill=False, positions=tokens.positions[start:end],
+                slot_mapping=tokens.slot_mapping[start:end],
+                block_tables=tokens.block_tables[start:end], kv_cache=batch.kv_cache,
+                ops=batch.ops, seq_lens=tokens.seq_lens[start:end],
+                max_seq_len=batch.max_seq_len)
+            outs.append(self._decode(q_nope[start:end], q_pe[start:end], kv_cache, part))
+        return torch.cat(outs)
+
+    def _prefill_expanded(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                          batch: ForwardBatch) -> torch.Tensor:
         """Expand every sequence's cached context with kv_b_proj, then dense causal attention.
 
         The context lengths come from the host (``context_lens_host``: no device sync); only the

@@ -171,9 +171,10 @@ def test_overlap_fingerprints_equal_overlap_off_and_alone(alone, target_index, p
     assert on["target"].fingerprint == alone.fingerprint
 
 
-def test_overlap_fingerprint_negative_control(alone, monkeypatch):
+def test_overlap_fingerprint_negative_control(monkeypatch):
     """The comparison above can fail: decoding the combined steps at the live row count instead
-    of B (CPU fp32 rows differ between M = 1 and M >= 2) changes the target's fingerprint."""
+    of B (CPU fp32 rows differ between M = 1 and M >= 2 in corun's GEMMs without path
+    invariance; with it every row keeps its bits at any M) changes the target's fingerprint."""
     from corun.model_runner import ModelRunner
     from corun.step import StepPart, StepShape
 
@@ -183,10 +184,12 @@ def test_overlap_fingerprint_negative_control(alone, monkeypatch):
         live = StepPart(StepShape.decode(len(decode.chunks)), decode.chunks)
         return overlapped(self, live, prefill)
 
+    config = EngineConfig(mode="corun", path_invariant=False, **TINY)
+    alone = _run(config, [("target", TARGET_PROMPT, TARGET_PARAMS)])["target"]
     monkeypatch.setattr(ModelRunner, "execute_overlapped", at_live_rows)
     requests = [CORUNNERS[0], ("target", TARGET_PROMPT, TARGET_PARAMS), *CORUNNERS[1:]]
-    config = EngineConfig(mode="corun", overlap_prefill_decode=True, **TINY)
-    assert _run(config, requests)["target"].fingerprint != alone.fingerprint
+    overlapped_config = dataclasses.replace(config, overlap_prefill_decode=True)
+    assert _run(overlapped_config, requests)["target"].fingerprint != alone.fingerprint
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -275,11 +275,12 @@ def test_stats_report_the_hit_rate():
 
 
 def test_reuse_below_the_promised_granularity_changes_bits_negative_control():
-    """corun on the torch backend promises a hit at multiples of C = 8 only: its prefill
-    attention multiplies a chunk's queries together, so a suffix chunk starting at a block
-    boundary inside an uncached chunk (the last token alone at 28, where uncached it is one of
-    the five queries of chunk [24, 29)) gives its rows other bits."""
-    config = _config("corun")
+    """corun on the torch backend without path invariance promises a hit at multiples of C = 8
+    only: its prefill attention multiplies a chunk's queries together, so a suffix chunk
+    starting at a block boundary inside an uncached chunk (the last token alone at 28, where
+    uncached it is one of the five queries of chunk [24, 29)) gives its rows other bits. (With
+    path invariance every prefill row is its decode's computation, one query at a time.)"""
+    config = _config("corun", path_invariant=False)
     requests = SCENARIOS["repeated"]
     alone = run_each_alone(config, requests)
     promised = run_workload(config, requests)
@@ -291,9 +292,10 @@ def test_reuse_below_the_promised_granularity_changes_bits_negative_control():
 
 def test_reusing_decode_written_blocks_changes_bits_negative_control(monkeypatch):
     """A prompt equal to an earlier request's prompt plus its output: letting the blocks its
-    decode steps wrote serve as prompt blocks changes the later request's bits (decode K/V are
-    other bits than prefill K/V of the same tokens); the prefill-only rule keeps them."""
-    config = _config("corun", max_num_seqs=2)
+    decode steps wrote serve as prompt blocks changes the later request's bits (without path
+    invariance decode K/V are other bits than prefill K/V of the same tokens: corun's GEMM at
+    M = 1 is not its GEMM at a prefill's M); the prefill-only rule keeps them."""
+    config = _config("corun", max_num_seqs=2, path_invariant=False)
     first = Req("a", SYSTEM[:12], max_tokens=14)
     engine_output = run_workload(config, [first]).results["a"][0][0]
     # "b" arrives once "a" has finished (its blocks stay cached, evictable).

@@ -3,13 +3,15 @@
 The dynamic schedules put decode tokens into prefill steps. With ``num_decode_tokens`` the
 decode tokens go first and attention runs them through the decode path (``mla_decode`` for MLA),
 so under batch_invariant a decode token's hidden row and logits are bitwise those of a pure decode
-step, whatever prefill chunk shares its step. The negative control runs the same mixed step with
-``num_decode_tokens=0`` (the decode token as a prefill chunk of length 1, the old layout) and
-shows that its bits then differ, so the property can fail.
+step, whatever prefill chunk shares its step. With path invariance (``OpsConfig.path_invariant``,
+on by default) the decode token run as a prefill chunk of length 1 (``num_decode_tokens=0``)
+has those bits too; the negative control turns path invariance off and shows that the prefill
+path then gives it other bits, so the property can fail.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -27,6 +29,7 @@ BLOCKS_PER_SEQ = 4
 MAX_MODEL_LEN = BLOCK_SIZE * BLOCKS_PER_SEQ  # the batch_invariant decode grid bound
 SPLIT = 16  # the decode split size: a decode sequence longer than 16 has two splits
 OPS = OpsConfig(Mode.BATCH_INVARIANT, backend="triton", decode_split_size=SPLIT)
+OPS_PATH_VARIANT = dataclasses.replace(OPS, path_invariant=False)
 MODELS = ["tiny-qwen3", "tiny-deepseek-v3", "tiny-hy3"]
 # tests/ does not load the invariance_tests profiles; the interpreter is slow: few examples.
 FEW = settings(max_examples=1, deadline=None, derandomize=True)
@@ -74,7 +77,7 @@ class Setup:
     def _slots(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return table[positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
 
-    def _prefill(self, chunks, num_decode_tokens: int = 0, decode=()):
+    def _prefill(self, chunks, num_decode_tokens: int = 0, decode=(), ops: OpsConfig = OPS):
         """(ids, batch) of decode tokens ``decode`` [(table, tokens)] then ``chunks``
         [(table, tokens, start, end)] (empty chunks skipped)."""
         chunks = [c for c in chunks if c[3] > c[2]]
@@ -90,7 +93,7 @@ class Setup:
         positions = torch.cat(pos)
         batch = ForwardBatch(
             is_prefill=True, positions=positions, slot_mapping=slots,
-            block_tables=torch.stack(tables), kv_cache=self.cache, ops=OPS,
+            block_tables=torch.stack(tables), kv_cache=self.cache, ops=ops,
             cu_seqlens_q=torch.tensor([0] + q_lens, dtype=I32).cumsum(0).to(I32),
             context_lens=torch.tensor([end for *_, end in chunks], dtype=I32),
             max_q_len=max(q_lens), max_seq_len=MAX_MODEL_LEN,
@@ -121,15 +124,16 @@ class Setup:
             max_seq_len=MAX_MODEL_LEN, token_mask=torch.tensor([True, False]))
         return self.run(torch.tensor([int(self.tokens_a[-1]), 0]), batch)
 
-    def mixed(self, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def mixed(self, split: bool, ops: OpsConfig = OPS) -> tuple[torch.Tensor, torch.Tensor]:
         """A's token beside B's chunk: split (decode part first) or, unsplit, A's token as a
         prefill chunk of length 1 followed by B's chunk."""
         c = self.case
         chunk_b = (self.table_b, self.tokens_b, c.chunk_start, c.chunk_end)
         if split:
-            return self.run(*self._prefill([chunk_b], 1, [(self.table_a, self.tokens_a)]))
+            return self.run(*self._prefill([chunk_b], 1, [(self.table_a, self.tokens_a)],
+                                           ops=ops))
         chunk_a = (self.table_a, self.tokens_a, c.decode_len - 1, c.decode_len)
-        return self.run(*self._prefill([chunk_a, chunk_b]))
+        return self.run(*self._prefill([chunk_a, chunk_b], ops=ops))
 
 
 _SETUPS: dict[tuple[str, Case], Setup] = {}
@@ -159,12 +163,23 @@ def test_decode_token_in_mixed_step_has_pure_decode_bits(name, case):
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_decode_token_as_prefill_chunk_has_decode_bits(name):
+    """Path invariance: the same step with num_decode_tokens=0 (A's token through the prefill
+    path, beside B's chunk) gives the token its pure decode step's hidden row and logits."""
+    setup = _setup(name, PINNED)
+    hidden, logits = setup.pure_decode()
+    unsplit_hidden, unsplit = setup.mixed(split=False)
+    assert_bitwise_equal(unsplit_hidden[0], hidden[0], f"{name} hidden")
+    assert_bitwise_equal(unsplit[0], logits[0], f"{name} logits")
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_decode_token_as_prefill_chunk_differs_negative_control(name):
-    """The check can fail: the same step with num_decode_tokens=0 (A's token through the
-    prefill path) gives the token different bits."""
+    """The check can fail: without path invariance the prefill path (attention over the whole
+    context as one split; MLA's expanded form) gives the token other bits."""
     setup = _setup(name, PINNED)
     _, logits = setup.pure_decode()
-    _, unsplit = setup.mixed(split=False)
+    _, unsplit = setup.mixed(split=False, ops=OPS_PATH_VARIANT)
     assert not torch.equal(unsplit[0], logits[0]), f"{name}: prefill path matched decode bits"
 
 
