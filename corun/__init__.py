@@ -18,6 +18,7 @@ _EXPORTS = {
     "StructuredOutput": "corun.structured_output",
     "RequestOutput": "corun.outputs",
     "CompletionOutput": "corun.outputs",
+    "ScoreOutput": "corun.outputs",
     "Tokenizer": "corun.tokenizer",
     "Mode": "kernels.mode",
 }

@@ -171,7 +171,10 @@ class LLMEngine:
             raise ValueError("stop: stop strings need a tokenizer (use stop_token_ids)")
         if params.structured is not None:
             self.grammar.index(params.structured)  # compiled here, cached for add_request
-        if len(ids) >= self.config.max_model_len:
+        if params.max_tokens == 0 and len(ids) > self.config.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens exceed max_model_len "
+                             f"{self.config.max_model_len}")
+        if params.max_tokens != 0 and len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
                              f"max_model_len {self.config.max_model_len}")
         return ids
@@ -343,7 +346,9 @@ class LLMEngine:
         for i, seq in enumerate(seqs):
             params = seq.params
             if seq.seq_id in result.prompt_logprobs:
-                seq.prompt_logprobs, seq.prompt_token_ranks = result.prompt_logprobs[seq.seq_id]
+                scores = result.prompt_logprobs[seq.seq_id]
+                seq.prompt_logprobs, seq.prompt_token_ranks = scores.logprobs, scores.ranks
+                seq.prompt_logits_digests = scores.digests
             if params.max_tokens == 0:  # scoring the prompt: its prefill was the whole work
                 seq.finish_reason, seq.finish_time = "length", now
                 self.scheduler.finish(seq)
@@ -483,4 +488,5 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt_token_ids, completions,
                              request.finished, request.seed, request.prompt, metrics,
                              prompt_logprobs=request.seqs[0].prompt_logprobs,
-                             prompt_token_ranks=request.seqs[0].prompt_token_ranks)
+                             prompt_token_ranks=request.seqs[0].prompt_token_ranks,
+                             prompt_logits_digests=request.seqs[0].prompt_logits_digests)

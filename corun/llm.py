@@ -9,6 +9,11 @@ order: token ids, text (with a tokenizer), finish reason, seed and fingerprint p
 Under ``mode="corun"`` (and ``batch_invariant``) a prompt's output, fingerprint included, is the
 same whatever else is in the call, in any order, at any concurrency: an evaluation or an RL rollout
 can be replayed request by request from its seeds.
+
+``score`` is teacher forcing: the logprobs of given tokens after a prompt, in one prefill. Under
+path invariance (``EngineConfig.path_invariant``, on in every deterministic mode) a token's
+scored logprob, top logprobs and fingerprint are the bits ``generate`` gave it when it sampled
+the token, so an RL trainer can take its rollouts' logprobs from either.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from pathlib import Path
 
 from corun.config import EngineConfig
 from corun.engine import LLMEngine
-from corun.outputs import RequestOutput
+from corun.fingerprint import Fingerprint
+from corun.outputs import RequestOutput, ScoreOutput
 from corun.sampling_params import SamplingParams, generation_defaults_of
 from corun.tokenizer import Tokenizer, tokenizer_for_model
 
@@ -56,6 +62,17 @@ class LLM:
             tokenizer = tokenizer_for_model(model)[0]
         self.tokenizer = tokenizer
         self.engine = LLMEngine(self.config, self.tokenizer)
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine, tokenizer: Tokenizer | None = None,
+                    generation_config: str = "vllm") -> LLM:
+        """An LLM over an engine built elsewhere (benchmarks run several modes' engines on one
+        set of weights, ``LLMEngine(config, model_runner=...)``). ``close`` closes the engine."""
+        llm = cls.__new__(cls)
+        llm.engine, llm._closed = engine, False
+        llm.config, llm.tokenizer = engine.config, tokenizer
+        llm.default_sampling = generation_defaults_of(generation_config, engine.config.model)
+        return llm
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json values (vLLM's)."""
@@ -141,6 +158,53 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
 
+    def score(self, prompts: PromptType | Sequence[PromptType],
+              completions: Sequence[list[int] | str] | None = None, *, logprobs: int = 0,
+              use_tqdm: bool = True) -> list[ScoreOutput]:
+        """Teacher-forced scoring: each completion's tokens given its prompt, one prefill of
+        prompt + completion each (no sampling). ``completions`` None: each prompt is a whole
+        sequence and every token after its first is scored. ``logprobs``: also the N most likely
+        tokens at each scored position (``ScoreOutput.top_logprobs``). Every item is validated
+        before any work starts. The engine's prefill of the sequences may share steps, chunks
+        and prefix-cache hits with anything; under path invariance the bits are those the
+        tokens got when sampled (``ScoreOutput``)."""
+        self._check_open()
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+            if completions is not None and (isinstance(completions, str) or (
+                    completions and isinstance(completions[0], int))):
+                completions = [completions]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts: expected at least one prompt")
+        if completions is not None and len(completions) != len(prompts):
+            raise ValueError(f"completions: {len(completions)} completions for "
+                             f"{len(prompts)} prompts")
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0:
+            raise ValueError(f"logprobs: expected an int >= 0, got {logprobs!r}")
+        pairs = []
+        for i, prompt in enumerate(prompts):
+            ids = list(self._to_ids(prompt)[0])
+            if completions is None:
+                if len(ids) < 2:
+                    raise ValueError(f"prompts[{i}]: a sequence to score needs at least two "
+                                     f"tokens (the first is scored by nothing)")
+                pairs.append((ids[:1], ids[1:]))
+                continue
+            completion = completions[i]
+            if isinstance(completion, str):
+                completion = self._to_ids(completion)[0]
+            completion = list(completion)
+            if not completion:
+                raise ValueError(f"completions[{i}]: expected at least one token")
+            pairs.append((ids, completion))
+        params = SamplingParams(max_tokens=0, prompt_logprobs=logprobs)
+        outputs = self.generate([{"prompt_token_ids": p + c} for p, c in pairs], params,
+                                use_tqdm=use_tqdm)
+        return [_score_output(p, c, out, logprobs) for (p, c), out in
+                zip(pairs, outputs, strict=True)]
+
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -172,3 +236,20 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[request_id] for request_id in order]
+
+
+def _score_output(prompt: list[int], completion: list[int], out: RequestOutput,
+                  top_n: int) -> ScoreOutput:
+    """The completion's positions of a prompt-logprobs result, and the fingerprint the same
+    tokens carry when sampled: (token, digest of the row that predicted it) in order."""
+    first = len(prompt)
+    entries = out.prompt_logprobs[first:]
+    fingerprint = Fingerprint()
+    for token, digest in zip(completion, out.prompt_logits_digests[first:], strict=True):
+        fingerprint.update(token, digest)
+    return ScoreOutput(
+        prompt_token_ids=prompt, completion_token_ids=completion,
+        logprobs=[entry[token] for token, entry in zip(completion, entries, strict=True)],
+        # An entry holds the top-N, most likely first, then the token itself when not among them.
+        top_logprobs=[dict(list(entry.items())[:top_n]) for entry in entries] if top_n else None,
+        fingerprint=fingerprint.hexdigest())

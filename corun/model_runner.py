@@ -40,7 +40,7 @@ from corun.config import DYNAMIC_GRAPH_PREFILL_ROWS, EngineConfig
 from corun.fingerprint import LogitsDigest
 from corun.graph_runner import GraphRunner
 from corun.logits_processing import PenaltyPool, resample_processed
-from corun.prompt_logprobs import PromptScorer
+from corun.prompt_logprobs import PromptScorer, PromptScores
 from corun.sampler import Sampler, SamplingTensors
 from corun.step import (
     StepPart,
@@ -62,15 +62,14 @@ class StepResult:
     asked for logprobs: ``logprob_ids`` [R, 1 + K] (the sampled token, then the K most likely)
     and ``logprobs`` [R, 1 + K] theirs, K the largest ``logprobs`` N of the step's rows.
     ``prompt_logprobs``: per sequence whose prompt finished its prefill in this part and asked
-    for them, ``PromptScorer.score``'s (``Sequence.prompt_logprobs``,
-    ``Sequence.prompt_token_ranks``)."""
+    for them, ``PromptScorer.score``'s ``PromptScores``."""
 
     samples: torch.Tensor
     logits: torch.Tensor
     logprobs: torch.Tensor | None
     num_sampled: int
     logprob_ids: torch.Tensor | None = None
-    prompt_logprobs: dict[int, tuple[list, list]] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[int, PromptScores] = dataclasses.field(default_factory=dict)
 
 
 
@@ -148,7 +147,8 @@ class ModelRunner:
         self._block_dim = 2 if spec.kind == "mha" else 1
         self._host_kv: dict[int, torch.Tensor] = {}
         self.prompt_scorer = PromptScorer(
-            lambda hidden: self.model.compute_logits(hidden, self.ops), self.sampler)
+            lambda hidden: self.model.compute_logits(hidden, self.ops), self.sampler,
+            self.digest)
         self.penalty_pool = PenaltyPool(self.device, config.max_num_seqs)
         # Sequence ids for every engine on this runner (LLMEngine takes them from here): the
         # per-sequence state above is keyed by them.

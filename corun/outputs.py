@@ -87,6 +87,10 @@ class RequestOutput:
     # Beside it, per position the prompt token's rank: the number of vocabulary entries with a
     # logprob at least its own (ties included, as vLLM V1), even outside the top-N (None first).
     prompt_token_ranks: list[int | None] | None = None
+    # And the (d1, d2) digest of the logits row behind each position (None first): the integers
+    # a sampled token's fingerprint hashes (corun.fingerprint), so a scored sequence can be
+    # fingerprinted as if it had been sampled (``LLM.score``).
+    prompt_logits_digests: list[tuple[int, int] | None] | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -120,3 +124,21 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[float] | None:
         return self.outputs[0].logprobs
+
+
+@dataclass
+class ScoreOutput:
+    """``LLM.score``'s result for one sequence: the completion tokens scored by teacher forcing
+    given the prompt (vLLM-style per-token logprobs, as a generated sample reports them).
+
+    ``logprobs[i]`` is completion token i's log-probability (softmax of the raw logits, no
+    temperature), ``top_logprobs[i]`` ({token id: logprob} of the N most likely, most likely
+    first, when asked for) and ``fingerprint`` the sha256 a sample with exactly these tokens
+    carries (``CompletionOutput.fingerprint``). Under path invariance (``EngineConfig``) all
+    three have the bits the engine gave the same tokens when it sampled them."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None
+    fingerprint: str

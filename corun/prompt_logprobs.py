@@ -10,6 +10,7 @@ requests.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,15 +21,30 @@ from corun.step_inputs import StepHost
 PROMPT_LOGPROBS_TILE = 16
 
 
+@dataclass
+class PromptScores:
+    """One prompt's scores, per position (None for the first, which nothing predicts):
+    ``logprobs`` {token: logprob} of the top-N tokens (most likely first) and of the prompt token
+    (last, when not among them); ``ranks`` the prompt token's rank in the vocabulary;
+    ``digests`` the (d1, d2) logits digest of the row that predicts it, the integers a sampled
+    token's fingerprint hashes (``corun.fingerprint``)."""
+
+    logprobs: list[dict[int, float] | None]
+    ranks: list[int | None]
+    digests: list[tuple[int, int] | None]
+
+
 class PromptScorer:
     """Keeps, per sequence id, the final hidden rows of a prompt being prefilled that wants
     prompt logprobs, and scores the prompt when its prefill is done. ``compute_logits`` maps
-    final hidden rows [N, H] to fp32 logits [N, V] (the model's LM head)."""
+    final hidden rows [N, H] to fp32 logits [N, V] (the model's LM head), ``digest`` fp32
+    logits [N, V] to their [N, 2] int64 digests (the step's ``LogitsDigest``)."""
 
     def __init__(self, compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                 sampler: Sampler) -> None:
+                 sampler: Sampler, digest: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.compute_logits = compute_logits
         self.sampler = sampler
+        self.digest = digest
         self._hidden: dict[int, list[torch.Tensor]] = {}
 
     def drop(self, seq_id: int) -> None:
@@ -39,7 +55,7 @@ class PromptScorer:
         self._hidden.clear()
 
     def collect(self, part: StepPart, host: StepHost,
-                hidden: torch.Tensor) -> dict[int, tuple[list, list]]:
+                hidden: torch.Tensor) -> dict[int, PromptScores]:
         """Keep the hidden rows of each prompt-logprob chunk; score each prompt whose prefill
         this part finished."""
         out = {}
@@ -58,16 +74,14 @@ class PromptScorer:
         return out
 
     @torch.inference_mode()
-    def score(self, hidden: torch.Tensor, prompt_ids: list[int], top_n: int,
-              ) -> tuple[list[dict[int, float] | None], list[int | None]]:
-        """Per prompt position: None for the first, then {token: logprob} of the top-N tokens
-        (most likely first) and of the prompt token (last, when not among them), from the
-        final hidden rows [L, H] of the prompt (row i predicts token i + 1); and per position
-        the prompt token's rank, None for the first: the number of vocabulary entries with a
-        logprob at least its own, itself and ties included (vLLM V1's
-        ``batched_count_greater_than``), wherever it stands."""
+    def score(self, hidden: torch.Tensor, prompt_ids: list[int], top_n: int) -> PromptScores:
+        """``PromptScores`` of a prompt from its final hidden rows [L, H] (row i predicts token
+        i + 1). A rank is the number of vocabulary entries with a logprob at least the prompt
+        token's, itself and ties included (vLLM V1's ``batched_count_greater_than``), wherever
+        it stands."""
         out: list[dict[int, float] | None] = [None]
         ranks: list[int | None] = [None]
+        digests: list[tuple[int, int] | None] = [None]
         tile = PROMPT_LOGPROBS_TILE
         num_rows = len(prompt_ids) - 1
         padded = -(-num_rows // tile) * tile
@@ -92,4 +106,5 @@ class PromptScorer:
                 entry.setdefault(id_row[0], lp_row[0])  # then the prompt token, if not among them
                 out.append(entry)
             ranks.extend(rank[:real].tolist())
-        return out, ranks
+            digests.extend(map(tuple, self.digest(logits)[:real].tolist()))
+        return PromptScores(out, ranks, digests)

@@ -54,8 +54,10 @@ class Sequence:
     # params.prompt_logprobs: per prompt position, None first, then the prompt token's and the
     # top-N tokens' logprobs; set when the prompt's prefill finished.
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    # Beside it, per position the prompt token's rank in the whole vocabulary (None first).
+    # Beside it, per position the prompt token's rank in the whole vocabulary (None first), and
+    # the (d1, d2) digest of the logits row that predicts it (a fingerprint's integers).
     prompt_token_ranks: list[int | None] | None = None
+    prompt_logits_digests: list[tuple[int, int] | None] | None = None
     # EOS (even with ignore_eos, as vLLM) and the stop ids: masked while fewer than min_tokens
     # were generated.
     min_tokens_masked_ids: frozenset[int] = frozenset()

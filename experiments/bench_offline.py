@@ -88,13 +88,17 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "batch_invariant": ("batch_invariant", {}),
     "batch_invariant_tuned": ("batch_invariant_tuned", {}),
     "default": ("default", {}),
+    # Without path invariance (EngineConfig.path_invariant): what a token's decode == prefill
+    # bits cost, measured beside the variants above.
+    "corun_path_variant": ("corun", {"path_invariant": False}),
+    "batch_invariant_tuned_path_variant": ("batch_invariant_tuned", {"path_invariant": False}),
 }
 HEADLINE = ("corun", "batch_invariant_tuned", "batch_invariant", "default")
 # The EngineConfig fields each record lists (its ``config``), here and in the ablations.
 CONFIG_FIELDS = ("max_num_seqs", "decode_batch_size", "prefill_policy", "prefill_chunk_size",
                  "prefill_step_tokens", "max_prefill_seqs_per_step", "prefill_token_budget",
                  "overlap_prefill_decode", "max_num_batched_tokens", "decode_split_size",
-                 "decode_fused_combine", "cuda_graphs", "dynamic_graph_tokens")
+                 "decode_fused_combine", "cuda_graphs", "dynamic_graph_tokens", "path_invariant")
 
 
 def config_record(config: EngineConfig, runner: ModelRunner) -> dict:

@@ -226,6 +226,18 @@ def launch_floor_us(grids: list[tuple[int, ...]], num_warps: int = 4,
     return bench_us(launches, **bench_kwargs)
 
 
+def git_commit() -> str | None:
+    """The commit the results were made at: ``git rev-parse HEAD`` of this checkout, else
+    ``CORUN_GIT_COMMIT`` (a device's copy of the tree has no .git: its caller sets it)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("CORUN_GIT_COMMIT")
+
+
 def header(command: str | None = None, **extra: object) -> dict:
     """The first record of every results file."""
     if torch.cuda.is_available():
@@ -242,6 +254,7 @@ def header(command: str | None = None, **extra: object) -> dict:
         "python": platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command or " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "git_commit": git_commit(),
         # the bandwidth every memory bound in the file assumes, and whose measurement it is
         "copy_bandwidth_bytes_per_s": copy_bandwidth(),
         "copy_bandwidth_card": bandwidth_card(),

@@ -33,6 +33,9 @@
 #   paper    experiments/bench_paper.py -> paper-h200.json; one family a call (~3-4 min each):
 #            PAPER_MODELS=hy3 (default all three: ~11 min, past one call's 10); it merges the
 #            committed experiments/results/paper-h200.json's other families; PAPER_ARGS adds flags
+#   pathtests  native run of the path-invariance and attention tests (decode == prefill rows)
+#   onpolicy experiments/onpolicy.py -> onpolicy-CARD.json (sampled vs scored / trainer
+#            logprobs per model and mode); ONPOLICY_ARGS adds flags
 #   atlas    experiments/invariance_atlas.py -> invariance-atlas-h200.json (< 3 min)
 #   ablate-AXIS  experiments/ablate.py AXIS -> ablate-AXIS-h200.json + png, e.g. ablate-overlap;
 #            AXIS: decode-batch decode-split-size cuda-graphs prefill-policy prefill-chunk
@@ -106,6 +109,12 @@ h200_only() {  # h200_only STAGE: the MoE and MLA tables (kernels/tuned/{moe,mla
 
 for stage in "$@"; do
   case $stage in
+    # path invariance: the kernels' decode == prefill rows natively (the MMA at 16- and
+    # 128-row tiles), then generated vs scored logprobs per mode (experiments/onpolicy.py)
+    pathtests) native_tests pathtests ${PATHTESTS_LIMIT:-150} -n 4 \
+               invariance_tests/test_path_invariance.py invariance_tests/test_attention_invariance.py \
+               tests/kernels/test_attention.py --timeout=120 ;;
+    onpolicy) run onpolicy ${ONPOLICY_LIMIT:-300} python3 -m experiments.onpolicy ${ONPOLICY_ARGS:-} ;;
     tests)   native_tests tests ${TESTS_LIMIT:-110} -n 8 tests/kernels invariance_tests \
                --ignore=invariance_tests/test_engine_determinism.py --timeout=60 ;;
     # tune_gemm writes this card's table after every shape (a cut run resumes): copied whatever

@@ -126,7 +126,7 @@ def test_prompt_token_rank_counts_ties(llm, monkeypatch):
     prompt = torch.randint(0, runner.vocab_size, (num_rows + 1,), generator=gen).tolist()
     hidden = torch.arange(num_rows, dtype=torch.float32).view(-1, 1).expand(num_rows, 8)
     monkeypatch.setattr(runner.model, "compute_logits", lambda h, ops: table[h[:, 0].long()])
-    _, ranks = runner.prompt_scorer.score(hidden, prompt, top_n=2)
+    ranks = runner.prompt_scorer.score(hidden, prompt, top_n=2).ranks
     assert ranks == _vocab_ranks(torch.log_softmax(table.double(), -1), prompt)
 
 
