@@ -43,7 +43,7 @@ from kernels.gemm_kernels import _mma
 # exp2-based softmax: fold log2(e) into the scale once.
 LOG2E = 1.4426950408889634
 # Columns of the ones matrix the softmax denominator is summed against (tl.dot's minimum N).
-ROWSUM_COLS = 16
+ROWSUM_COLS = tl.constexpr(16)
 
 
 @triton.jit
