@@ -119,9 +119,26 @@ def trainer_record(config: EngineConfig, model: tuple, prompts: list[list[int]],
             "trainer_s": round(trainer_s, 3)}
 
 
+def build_truncated(name: str, layers: int | None, dtype: torch.dtype, device: str,
+                    seed: int) -> tuple:
+    """A named config's random weights, its first ``layers`` layers only when given."""
+    from models import NAMED_CONFIGS, build_model, create_model
+    from models.weights import init_random_weights
+
+    if layers is None:
+        return build_model(name, dtype=dtype, device=device, seed=seed)
+    config = NAMED_CONFIGS[name].with_layers(layers)
+    model = create_model(config, dtype=dtype, device=device)
+    init_random_weights(model, config.num_hidden_layers, seed)
+    model.process_weights_after_loading()
+    return model, config
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["qwen3-8b"])
+    parser.add_argument("--models", nargs="+", default=["qwen3-8b"],
+                        help="named configs; NAME:LAYERS keeps the first LAYERS layers (the "
+                             "real per-layer shapes of a model too big for the card)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--input-len", type=int, nargs=2, default=(100, 3000))
@@ -139,8 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from models import build_model
-
     args = build_parser().parse_args(argv)
     records: list[dict] = []
     name = args.name or f"onpolicy-{card_tag() or 'cpu'}"
@@ -149,16 +164,18 @@ def main(argv: list[str] | None = None) -> None:
                           "arrivals": "all at t=0", "temperature": 1.0, "top_n": args.top_n},
              "method": "a token is equal when its sampled fp32 logprob and the scored (or "
                        "trainer) one have the same bits"}
-    for model_name in args.models:
+    for spec in args.models:
+        model_name, _, layers = spec.partition(":")
         args.model_name = model_name
         probe = EngineConfig(model=model_name, dtype=args.dtype)
-        model = build_model(model_name, dtype=probe.torch_dtype, device=probe.resolved_device,
-                            seed=args.seed)
+        model = build_truncated(model_name, int(layers) if layers else None, probe.torch_dtype,
+                                probe.resolved_device, args.seed)
         prompts, params = make_requests(args.num_requests, tuple(args.input_len),
                                         args.output_len, model[1].vocab_size, args.top_n,
                                         args.seed)
         for mode in args.modes:
             record = measure_mode(mode, model, prompts, params, args)
+            record["layers"] = model[1].num_hidden_layers
             records.append(record)
             print(json.dumps(record), flush=True)
             path = write_results(name, records, **extra)  # after every record: keep partials
