@@ -227,15 +227,18 @@ def launch_floor_us(grids: list[tuple[int, ...]], num_warps: int = 4,
 
 
 def git_commit() -> str | None:
-    """The commit the results were made at: ``git rev-parse HEAD`` of this checkout, else
-    ``CORUN_GIT_COMMIT`` (a device's copy of the tree has no .git: its caller sets it)."""
+    """The commit the results were made at: ``CORUN_GIT_COMMIT`` when set (a device runs a copy
+    of the working tree whose .git, if any, is not the commit sent: the caller names it), else
+    ``git rev-parse HEAD`` of this checkout."""
     import subprocess
 
+    if os.environ.get("CORUN_GIT_COMMIT"):
+        return os.environ["CORUN_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("CORUN_GIT_COMMIT")
+        return None
 
 
 def header(command: str | None = None, **extra: object) -> dict:
