@@ -40,6 +40,9 @@ class OpsConfig:
     # Decode attention combines the splits in its split launch (same bits, one launch fewer).
     decode_fused_combine: bool = False
     path_invariant: bool = True
+    # A trainer's forward (corun.training): under autograd every op records the gradient of its
+    # torch reference (models/differentiable.py); its outputs are still the kernels'.
+    differentiable: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -54,9 +57,10 @@ class OpsConfig:
         if not isinstance(self.decode_fused_combine, bool):
             raise TypeError(f"decode_fused_combine: expected a bool, "
                             f"got {type(self.decode_fused_combine).__name__}")
-        if not isinstance(self.path_invariant, bool):
-            raise TypeError(f"path_invariant: expected a bool, "
-                            f"got {type(self.path_invariant).__name__}")
+        for name in ("path_invariant", "differentiable"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, "
+                                f"got {type(getattr(self, name)).__name__}")
 
     @property
     def is_path_invariant(self) -> bool:

@@ -60,10 +60,13 @@ class _Copy:
 
 @dataclass(frozen=True)
 class _Target:
-    """What one checkpoint tensor (which must have ``shape``) feeds on this rank."""
+    """What one checkpoint tensor (which must have ``shape``) feeds on this rank: ``region`` of
+    the full (TP=1) parameter ``param_name``, this rank's part of it through ``copies``."""
 
     shape: tuple[int, ...]
     copies: tuple[_Copy, ...]
+    param_name: str = ""
+    region: tuple = ()
 
 
 def _ranges(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int, bool]]:
@@ -100,7 +103,8 @@ def _target(param_name: str, layout: ShardLayout, region: tuple) -> _Target:
                 source.append(slice(start - r0, stop - r0))
         else:
             copies.append(_Copy(param_name, tuple(local), tuple(source)))
-    return _Target(tuple(r1 - r0 for r0, r1, dropped in reg if not dropped), tuple(copies))
+    return _Target(tuple(r1 - r0 for r0, r1, dropped in reg if not dropped), tuple(copies),
+                   param_name, region)
 
 
 def _expected_keys(model: nn.Module) -> tuple[dict[str, _Target], dict[str, list[list[str]]]]:
@@ -145,6 +149,27 @@ def _expected_keys(model: nn.Module) -> tuple[dict[str, _Target], dict[str, list
                     keys.append(key)
             coverage[name].append(keys)
     return targets, coverage
+
+
+def checkpoint_views(model: nn.Module, tensors: dict[str, torch.Tensor] | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """The model's weights as a checkpoint would name them, each a view of this rank's tensor:
+    a fused linear's shards under their HF module names, fused experts under the v5 names,
+    everything else under its own (what ``load_weights`` and ``LLM.update_weights`` take back).
+    ``tensors`` (parameter name -> tensor of the parameter's shape, e.g. gradients) are viewed
+    instead of the parameters. Tensor parallel size 1 (a rank's shard is not a checkpoint
+    tensor)."""
+    if getattr(model, "parallel", None) is not None and model.parallel.is_parallel:
+        raise ValueError("model: a tensor-parallel rank holds shards, not checkpoint tensors")
+    targets, coverage = _expected_keys(model)
+    source = dict(model.named_parameters())
+    owners = dict(model.named_modules())
+    source.update((n, b) for n, b in model.named_buffers() if _is_persistent(owners, n))
+    if tensors is not None:
+        source = {name: tensors[name] for name in source if name in tensors}
+    return {key: source[param][targets[key].region]
+            for param, alternatives in coverage.items() if param in source
+            for key in alternatives[0]}
 
 
 def _rename(key: str, renames: dict[str, str]) -> str:

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 
 from kernels import reference as ref
 from kernels.mode import Mode
+from models import differentiable as grad_ref
+from models.differentiable import differentiable
 from models.forward_batch import ForwardBatch, OpsConfig
 
 # Rows, K and N of a deterministic torch-path matmul are zero-padded to multiples of this, and
@@ -85,6 +87,7 @@ def _torch_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _padded_matmul(x, weight, bias, tiled=mode is not Mode.CORUN)
 
 
+@differentiable(grad_ref.linear_reference, ("x", "weight", "bias"))
 def linear(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T (+ bias) -> [M, N]`` in x.dtype."""
@@ -95,6 +98,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig,
     return _torch_matmul(x, weight, bias, ops.gemm_mode)
 
 
+@differentiable(grad_ref.bmm_reference, ("x", "weight"))
 def bmm(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig) -> torch.Tensor:
     """Per-head products ``x [G, M, K] @ weight[G, N, K].T -> [G, M, N]`` (MLA's W_UK / W_UV).
 
@@ -109,6 +113,7 @@ def bmm(x: torch.Tensor, weight: torch.Tensor, ops: OpsConfig) -> torch.Tensor:
     return torch.stack([linear(x[g], weight[g], ops) for g in range(x.shape[0])])
 
 
+@differentiable(grad_ref.rmsnorm_reference, ("x", "weight", "residual"))
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops: OpsConfig,
             residual: torch.Tensor | None = None
             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +125,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops: OpsConfig,
     return ref.rmsnorm_reference(x, weight, eps, residual)
 
 
+@differentiable(grad_ref.silu_mul_reference, ("x",))
 def silu_mul(x: torch.Tensor, ops: OpsConfig) -> torch.Tensor:
     """``[T, 2I] = [gate | up] -> silu(gate) * up``, [T, I]."""
     if ops.backend == "triton":
@@ -138,6 +144,7 @@ def _silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
     return (ref.elementwise_fixed_path(F.silu, gate) * up).to(x.dtype)
 
 
+@differentiable(grad_ref.rope_reference, ("q", "k"))
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
          is_neox: bool, ops: OpsConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q [T, Hq, R] and k [T, Hk, R] (out of place)."""
@@ -158,6 +165,27 @@ def _write_slots(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Te
     keep = slot_mapping >= 0
     flat = cache.view(-1, *cache.shape[2:])
     flat[slot_mapping[keep]] = rows[keep].to(cache.dtype)
+
+
+@differentiable(grad_ref.causal_attention_reference, ("q", "k", "v"))
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """One layer's paged attention: the step's K/V written at ``batch.slot_mapping``, then
+    prefill attention over each sequence's cached context, decode (one query per slot), or, in
+    a mixed step, the decode tokens (first ``batch.num_decode_tokens``) through decode and the
+    chunks through prefill, so a decode token gets the kernels of a pure decode step."""
+    store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.ops)
+    if not batch.is_prefill:
+        return decode_attention(q, k_cache, v_cache, batch, scale)
+    nd = batch.num_decode_tokens
+    if nd == 0:
+        return prefill_attention(q, k_cache, v_cache, batch, scale)
+    # Every K/V of the step is stored above, so the two parts read a complete cache.
+    out = decode_attention(q[:nd], k_cache, v_cache, batch.decode_part(), scale)
+    if nd == batch.num_tokens:
+        return out
+    prefill = prefill_attention(q[nd:], k_cache, v_cache, batch.prefill_part(), scale)
+    return torch.cat([out, prefill])
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -225,6 +253,34 @@ def store_mla_kv(latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tenso
     _write_slots(kv_cache, torch.cat([latent, k_pe], dim=-1), slot_mapping)
 
 
+# Prefill tokens one path-invariant MLA decode launch takes (``mla_attention``): its split
+# partials are [tokens, heads, max splits, kv_lora_rank] fp32, 256 MiB for DeepSeek-V3's 128
+# heads at 8 splits.
+MLA_TOKENS_PER_LAUNCH = 128
+
+
+@differentiable(grad_ref.mla_attention_reference, ("q_latent", "q_pe", "latent", "k_pe"))
+def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                  k_pe: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
+                  scale: float) -> torch.Tensor:
+    """MLA's path-invariant prefill attention in the latent space: the chunk's [latent | k_pe]
+    rows written at ``batch.slot_mapping``, then each token's absorbed query ([T, H, Lkv] and
+    [T, H, R]) decoded over its own causal prefix (``ForwardBatch.per_token_decode``), at most
+    ``MLA_TOKENS_PER_LAUNCH`` tokens a launch -> [T, H, Lkv]."""
+    store_mla_kv(latent, k_pe, kv_cache, batch.slot_mapping, batch.ops)
+    tokens = batch.per_token_decode()
+    outs = []
+    for start in range(0, q_latent.shape[0], MLA_TOKENS_PER_LAUNCH):
+        end = min(start + MLA_TOKENS_PER_LAUNCH, q_latent.shape[0])
+        part = ForwardBatch(
+            is_prefill=False, positions=tokens.positions[start:end],
+            slot_mapping=tokens.slot_mapping[start:end],
+            block_tables=tokens.block_tables[start:end], kv_cache=batch.kv_cache, ops=batch.ops,
+            seq_lens=tokens.seq_lens[start:end], max_seq_len=batch.max_seq_len)
+        outs.append(mla_decode(q_latent[start:end], q_pe[start:end], kv_cache, part, scale))
+    return torch.cat(outs)
+
+
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                batch: ForwardBatch, scale: float) -> torch.Tensor:
     """Absorbed MLA decode: [B, H, Lkv] queries over the latent cache -> [B, H, Lkv]."""
@@ -276,6 +332,7 @@ def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # ---------------------------------------------------------------------------------------------
 
 
+@differentiable(grad_ref.softmax_topk_reference, ("router_logits",), needs_out=True)
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                  ops: OpsConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-MoE routing -> (weights f32 [T, k], ids int32 [T, k])."""
@@ -286,6 +343,7 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return ref.softmax_topk_reference(router_logits, top_k, renormalize)
 
 
+@differentiable(grad_ref.grouped_topk_reference, ("router_logits",), needs_out=True)
 def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
                  n_group: int, topk_group: int, renormalize: bool, routed_scaling_factor: float,
                  ops: OpsConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,6 +357,7 @@ def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top
                                       renormalize, routed_scaling_factor)
 
 
+@differentiable(grad_ref.fused_moe_reference, ("x", "w13", "w2", "topk_weights"))
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, ops: OpsConfig,
               token_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -44,7 +44,7 @@ def kv_head_range(num_heads: int, num_kv_heads: int, parallel: ParallelContext
 
 
 class PagedAttention(nn.Module):
-    """store_kv, then prefill or decode attention of one layer's cache."""
+    """store_kv, then prefill or decode attention of one layer's cache (``ops.attention``)."""
 
     def __init__(self, layer_idx: int, scale: float) -> None:
         super().__init__()
@@ -53,19 +53,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = batch.kv_cache.kv(self.layer_idx)
-        ops.store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.ops)
-        if not batch.is_prefill:
-            return ops.decode_attention(q, k_cache, v_cache, batch, self.scale)
-        nd = batch.num_decode_tokens
-        if nd == 0:
-            return ops.prefill_attention(q, k_cache, v_cache, batch, self.scale)
-        # Every K/V of the step is stored above, so the two parts read a complete cache.
-        out = ops.decode_attention(q[:nd], k_cache, v_cache, batch.decode_part(), self.scale)
-        if nd == batch.num_tokens:
-            return out
-        prefill = ops.prefill_attention(q[nd:], k_cache, v_cache, batch.prefill_part(),
-                                        self.scale)
-        return torch.cat([out, prefill])
+        return ops.attention(q, k, v, k_cache, v_cache, batch, self.scale)
 
 
 def gqa_rotary(config: ModelConfig) -> RotaryEmbedding:

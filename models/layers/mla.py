@@ -41,10 +41,6 @@ from models.parallel import SINGLE, ParallelContext
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
-# Prefill tokens one path-invariant decode launch takes (``MLAAttention._prefill_as_decode``):
-# its split partials are [tokens, heads, max splits, kv_lora_rank] fp32, 256 MiB for
-# DeepSeek-V3's 128 heads at 8 splits.
-PATH_INVARIANT_TOKENS = 128
 
 
 def mla_rotary(config: ModelConfig) -> RotaryEmbedding:
@@ -110,48 +106,50 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_layernorm(latent, o)
         q_pe, k_pe = self.rotary_emb(q_pe, k_pe.view(num_tokens, 1, self.rope_dim),
                                      batch.positions, o)
-        kv_cache = batch.kv_cache.latent(self.layer_idx)
-        ops.store_mla_kv(latent, k_pe[:, 0], kv_cache, batch.slot_mapping, o)
+        kv_cache, k_pe = batch.kv_cache.latent(self.layer_idx), k_pe[:, 0]
         if not batch.is_prefill:
+            ops.store_mla_kv(latent, k_pe, kv_cache, batch.slot_mapping, o)
             out = self._decode(q_nope, q_pe, kv_cache, batch)
         elif batch.num_decode_tokens == 0:
-            out = self._prefill(q_nope, q_pe, kv_cache, batch)
-        else:
+            out = self._prefill(q_nope, q_pe, latent, k_pe, kv_cache, batch)
+        else:  # each part stores its own tokens: they attend to their own sequences only
             nd = batch.num_decode_tokens
+            ops.store_mla_kv(latent[:nd], k_pe[:nd], kv_cache, batch.slot_mapping[:nd], o)
             out = self._decode(q_nope[:nd], q_pe[:nd], kv_cache, batch.decode_part())
             if nd < num_tokens:
-                prefill = self._prefill(q_nope[nd:], q_pe[nd:], kv_cache, batch.prefill_part())
+                prefill = self._prefill(q_nope[nd:], q_pe[nd:], latent[nd:], k_pe[nd:],
+                                        kv_cache, batch.prefill_part())
                 out = torch.cat([out, prefill])
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim), o)
 
-    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                 batch: ForwardBatch) -> torch.Tensor:
-        """Path invariance: each token through the absorbed decode (``_prefill_as_decode``);
-        otherwise the expanded, compute-friendly form (``_prefill_expanded``)."""
+    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                 k_pe: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Store the chunk's cache rows and attend. Path invariance: each token through the
+        absorbed decode (``_prefill_as_decode``); otherwise the expanded, compute-friendly form
+        (``_prefill_expanded``)."""
         if batch.ops.is_path_invariant:
-            return self._prefill_as_decode(q_nope, q_pe, kv_cache, batch)
+            return self._prefill_as_decode(q_nope, q_pe, latent, k_pe, kv_cache, batch)
+        ops.store_mla_kv(latent, k_pe, kv_cache, batch.slot_mapping, batch.ops)
         return self._prefill_expanded(torch.cat([q_nope, q_pe], dim=-1), kv_cache, batch)
 
-    def _prefill_as_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                           kv_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _prefill_as_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                           k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                           batch: ForwardBatch) -> torch.Tensor:
         """Every prefill token runs the decode computation over its own causal prefix: the
-        absorbed products at M = the tokens of one launch (per head, batch-invariant GEMMs) and
-        ``mla_decode`` with one "sequence" per token, so its rows have its decode's bits. The
-        expanded form reduces other products (k_nope = c @ W_UK, then q . k over nope + rope)
-        and cannot. At most ``PATH_INVARIANT_TOKENS`` tokens a launch, bounding the decode's
-        fp32 split partials ([tokens, heads, splits, kv_lora_rank])."""
-        tokens = batch.per_token_decode()
-        outs = []
-        for start in range(0, q_nope.shape[0], PATH_INVARIANT_TOKENS):
-            end = min(start + PATH_INVARIANT_TOKENS, q_nope.shape[0])
-            part = ForwardBatch(
-                is_prefill=False, positions=tokens.positions[start:end],
-                slot_mapping=tokens.slot_mapping[start:end],
-                block_tables=tokens.block_tables[start:end], kv_cache=batch.kv_cache,
-                ops=batch.ops, seq_lens=tokens.seq_lens[start:end],
-                max_seq_len=batch.max_seq_len)
-            outs.append(self._decode(q_nope[start:end], q_pe[start:end], kv_cache, part))
-        return torch.cat(outs)
+        absorbed products (per head, batch-invariant GEMMs, so a row's bits are those at the
+        decode's M) around ``ops.mla_attention`` (the cache write, then ``mla_decode`` with one
+        "sequence" per token), so its rows have its decode's bits. The expanded form reduces
+        other products (k_nope = c @ W_UK, then q . k over nope + rope) and cannot."""
+        w_uk_t = self.w_uk_t
+        if batch.ops.differentiable:  # a trainer's forward: W_UK as a view of the parameter
+            w_uk_t = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
+                                                self.kv_lora_rank)[:, : self.nope_dim]
+            w_uk_t = w_uk_t.transpose(1, 2).contiguous()
+        q_latent = ops.bmm(q_nope.transpose(0, 1).contiguous(), w_uk_t, batch.ops)
+        out_latent = ops.mla_attention(q_latent.transpose(0, 1).contiguous(), q_pe.contiguous(),
+                                       latent, k_pe, kv_cache, batch, self.scale)
+        out = ops.bmm(out_latent.transpose(0, 1).contiguous(), self.w_uv, batch.ops)
+        return out.transpose(0, 1)
 
     def _prefill_expanded(self, q: torch.Tensor, kv_cache: torch.Tensor,
                           batch: ForwardBatch) -> torch.Tensor:
