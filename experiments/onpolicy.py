@@ -34,6 +34,8 @@ from corun.sampling_params import SamplingParams
 from experiments.harness import card_tag, write_results
 
 MODES = ("corun", "batch_invariant_tuned", "batch_invariant", "default")
+# A mode without path invariance (EngineConfig.path_invariant=False): what the equal bits cost.
+PATH_VARIANTS = {f"{mode}_path_variant": mode for mode in MODES if mode != "default"}
 
 
 def make_requests(num: int, input_len: tuple[int, int], output_len: int, vocab: int,
@@ -64,11 +66,13 @@ def compare(generated: list[list[float]], other: list[list[float]]) -> dict:
 def measure_mode(mode: str, model: tuple, prompts: list[list[int]],
                  params: list[SamplingParams], args: argparse.Namespace) -> dict:
     """Generate, score and (optionally) train-forward one mode; the record."""
+    engine_mode = PATH_VARIANTS.get(mode, mode)
     config = EngineConfig(
-        model=args.model_name, mode=mode, dtype=args.dtype, max_num_seqs=args.batch,
-        decode_batch_size=args.batch if mode == "corun" else None,
+        model=args.model_name, mode=engine_mode, dtype=args.dtype, max_num_seqs=args.batch,
+        decode_batch_size=args.batch if engine_mode == "corun" else None,
         max_model_len=args.input_len[1] + args.output_len, seed=args.seed,
-        gpu_memory_utilization=args.gpu_memory_utilization)
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        path_invariant=False if mode in PATH_VARIANTS else None)
     runner = ModelRunner(config, model=model)
     llm = LLM.from_engine(LLMEngine(config, model_runner=runner))
     start = time.perf_counter()
@@ -97,26 +101,68 @@ def measure_mode(mode: str, model: tuple, prompts: list[list[int]],
         "median_abs_diff": score_cmp["median_abs_diff"],
         "generate_s": round(generate_s, 3), "score_s": round(score_s, 3),
     }
-    if args.trainer:
-        record.update(trainer_record(config, model, prompts, completions, generated))
     llm.close()
-    runner.destroy()
+    runner.destroy()  # the trainer needs the memory the KV cache held
+    if args.trainer:
+        record.update(trainer_record(config, model, prompts, completions, generated,
+                                     args.trainer_tokens))
     return record
 
 
 def trainer_record(config: EngineConfig, model: tuple, prompts: list[list[int]],
-                   completions: list[list[int]], generated: list[list[float]]) -> dict:
-    """The trainer forward's logprobs of the completions (packed, with autograd on) against the
-    sampled ones."""
-    from corun.training import TrainerForward
+                   completions: list[list[int]], generated: list[list[float]],
+                   micro_batch_tokens: int) -> dict:
+    """The trainer forward's logprobs of the completions (packed micro-batches of about
+    ``micro_batch_tokens`` tokens, with autograd recording) against the sampled ones, and the
+    time of one micro-batch's backward where the gradients fit the device's free memory."""
+    from corun.training import Policy
 
-    trainer = TrainerForward.from_model(config, model)
+    policy = Policy.from_model(config, model)  # the engine's weights, made trainable
+    param_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
+    logprobs, backward_s, backward_done = [], 0.0, False
     start = time.perf_counter()
-    logprobs = trainer.completion_logprobs(prompts, completions)
-    trainer_s = time.perf_counter() - start
+    for batch in _micro_batches(prompts, completions, micro_batch_tokens):
+        out = policy.completion_logprobs([prompts[i] for i in batch],
+                                         [completions[i] for i in batch])
+        logprobs.extend(lp.detach().cpu() for lp in out)
+        if not backward_done and _free_bytes() > 1.5 * param_bytes:
+            begin = time.perf_counter()  # one micro-batch's gradients, at the real shapes
+            torch.stack([lp.sum() for lp in out]).sum().backward()
+            _sync()
+            backward_s, backward_done = time.perf_counter() - begin, True
+        del out
+    forward_s = time.perf_counter() - start - backward_s
+    for parameter in model[0].parameters():  # back to the engine's inference weights
+        parameter.grad = None
+        parameter.requires_grad_(False)
     cmp = compare(generated, [lp.tolist() for lp in logprobs])
     return {"trainer_equal": cmp["equal"], "trainer_max_abs_diff": cmp["max_abs_diff"],
-            "trainer_s": round(trainer_s, 3)}
+            "trainer_micro_batch_tokens": micro_batch_tokens,
+            "trainer_forward_s": round(forward_s, 3),
+            "trainer_backward_s_one_micro_batch": round(backward_s, 3) if backward_done
+            else None}
+
+
+def _free_bytes() -> float:
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else float("inf")
+
+
+def _micro_batches(prompts: list[list[int]], completions: list[list[int]],
+                   tokens: int) -> list[list[int]]:
+    """Request indices in runs of at most ``tokens`` tokens (at least one request each)."""
+    batches, current, size = [], [], 0
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        if current and size + len(p) + len(c) > tokens:
+            batches.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += len(p) + len(c)
+    return [*batches, current] if current else batches
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def build_truncated(name: str, layers: int | None, dtype: torch.dtype, device: str,
@@ -139,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--models", nargs="+", default=["qwen3-8b"],
                         help="named configs; NAME:LAYERS keeps the first LAYERS layers (the "
                              "real per-layer shapes of a model too big for the card)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES),
+                        choices=[*MODES, *PATH_VARIANTS],
+                        help="MODE_path_variant: MODE with path_invariant=False")
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--input-len", type=int, nargs=2, default=(100, 3000))
     parser.add_argument("--output-len", type=int, default=48)
@@ -150,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--trainer", action="store_true",
                         help="also the trainer forward (corun.training) per mode")
+    parser.add_argument("--trainer-tokens", type=int, default=2048,
+                        help="tokens of one trainer micro-batch (its autograd graph is alive "
+                             "at once)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default=None, help="results file (default onpolicy-<card>)")
     return parser
