@@ -13,8 +13,10 @@ Input validation happens in ``add_request`` before anything is queued, so a bad 
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -123,8 +125,7 @@ class LLMEngine:
         self.grammar = GrammarCompiler(tokenizer, self.eos_token_ids, self.vocab_size)
         # Everything that decides this engine's bits (corun.system_fingerprint): responses of two
         # engines are comparable bit for bit exactly when theirs are equal.
-        self.system_fingerprint = system_fingerprint(config, self.eos_token_ids,
-                                                     self.runner.dynamic_step_tokens)
+        self.system_fingerprint = self._fingerprint()
         self.requests: dict[str, Request] = {}
         # The runner's counter, not the engine's: what the runner keeps per sequence id (swapped
         # KV, prompt hidden rows, penalty rows) stays apart across engines that share it.
@@ -229,6 +230,32 @@ class LLMEngine:
             seq.finish_time = time.perf_counter()
         self._aborted.append(request)
 
+    def _fingerprint(self) -> str:
+        return system_fingerprint(self.config, self.eos_token_ids,
+                                  self.runner.dynamic_step_tokens, self.runner.weights_digest())
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike) -> str:
+        """Load new weights without a restart; returns the new ``system_fingerprint``.
+
+        ``weights``: named tensors as a checkpoint names them (a trainer's state dict; fused
+        projections by their HF module names, as the loader reads them; any floating dtype,
+        cast to the engine's), or a checkpoint directory of the same model. Atomic: names,
+        shapes and dtypes are all checked before the first copy, and a bad update raises
+        ``CheckpointError`` (a ValueError) naming the tensor with the old weights untouched.
+        No request may be in flight: one that has run a step would mix two sets of weights, so
+        a started request (running, preempted, or decoding) is refused with RuntimeError and
+        nothing changes; queued requests that have not started run on the new weights. The
+        weights are copied into the existing storage (the CUDA graphs stay valid), the prefix
+        cache is emptied (no K/V of the old weights is served again), and the fingerprint is
+        that of a fresh engine built on the new weights."""
+        if self.has_started_requests():
+            raise RuntimeError("update_weights: requests have run steps on the current weights; "
+                               "let them finish (or abort them) first")
+        self.runner.update_weights(weights)
+        self.scheduler.block_manager.allocator.reset_prefix_cache()
+        self.system_fingerprint = self._fingerprint()
+        return self.system_fingerprint
+
     def close(self) -> None:
         """Release the runner: its CUDA graphs and, at tensor_parallel_size > 1, the worker
         processes and the process group. Idempotent; the engine cannot step afterwards."""
@@ -246,6 +273,15 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def has_started_requests(self) -> bool:
+        """Whether any request has run a step and is not yet reported finished."""
+        return self.scheduler.has_started() or bool(self._aborted)
+
+    def hold_admissions(self, hold: bool) -> None:
+        """Admit no new sequence while ``hold`` (running ones go on): how the server drains the
+        engine for a weight update without starting queued requests on the old weights."""
+        self.scheduler.holding = hold
 
     def stats(self) -> dict[str, int | float]:
         manager = self.scheduler.block_manager

@@ -112,6 +112,17 @@ class BlockAllocator:
                 del self._evictable[block]
             self._ref_counts[block] += 1
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (the weights changed: K/V computed under the old ones
+        must never be served again). Evictable blocks go back to the free list, held ones
+        stay held but will not hit; returns how many blocks were cached."""
+        dropped = len(self._hash_of)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+        return dropped
+
     def register(self, block: int, block_hash: bytes) -> bool:
         """Make held ``block`` hit for ``block_hash``. A hash already cached keeps its block (the
         first computation of a prefix serves it; the duplicate is freed as uncached)."""

@@ -18,8 +18,10 @@ the token, so an RL trainer can take its rollouts' logprobs from either.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import torch
 
 from corun.config import EngineConfig
 from corun.engine import LLMEngine
@@ -83,6 +85,15 @@ class LLM:
         """What decides this LLM's bits (``corun.system_fingerprint``); the server's responses
         carry the same value for the same model and config."""
         return self.engine.system_fingerprint
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | str | Path) -> str:
+        """New weights without a restart (RL between rollouts): named tensors as a checkpoint
+        names them (``corun.training.Policy.checkpoint_weights()``, a trainer's state dict with
+        HF names) or a checkpoint directory of the same model. Atomic, in place (the CUDA
+        graphs stay valid), the prefix cache emptied; returns the new ``system_fingerprint``,
+        that of a fresh LLM on the same weights (``LLMEngine.update_weights``)."""
+        self._check_open()
+        return self.engine.update_weights(weights)
 
     def close(self) -> None:
         """Stop the engine (worker processes included); idempotent."""

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -424,6 +426,32 @@ class ModelRunner:
 
     def check_health(self) -> None:
         """Nothing to check at TP=1 (``TPModelRunner`` checks its workers)."""
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def weights_digest(self) -> str:
+        """``models.weights.weights_digest`` of this rank's model (the system fingerprint's
+        weights)."""
+        from models.weights import weights_digest
+
+        return weights_digest(self.model)
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike) -> None:
+        """New weights for this model, copied into its own storage (the CUDA graphs keep
+        reading it): named tensors as a checkpoint names them, or a checkpoint directory of
+        the same model. Everything is validated before the first copy (``CheckpointError``
+        naming the tensor, the weights untouched); then the derived weights (MLA's W_UK) are
+        recomputed in place."""
+        from models.loader import check_checkpoint, copy_tensors, load_weights, plan_tensors
+
+        if isinstance(weights, (str, os.PathLike)):
+            check_checkpoint(self.model, self.model_config, weights)
+            load_weights(self.model, self.model_config, weights)
+        else:
+            weights = dict(weights)
+            copy_tensors(self.model, plan_tensors(self.model, self.model_config, weights),
+                         weights)
+        self.model.process_weights_after_loading()
 
     def destroy(self) -> None:
         """Release the graphs, the KV cache, the step buffers and the weights this runner built

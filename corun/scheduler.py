@@ -134,6 +134,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival (seq_id) order
         self.swapped: list[Sequence] = []  # arrival (seq_id) order
+        self.holding = False  # no admission while set (LLMEngine.hold_admissions)
         self.policy: BatchingPolicy = (
             CoRunPolicy(config) if config.is_corun else DynamicPolicy(config)
         )
@@ -148,6 +149,12 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def has_started(self) -> bool:
+        """Whether a sequence has run a step: running, swapped out, or waiting with computed
+        tokens or outputs (nothing else holds results of the current weights)."""
+        return bool(self.running or self.swapped) or any(
+            s.num_computed_tokens or s.output_token_ids for s in self.waiting)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Remove the request's unfinished sequences, freeing their blocks; returns them."""
@@ -196,8 +203,9 @@ class Scheduler:
 
     @property
     def can_admit(self) -> bool:
-        # Swapped sequences come back before anything new is admitted (no starvation).
-        return (bool(self.waiting) and not self.swapped
+        # Swapped sequences come back before anything new is admitted (no starvation); nothing
+        # is admitted while admissions are held (a weight update drains the running ones).
+        return (bool(self.waiting) and not self.swapped and not self.holding
                 and len(self.running) < self.config.max_running_seqs)
 
     def cached_start(self) -> int:

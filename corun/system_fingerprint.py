@@ -1,17 +1,19 @@
 """The system fingerprint: one id for everything that decides a response's bits.
 
 Two responses (or two offline runs) are comparable bit for bit exactly when their system
-fingerprints are equal: the id hashes the weights (a named config's name and seed, or a digest of
-a checkpoint's files), the dtype, the mode and backend, the step shapes (B and the decode
-buckets, the prefill policy with C, T and R, the block size, max_model_len, which bounds the
-decode grid), the decode split size and path invariance, the tuned kernel tables the device's
-card reads, the source of the kernels, models and engine (so a change of the code that decides
-the bits, e.g. a kernel's order of addition, changes the id even at one version number; a
-comment edit changes it too, which errs on the safe side), tensor parallelism, the EOS ids, the
-device (GPU name and compute capability, or the CPU's vector ISA) and the torch / triton / corun
-/ outlines-core versions (outlines-core compiles structured output's grammars, so it decides
-which tokens a structured request may sample). Pure sizing and pacing knobs (KV block count,
-queue length, token budgets, overlap, CUDA graphs, which replay the eager bits, decode
+fingerprints are equal: the id hashes the weights (a digest of the bits the engine holds,
+``models.weights.weights_digest``, so an engine whose weights were updated has the id of a
+fresh one built on the same weights; a config alone names them by named config and seed, or by
+a digest of the checkpoint's files), the dtype, the mode and backend, the step shapes (B and the
+decode buckets, the prefill policy with C, T and R, the block size, max_model_len, which bounds
+the decode grid), the decode split size and path invariance, the tuned kernel tables the
+device's card reads, the source of the kernels, models and engine (so a change of the code that
+decides the bits, e.g. a kernel's order of addition, changes the id even at one version number;
+a comment edit changes it too, which errs on the safe side), tensor parallelism, the EOS ids,
+the device (GPU name and compute capability, or the CPU's vector ISA) and the torch / triton /
+corun / outlines-core versions (outlines-core compiles structured output's grammars, so it
+decides which tokens a structured request may sample). Pure sizing and pacing knobs (KV block
+count, queue length, token budgets, overlap, CUDA graphs, which replay the eager bits, decode
 attention's fused combine) are left out: they do not change a request's bits.
 """
 
@@ -118,15 +120,18 @@ def _versions() -> dict[str, str]:
 
 
 def describe(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = (),
-             dynamic_step_tokens: list[int] | None = None) -> dict[str, object]:
+             dynamic_step_tokens: list[int] | None = None,
+             weights_digest: str | None = None) -> dict[str, object]:
     """What decides the bits of this engine's responses, as plain values (``eos_token_ids``: the
     engine's, from the model config and the tokenizer: where generation stops;
     ``dynamic_step_tokens``: the runner's, ``ModelRunner.dynamic_step_tokens``, which knows the
-    model; the config's resolved value when not given)."""
+    model; the config's resolved value when not given; ``weights_digest``: the runner's
+    ``weights_digest`` of the weights it holds, which an engine always passes: the same for a
+    fresh engine and one updated to the same weights; without it, the config's name of them)."""
     if dynamic_step_tokens is None:
         dynamic_step_tokens = config.dynamic_step_tokens
     return {
-        "weights": weights_id(config),
+        "weights": weights_id(config) if weights_digest is None else f"bits:{weights_digest}",
         "eos_token_ids": sorted(eos_token_ids),
         "dtype": str(config.torch_dtype).removeprefix("torch."),
         "mode": config.kernel_mode.value,
@@ -156,7 +161,9 @@ def describe(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = (),
 
 
 def system_fingerprint(config: EngineConfig, eos_token_ids: frozenset[int] | tuple = (),
-                       dynamic_step_tokens: list[int] | None = None) -> str:
+                       dynamic_step_tokens: list[int] | None = None,
+                       weights_digest: str | None = None) -> str:
     """``fp_`` and 16 hex digits of the sha256 of ``describe``."""
-    text = json.dumps(describe(config, eos_token_ids, dynamic_step_tokens), sort_keys=True)
+    text = json.dumps(describe(config, eos_token_ids, dynamic_step_tokens, weights_digest),
+                      sort_keys=True)
     return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:16]

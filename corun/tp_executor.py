@@ -102,10 +102,51 @@ def _serve_steps(runner: ModelRunner, conn: Any) -> None:
             runner.swap_in(*args)
         elif command == "drop_swapped":
             runner.drop_swapped(*args)
+        elif command == "update_weights":
+            runner.update_weights(*args)
+        elif command == "update_weights_broadcast":
+            _receive_weights(runner, *args)
+        elif command == "weights_digest":
+            _gather_digest(runner.parallel, ModelRunner.weights_digest(runner))
         elif command == "shutdown":
             return
         else:
             raise RuntimeError(f"unknown tensor-parallel command {command!r}")
+
+
+def _receive_weights(runner: ModelRunner, specs: list[tuple[str, tuple, torch.dtype]]) -> None:
+    """A worker's side of a named-tensor update: each tensor broadcast by rank 0 in ``specs``
+    order, its slices copied as it arrives (one full tensor alive at a time)."""
+    _apply_broadcast(runner, specs, lambda key, shape, dtype: _broadcast_from_rank0(
+        runner, torch.empty(shape, dtype=dtype, device=runner.device)))
+
+
+def _broadcast_from_rank0(runner: ModelRunner, tensor: torch.Tensor) -> torch.Tensor:
+    dist.broadcast(tensor, src=0, group=runner.parallel.group)
+    return tensor
+
+
+def _apply_broadcast(runner: ModelRunner, specs: list[tuple[str, tuple, torch.dtype]],
+                     fetch: Any) -> None:
+    """Plan the update from the specs (names, shapes, dtypes), then fetch and copy tensor by
+    tensor; every rank runs this in the same order."""
+    from models.loader import copy_tensors, plan_tensors
+
+    shapes = {key: torch.empty(shape, dtype=dtype, device="meta") for key, shape, dtype in specs}
+    plan = plan_tensors(runner.model, runner.model_config, shapes)
+    for key, shape, dtype in specs:
+        if key in plan:
+            copy_tensors(runner.model, {key: plan[key]}, {key: fetch(key, shape, dtype)})
+    runner.model.process_weights_after_loading()
+
+
+def _gather_digest(parallel: ParallelContext, own: str) -> str:
+    """Every rank's weights digest, in rank order, hashed into one (rank 0's result)."""
+    import hashlib
+
+    digests: list[str | None] = [None] * parallel.world_size
+    dist.all_gather_object(digests, own, group=parallel.group)
+    return hashlib.sha256("|".join(digests).encode()).hexdigest()
 
 
 def _worker_main(config: EngineConfig, rank: int, port: int, conn: Any) -> None:
@@ -340,6 +381,32 @@ class TPModelRunner(ModelRunner):
             with self._guard():
                 self.workers.send("drop_swapped", seq_id)
         super().drop_swapped(seq_id)
+
+    def weights_digest(self) -> str:
+        """The digest of every rank's shard (gathered in rank order)."""
+        with self._guard():
+            self.workers.send("weights_digest")
+            return _gather_digest(self.parallel, super().weights_digest())
+
+    def update_weights(self, weights: Any) -> None:
+        """Every rank loads its shard: a checkpoint directory from disk, named tensors
+        broadcast from here one at a time. Validated on rank 0 before any worker is told (a bad
+        update leaves every rank's weights and the group as they were)."""
+        from models.loader import check_checkpoint, plan_tensors
+
+        if isinstance(weights, (str, os.PathLike)):
+            check_checkpoint(self.model, self.model_config, weights)
+            with self._guard():
+                self.workers.send("update_weights", str(weights))
+                super().update_weights(weights)
+            return
+        weights = dict(weights)
+        plan_tensors(self.model, self.model_config, weights)
+        specs = [(key, tuple(t.shape), t.dtype) for key, t in weights.items()]
+        with self._guard():
+            self.workers.send("update_weights_broadcast", specs)
+            _apply_broadcast(self, specs, lambda key, shape, dtype: _broadcast_from_rank0(
+                self, weights[key].to(self.device).contiguous()))
 
     def destroy(self) -> None:
         """Graphs first, then the workers, then rank 0's process group (idempotent); the

@@ -20,7 +20,7 @@ A trainer loop (one process; tensor parallelism and FSDP are the trainer's busin
     logprobs = policy.completion_logprobs(prompts, completions)  # list of [len] tensors
     loss = -sum((lp * adv).sum() for lp, adv in zip(logprobs, advantages))
     loss.backward(); optimizer.step()
-    llm.update_weights(policy.hf_state_dict())  # the engine samples the next rollout
+    llm.update_weights(policy.checkpoint_weights())  # the engine samples the next rollout
 
 Scope: prefill batches of whole sequences (no cached prefix), tensor parallel size 1.
 """
@@ -80,6 +80,13 @@ class Policy(nn.Module):
         self.ops = dataclasses.replace(ops, differentiable=True)
         self._engine_ops = ops  # the LM head's, inside the log-softmax function
         self.sampler = Sampler(config.resolved_backend, self.device)
+
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """The weights under the names a checkpoint gives them (views of the parameters, no
+        copies, detached): what ``LLM.update_weights`` and ``corun.weight_transfer`` take."""
+        from models.loader import checkpoint_views
+
+        return {name: t.detach() for name, t in checkpoint_views(self.model).items()}
 
     # -- the forward --------------------------------------------------------------------------
 

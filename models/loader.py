@@ -30,6 +30,7 @@ rank's weights. Shapes are still validated against the full checkpoint tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -220,16 +221,16 @@ def _file_keys(file: Path) -> list[str]:
         raise CheckpointError(f"unreadable file {file}: {exc}") from exc
 
 
-def _plan(model: nn.Module, config: ModelConfig,
-          files: dict[str, Path]) -> dict[Path, list[tuple[str, _Target]]]:
-    """Validate every key against the model (from headers only); group the copies by file."""
-    from safetensors import safe_open
-
+def _match_keys(model: nn.Module, config: ModelConfig, keys: list[str],
+                where: dict[str, str] | None = None) -> tuple[dict[str, _Target], dict[str, str]]:
+    """Each checkpoint key's target (keys of layers past the model's depth, and a tied
+    ``lm_head.weight``, skipped); every parameter must be covered. CheckpointError names the
+    first key the model has no tensor for, two keys that feed one tensor, or a missing one."""
     targets, coverage = _expected_keys(model)
     renames = getattr(model, "checkpoint_renames", {})
-    by_file: dict[Path, list[tuple[str, _Target]]] = {}
+    found: dict[str, _Target] = {}
     source_of: dict[str, str] = {}  # our name -> the checkpoint key that feeds it
-    for key, file in files.items():
+    for key in keys:
         layer = _layer_index(key)
         if layer is not None and layer >= config.num_hidden_layers:
             continue  # e.g. DeepSeek-V3's MTP layer 61, which HF ignores too
@@ -237,11 +238,64 @@ def _plan(model: nn.Module, config: ModelConfig,
             continue
         name = _rename(key, renames)
         if name not in targets:
-            raise CheckpointError(f"unexpected tensor {key!r} in {file.name}")
+            place = f" in {where[key]}" if where else ""
+            raise CheckpointError(f"unexpected tensor {key!r}{place}: the model has no such "
+                                  f"weight")
         if name in source_of:
             raise CheckpointError(f"tensors {source_of[name]!r} and {key!r} both load {name!r}")
         source_of[name] = key
-        by_file.setdefault(file, []).append((key, targets[name]))
+        found[key] = targets[name]
+    seen = set(source_of)
+    for param, alternatives in coverage.items():
+        if not any(all(k in seen for k in keys) for keys in alternatives):
+            first_missing = next(k for k in alternatives[0] if k not in seen)
+            raise CheckpointError(f"missing tensor {first_missing!r} (for parameter {param})")
+    return found, source_of
+
+
+def plan_tensors(model: nn.Module, config: ModelConfig,
+                 tensors: dict[str, torch.Tensor]) -> dict[str, _Target]:
+    """Validate named tensors (checkpoint names, as ``load_weights`` reads them from files)
+    against the model, before any is copied: every name known and every weight covered, each
+    shape the checkpoint shape, each dtype floating point (copies cast to the weight's dtype,
+    as a checkpoint in another dtype loads). CheckpointError naming the first bad tensor."""
+    for key, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"tensor {key!r}: expected a torch.Tensor, got "
+                                  f"{type(tensor).__name__}")
+    found, _ = _match_keys(model, config, list(tensors))
+    for key, target in found.items():
+        tensor = tensors[key]
+        if tuple(tensor.shape) != target.shape:
+            raise CheckpointError(f"shape mismatch for {key!r}: expected {target.shape}, "
+                                  f"found {tuple(tensor.shape)}")
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"dtype of {key!r}: expected a floating-point tensor, found "
+                                  f"{tensor.dtype}")
+    return found
+
+
+def copy_tensors(model: nn.Module, plan: dict[str, _Target],
+                 tensors: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's slices of validated named tensors (``plan_tensors``) into the model's
+    own storage (in place: captured CUDA graphs keep reading it)."""
+    own = dict(model.named_parameters())
+    own.update(model.named_buffers())
+    with torch.no_grad():
+        for key, target in plan.items():
+            for copy in target.copies:
+                own[copy.param_name][copy.local_index].copy_(tensors[key][copy.source_index])
+
+
+def _plan(model: nn.Module, config: ModelConfig,
+          files: dict[str, Path]) -> dict[Path, list[tuple[str, _Target]]]:
+    """Validate every key against the model (from headers only); group the copies by file."""
+    from safetensors import safe_open
+
+    found, _ = _match_keys(model, config, list(files), {k: f.name for k, f in files.items()})
+    by_file: dict[Path, list[tuple[str, _Target]]] = {}
+    for key, target in found.items():
+        by_file.setdefault(files[key], []).append((key, target))
     for file, entries in by_file.items():
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
@@ -250,19 +304,14 @@ def _plan(model: nn.Module, config: ModelConfig,
                     if key not in present:
                         raise CheckpointError(f"missing tensor {key!r}: the index names "
                                               f"{file.name}, which does not hold it")
-                    found = tuple(f.get_slice(key).get_shape())
-                    if found != target.shape:
+                    found_shape = tuple(f.get_slice(key).get_shape())
+                    if found_shape != target.shape:
                         raise CheckpointError(f"shape mismatch for {key!r}: expected "
-                                              f"{target.shape}, found {found}")
+                                              f"{target.shape}, found {found_shape}")
         except CheckpointError:
             raise
         except Exception as exc:
             raise CheckpointError(f"unreadable file {file}: {exc}") from exc
-    seen = set(source_of)
-    for param, alternatives in coverage.items():
-        if not any(all(k in seen for k in keys) for keys in alternatives):
-            first_missing = next(k for k in alternatives[0] if k not in seen)
-            raise CheckpointError(f"missing tensor {first_missing!r} (for parameter {param})")
     return by_file
 
 
@@ -288,21 +337,44 @@ def load_weights(model: nn.Module, config: ModelConfig, path: str | os.PathLike)
                         tensor_slice[copy.source_index])
 
 
+def checkpoint_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a HF directory's config.json; CheckpointError if there is none."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    try:
+        hf_config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"unreadable file {path / 'config.json'}: {exc}") from exc
+    try:
+        return ModelConfig.from_hf(hf_config)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
+
+
+def check_checkpoint(model: nn.Module, config: ModelConfig, path: str | os.PathLike) -> None:
+    """That ``path`` holds new weights for this very model, before any is read: its
+    config.json describes the same model (token ids aside), and its tensors' names and shapes
+    (from the safetensors headers) are the model's. CheckpointError naming the difference."""
+    other = checkpoint_config(path)
+    ignore = {"bos_token_id", "eos_token_id"}
+    for field in dataclasses.fields(ModelConfig):
+        if field.name in ignore:
+            continue
+        ours, theirs = getattr(config, field.name), getattr(other, field.name)
+        if ours != theirs:
+            raise CheckpointError(f"{Path(path) / 'config.json'} describes another model: "
+                                  f"{field.name} {theirs!r}, this one's {ours!r}")
+    _plan(model, config, _checkpoint_files(Path(path)))
+
+
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype, device: torch.device | str,
                parallel: ParallelContext = SINGLE) -> tuple[nn.Module, ModelConfig]:
     """Build the model a HF directory describes (this rank's shard under ``parallel``) and load
     its weights; CheckpointError if not."""
     from models import create_model
 
-    path = Path(path)
-    try:
-        hf_config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"unreadable file {path / 'config.json'}: {exc}") from exc
-    try:
-        config = ModelConfig.from_hf(hf_config)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
+    config = checkpoint_config(path)
     model = create_model(config, dtype=dtype, device=device, parallel=parallel)
     load_weights(model, config, path)
     model.process_weights_after_loading()

@@ -17,6 +17,14 @@ flight keep their place and KV blocks, new ones are handed to the engine's waiti
 aborts are still carried out, so a client that leaves is still aborted. In ``corun`` mode a pause
 changes no request's bits (its shapes depend on itself alone, not on when it runs).
 
+Weight updates (``update_weights``, the server's ``POST /update_weights_from_disk``): run on the
+engine thread between steps, once no request in the engine has started. While an update waits,
+no new request is handed to the engine or admitted by it, and the running ones step to their
+end (a drain); then the weights are swapped atomically and the queued requests start on the new
+ones. So every request runs all its steps on one set of weights, and its bits are those of a
+fresh engine with them. An update while paused with requests in flight cannot drain and is
+refused (``WeightUpdateConflict``), as is a second update while one waits.
+
 Failure isolation: an exception while serving one request (adding it, aborting it, routing one
 of its outputs) fails that request only (``EngineError`` on its queue, the request aborted in the
 engine) and the loop carries on. Only an exception of ``step()`` itself, which cannot be pinned
@@ -41,7 +49,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from corun.engine import QueueFullError as EngineQueueFullError
@@ -59,6 +67,22 @@ class QueueFullError(EngineQueueFullError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread died or stopped; the server answers 503 and /health reports it."""
+
+
+class WeightUpdateConflict(RuntimeError):
+    """A weight update that cannot run now (paused with requests in flight, or another update
+    waiting); the server answers 409 and nothing changed."""
+
+
+@dataclass
+class _WeightUpdate:
+    """A weight update handed to the engine thread; ``done`` is set with a fingerprint or an
+    error."""
+
+    weights: Any
+    done: threading.Event = field(default_factory=threading.Event)
+    fingerprint: str | None = None
+    error: BaseException | None = None
 
 
 @dataclass
@@ -123,6 +147,7 @@ class EngineLoop:
         self._paused = False
         self._pause_seen = False  # the engine thread has parked since the pause was asked for
         self._error: BaseException | None = None
+        self._update: _WeightUpdate | None = None
         self._thread = threading.Thread(target=self._run, name="corun-engine", daemon=True)
 
     # -- any thread ------------------------------------------------------------------------------
@@ -160,6 +185,27 @@ class EngineLoop:
     @property
     def is_paused(self) -> bool:
         return self._paused
+
+    def update_weights(self, weights: Any) -> str:
+        """Swap the engine's weights (``LLMEngine.update_weights``: named tensors or a
+        checkpoint directory) once the requests in flight have finished (module docstring);
+        blocks until done and returns the new system fingerprint: call it off the event loop.
+        Raises what the engine raised (``CheckpointError`` for a bad update, weights unchanged),
+        ``WeightUpdateConflict``, or ``EngineDeadError``."""
+        update = _WeightUpdate(weights)
+        with self._cond:
+            if not self.is_alive or self._stopped:
+                raise EngineDeadError(f"the engine is not running: {self._error!r}")
+            if self._update is not None:
+                raise WeightUpdateConflict("another weight update is in progress")
+            self._update = update
+            self._cond.notify_all()
+        while not update.done.wait(self._idle_timeout_s):
+            if not self.is_alive or self._stopped:
+                raise EngineDeadError(f"the engine is not running: {self._error!r}")
+        if update.error is not None:
+            raise update.error
+        return update.fingerprint
 
     @property
     def is_alive(self) -> bool:
@@ -249,15 +295,17 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - it may never have reached the engine
             logger.exception("could not abort failed request %s", request_id)
 
-    def _take_work(self) -> tuple[list[_Pending], list[str], bool] | None:
-        """Wait for work: (requests to add, aborts, paused); None when stopped. While paused,
-        only adds and aborts are work (``pause`` waits for this thread to get here)."""
+    def _take_work(self) -> tuple[list[_Pending], list[str], bool, _WeightUpdate | None] | None:
+        """Wait for work: (requests to add, aborts, paused, the waiting weight update); None
+        when stopped. While paused, only adds, aborts and an update are work (``pause`` waits
+        for this thread to get here); while an update waits, adds stay pending."""
         with self._cond:
             while True:
                 if self._paused and not self._pause_seen:
                     self._pause_seen = True
                     self._cond.notify_all()
-                if (self._stopped or self._pending_adds or self._pending_aborts
+                if (self._stopped or self._pending_aborts or self._update is not None
+                        or self._pending_adds
                         or (not self._paused and self._engine.has_unfinished_requests())):
                     break
                 # (notify_all everywhere: pause() waits on this condition too)
@@ -266,15 +314,17 @@ class EngineLoop:
                 self._check_health()
             if self._stopped:
                 return None
-            adds = list(self._pending_adds)
-            self._pending_adds.clear()
-            self._pending_seqs = 0
+            update = self._update
+            adds = [] if update is not None else list(self._pending_adds)
+            if update is None:
+                self._pending_adds.clear()
+                self._pending_seqs = 0
             aborts = list(self._pending_aborts)
             self._pending_aborts.clear()
             # Counted as the engine's waiting until the next stats refresh, so a burst of
             # submissions cannot slip past the limit in between.
             self._num_waiting += sum(entry.params.num_samples for entry in adds)
-            return adds, aborts, self._paused
+            return adds, aborts, self._paused, update
 
     def _add(self, entry: _Pending) -> None:
         try:
@@ -338,7 +388,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while (work := self._take_work()) is not None:
-                adds, aborts, paused = work
+                adds, aborts, paused, update = work
                 for request_id in aborts:
                     try:
                         self._engine.abort_request(request_id)
@@ -347,6 +397,8 @@ class EngineLoop:
                 for entry in adds:
                     self._add(entry)
                 stepping = not paused and self._engine.has_unfinished_requests()
+                if update is not None:
+                    stepping = self._drain_for(update, paused)
                 outputs = self._engine.step() if stepping else []
                 # Before routing: a client that gets its last token and sends the next request
                 # at once must see the queue as this step left it.
@@ -368,6 +420,32 @@ class EngineLoop:
                 self._deliver(request_id, EngineError(f"engine failure: {exc!r}", status=500))
             if self._on_failure is not None:
                 self._on_failure(exc)
+
+    def _drain_for(self, update: _WeightUpdate, paused: bool) -> bool:
+        """One iteration of a waiting weight update: apply it if no request has started, refuse
+        it if paused with requests in flight, else hold admissions and step (True) to let the
+        running requests finish."""
+        engine = self._engine
+        if engine.has_started_requests() and not paused:
+            engine.hold_admissions(True)
+            return True
+        try:
+            if engine.has_started_requests():
+                raise WeightUpdateConflict(
+                    "the server is paused with requests in flight, which would run on two sets "
+                    "of weights: /resume to let them finish (the update waits for them), or "
+                    "abort them")
+            update.fingerprint = engine.update_weights(update.weights)
+            self.system_fingerprint = update.fingerprint
+        except Exception as exc:  # noqa: BLE001 - the caller's error; the engine is unchanged
+            update.error = exc
+        finally:
+            engine.hold_admissions(False)
+            with self._cond:
+                self._update = None
+                self._cond.notify_all()
+            update.done.set()
+        return False
 
     def _check_health(self) -> None:
         check = getattr(self._engine, "check_health", None)

@@ -57,6 +57,7 @@ from corun.api.response_models import (
     VersionResponse,
 )
 from corun.api.streaming import SSE_DONE, ChoiceState, sse
+from corun.api.weights import add_weight_routes
 from corun.sampling_params import SamplingParams
 
 logger = logging.getLogger("corun.serve")
@@ -276,6 +277,8 @@ def create_app(
         _refuse_query_params(raw)
         state.engine_loop.resume()
         return JSONResponse({"status": "resumed"})
+
+    add_weight_routes(app, state)
 
     @app.get("/is_paused")
     async def is_paused() -> JSONResponse:

@@ -82,10 +82,16 @@ class MLAAttention(nn.Module):
         self.w_uk_t: torch.Tensor | None = None  # [H, Lkv, nope], set by split_kv_b_proj
 
     def split_kv_b_proj(self) -> None:
-        """W_UK (transposed, contiguous, for the absorbed query) and W_UV (a view)."""
+        """W_UK (transposed, contiguous, for the absorbed query) and W_UV (a view). Again after
+        a weight update: into the same storage, which captured CUDA graphs read."""
         kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
                                           self.kv_lora_rank)
-        self.w_uk_t = kv_b[:, : self.nope_dim].transpose(1, 2).contiguous()
+        w_uk_t = kv_b[:, : self.nope_dim].transpose(1, 2)
+        if self.w_uk_t is not None and self.w_uk_t.shape == w_uk_t.shape:
+            with torch.no_grad():
+                self.w_uk_t.copy_(w_uk_t)
+        else:
+            self.w_uk_t = w_uk_t.contiguous()
 
     @property
     def w_uv(self) -> torch.Tensor:

@@ -81,3 +81,34 @@ def randomize_biases(model) -> None:
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+
+
+def save_named_checkpoint(name: str, seed: int, path: Path, **config_overrides) -> Path:
+    """A HF directory of a Qwen3-architecture named config (config.json in Qwen3's keys,
+    ``config_overrides`` applied) holding that config's random weights drawn from ``seed``
+    under checkpoint names: what ``load_model`` and ``LLM.update_weights`` read."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    from models import NAMED_CONFIGS, build_model
+    from models.loader import checkpoint_views
+
+    config = dataclasses.asdict(NAMED_CONFIGS[name])
+    if config["architecture"] != "Qwen3ForCausalLM":
+        raise ValueError(f"{name}: only Qwen3-architecture configs are written here")
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
+            "rms_norm_eps", "rope_theta", "tie_word_embeddings", "attention_bias",
+            "bos_token_id")
+    hf = {key: config[key] for key in keys}
+    hf.update(architectures=["Qwen3ForCausalLM"], eos_token_id=list(config["eos_token_id"]),
+              **config_overrides)
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(hf))
+    model = build_model(name, dtype=torch.float32, device="cpu", seed=seed)[0]
+    # Tied weights are one tensor: save_file refuses shared storage, so each is its own copy.
+    save_file({k: v.contiguous().clone() for k, v in checkpoint_views(model).items()},
+              path / "model.safetensors")
+    return path
