@@ -36,6 +36,8 @@
 #   pathtests  native run of the path-invariance and attention tests (decode == prefill rows)
 #   onpolicy experiments/onpolicy.py -> onpolicy-CARD.json (sampled vs scored / trainer
 #            logprobs per model and mode); ONPOLICY_ARGS adds flags
+#   rl       examples/grpo.py at Qwen3-8B's shape, 3 iterations -> rl-loop-CARD.json (rollout
+#            throughput, weight-sync time); RL_ARGS adds flags
 #   atlas    experiments/invariance_atlas.py -> invariance-atlas-h200.json (< 3 min)
 #   ablate-AXIS  experiments/ablate.py AXIS -> ablate-AXIS-h200.json + png, e.g. ablate-overlap;
 #            AXIS: decode-batch decode-split-size cuda-graphs prefill-policy prefill-chunk
@@ -115,6 +117,9 @@ for stage in "$@"; do
                invariance_tests/test_path_invariance.py invariance_tests/test_attention_invariance.py \
                tests/kernels/test_attention.py --timeout=120 ;;
     onpolicy) run onpolicy ${ONPOLICY_LIMIT:-300} python3 -m experiments.onpolicy ${ONPOLICY_ARGS:-} ;;
+    rl)      run rl ${RL_LIMIT:-150} python3 -m examples.grpo --model qwen3-8b --iterations 3 \
+               --prompts 8 --n 8 --max-tokens 64 --optimizer sgd --lr 1e-6 \
+               --record rl-loop-$CARD ${RL_ARGS:-} ;;
     tests)   native_tests tests ${TESTS_LIMIT:-110} -n 8 tests/kernels invariance_tests \
                --ignore=invariance_tests/test_engine_determinism.py --timeout=60 ;;
     # tune_gemm writes this card's table after every shape (a cut run resumes): copied whatever
