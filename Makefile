@@ -27,7 +27,7 @@ serve: $(STAMP)
 	$(PY) -m corun.serve $(ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check corun kernels models tests invariance_tests experiments
+	$(PY) -m ruff check corun kernels models tests invariance_tests experiments examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -9,9 +9,10 @@ about a minute.
 
 Each iteration: the engine samples ``n`` completions per prompt (seeds drawn from the run's
 seed and recorded), each with its sampled tokens' logprobs; the rewards give group-relative
-advantages (reward minus the group's mean, over the group's standard deviation); the trainer forward recomputes the same tokens'
-logprobs with autograd, and the clipped surrogate ``-min(r A, clip(r, 1 - eps, 1 + eps) A)``
-with ``r = exp(logprob_trainer - logprob_rollout)`` is minimised by one optimizer step; the new
+advantages (reward minus the group's mean, over the group's standard deviation); the trainer
+forward recomputes the same tokens' logprobs with autograd, and the clipped surrogate
+``-min(r A, clip(r, 1 - eps, 1 + eps) A)`` with ``r = exp(logprob_trainer - logprob_rollout)``
+is minimised by one optimizer step; the new
 weights go to the engine (``LLM.update_weights``) for the next rollout. Under path invariance
 ``r`` is exactly 1.0 for every token: the loop is on-policy to the bit, and no importance-sampling
 correction is needed.
