@@ -58,13 +58,27 @@ class GRPOConfig:
     seed: int = 0
     dtype: str | None = None
     device: str | None = None
-    max_model_len: int = 128
+    max_model_len: int = 256
+    micro_batch_tokens: int = 2048  # trainer tokens whose autograd graph is alive at once
 
 
 def parity_reward(prompt: list[int], completion: list[int]) -> float:
     """The fraction of the completion's tokens in the prompt's target set."""
     target = TARGETS[prompt[-1] % 2]
     return sum(t in target for t in completion) / len(completion)
+
+
+def _micro_batches(samples: list, tokens: int) -> list[list[int]]:
+    """Sample indices in runs of at most ``tokens`` prompt + completion tokens (one at least)."""
+    batches, current, size = [], [], 0
+    for i, (prompt, completion) in enumerate(samples):
+        length = len(prompt) + len(completion.token_ids)
+        if current and size + length > tokens:
+            batches.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += length
+    return [*batches, current] if current else batches
 
 
 def _sync() -> None:
@@ -104,17 +118,20 @@ def run(config: GRPOConfig, log=print) -> dict:
 
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            logprobs = policy.completion_logprobs([p for p, _ in samples],
-                                                  [c.token_ids for _, c in samples])
-            rollout_lp = [torch.tensor(c.logprobs, device=lp.device)
-                          for (_, c), lp in zip(samples, logprobs, strict=True)]
-            ratios = torch.cat([torch.exp(lp - old) for lp, old in
-                                zip(logprobs, rollout_lp, strict=True)])
-            adv = torch.cat([a.repeat(len(c.token_ids)).to(ratios.device)
-                             for a, (_, c) in zip(advantages, samples, strict=True)])
-            clipped = ratios.clamp(1 - config.clip, 1 + config.clip)
-            loss = -torch.minimum(ratios * adv, clipped * adv).sum() / len(samples)
-            loss.backward()
+            ratios = []
+            for batch in _micro_batches(samples, config.micro_batch_tokens):
+                chunk = [samples[i] for i in batch]
+                logprobs = policy.completion_logprobs([p for p, _ in chunk],
+                                                      [c.token_ids for _, c in chunk])
+                ratio = torch.cat([torch.exp(lp - torch.tensor(c.logprobs, device=lp.device))
+                                   for (_, c), lp in zip(chunk, logprobs, strict=True)])
+                adv = torch.cat([advantages[i].repeat(len(samples[i][1].token_ids))
+                                 for i in batch]).to(ratio.device)
+                clipped = ratio.clamp(1 - config.clip, 1 + config.clip)
+                # Gradients accumulate over micro-batches: the loss of the whole group.
+                (-torch.minimum(ratio * adv, clipped * adv).sum() / len(samples)).backward()
+                ratios.append(ratio.detach())
+            ratios = torch.cat(ratios)
             optimizer.step()
             _sync()
             train_s = time.perf_counter() - start
@@ -125,10 +142,9 @@ def run(config: GRPOConfig, log=print) -> dict:
             sync_s = time.perf_counter() - start
             record = {
                 "iteration": it, "mean_reward": round(float(rewards.mean()), 6),
-                "ratio_min": float(ratios.detach().min()),
-                "ratio_max": float(ratios.detach().max()),
-                "ratios_exactly_one": bool((ratios.detach() == 1.0).all()),
-                "sampled_tokens": int(adv.numel()), "seeds": seeds,
+                "ratio_min": float(ratios.min()), "ratio_max": float(ratios.max()),
+                "ratios_exactly_one": bool((ratios == 1.0).all()),
+                "sampled_tokens": int(ratios.numel()), "seeds": seeds,
                 "rollout_s": round(rollout_s, 4), "train_s": round(train_s, 4),
                 "weight_sync_s": round(sync_s, 4), "system_fingerprint": fingerprint}
             iterations.append(record)
