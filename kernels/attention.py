@@ -34,7 +34,7 @@ Invariance, per op (the arithmetic both kernels share: ``attention_kernels.py``)
 Host-side checks: shapes, dtypes, devices and host ints always. Checks that read tensor values
 (cu_seqlens consistency, lengths vs table capacity, block ids < num_blocks, slots in range) run
 only when the tensors are on the CPU: on a GPU they would cost a device sync per call and break
-CUDA-graph capture. ``max_q_len`` vs the table capacity is a host int and always checked.
+CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -193,8 +193,6 @@ def prefill_attention(
     block_size, capacity = k_cache.shape[1], block_tables.shape[1] * k_cache.shape[1]
     if not isinstance(max_q_len, int) or max_q_len < 0:
         raise ValueError(f"max_q_len: expected a host int >= 0, got {max_q_len!r}")
-    if max_q_len > capacity:
-        raise ValueError(f"max_q_len: {max_q_len} exceeds the block-table capacity {capacity}")
     if is_host_checkable(cu_seqlens_q):
         cu = cu_seqlens_q.tolist()
         q_lens = [cu[i + 1] - cu[i] for i in range(num_seqs)]
@@ -219,8 +217,9 @@ def prefill_attention(
         return out
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     # At least one tile lane: with max_q_len 0 (a step of padding only) the padding rows still
-    # need their zeros.
-    num_m_tiles = max(1, cdiv(max_q_len, cfg.BLOCK_M))
+    # need their zeros. A chunk fits its table, so a bound past the capacity (a step shape's
+    # chunk size above max_model_len) sizes no more lanes than the capacity needs.
+    num_m_tiles = max(1, cdiv(min(max_q_len, capacity), cfg.BLOCK_M))
     # Sequence index num_seqs is the padding program: it zeroes rows cu_seqlens_q[-1] .. T - 1.
     grid = (num_q_heads, num_m_tiles, num_seqs + 1)
     _prefill_attention_kernel[grid](

@@ -153,3 +153,21 @@ def test_limits_and_unsupported_fields_are_400s(served, body, field):
     assert error["param"] == field
     if field in ("guided_grammar", "structured_outputs", "use_beam_search"):
         assert error["message"].startswith(f"{field}: not supported: "), error["message"]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_scoring_has_the_sampled_tokens_bits(served, max_tokens):
+    """An RL framework's re-score over HTTP (lm-eval's and verl's form: the prompt plus the
+    completion, ``echo``, ``logprobs``, ``max_tokens`` 0 or 1) gives each completion token the
+    very logprob the server reported when it sampled it (path invariance)."""
+    client, _, tokenizer = served
+    prompt = tokenizer.encode("Sample me, then score me:")
+    sampled = _post(client, COMPLETIONS, {
+        "prompt": prompt, "max_tokens": 10, "logprobs": 0, "temperature": 1.0, "seed": 21,
+        "ignore_eos": True, "return_token_ids": True})["choices"][0]
+    completion = sampled["token_ids"]
+    echoed = _post(client, COMPLETIONS, {
+        "prompt": prompt + completion, "max_tokens": max_tokens, "echo": True, "logprobs": 0,
+        "temperature": 0})["choices"][0]["logprobs"]["token_logprobs"]
+    scored = echoed[len(prompt):len(prompt) + len(completion)]
+    assert scored == sampled["logprobs"]["token_logprobs"]

@@ -307,3 +307,15 @@ def test_more_samples_than_the_queue_holds_is_a_value_error():
     with pytest.raises(ValueError, match="^n: 3 sequences .* exceed max_queue_len 2"):
         engine.add_request([1, 2], SamplingParams(n=3, max_tokens=2), "a")
     assert not engine.requests
+
+
+def test_a_max_model_len_below_the_chunk_size_serves_on_the_triton_kernels():
+    """max_model_len 192 under the default prefill_chunk_size 256: a step shape's chunk bound
+    exceeds every block table, and the Triton prefill sized its grid by it (it refused the
+    launch); every config the engine accepts must serve."""
+    with LLM(model="tiny-qwen3", backend="triton", max_model_len=192, max_num_seqs=2,
+             prefill_step_tokens=256, prefill_token_budget=256,
+             skip_tokenizer_init=True) as llm:
+        out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3, seed=1),
+                           use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3

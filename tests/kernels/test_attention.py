@@ -445,3 +445,15 @@ def test_decode_attention_preloaded_block_ids_keep_the_bits_at_real_shapes_on_gp
                         for cfg in cfgs]
                 for out in outs[1:]:
                     assert_bitwise_equal(out, outs[0], f"B {batch} {mode.value} fused {fused}")
+
+
+def test_prefill_attention_takes_a_chunk_bound_past_the_table_capacity():
+    """A step shape's chunk bound may exceed the block tables (prefill_chunk_size above
+    max_model_len): the grid covers the capacity and the rows are the reference's."""
+    k_cache, v_cache, tables, gen = make_paged([20], 1, 16, 8, torch.float32, seed=4)
+    q = torch.randn(20, 2, 16, generator=gen)
+    cu, ctx = torch.tensor([0, 20], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    out = prefill_attention(q, k_cache, v_cache, tables, cu, ctx, 0.25, max_q_len=256,
+                            config=SMALL_TILES)
+    expected = prefill_attention_reference(*f64(q, k_cache, v_cache), tables, cu, ctx, 0.25)
+    assert_close(out, expected, torch.float32, reduce_dim=20)
