@@ -426,7 +426,7 @@ ALIASES = {"kernels-h200-summary": "kernels-h200", "kernels-h100-summary": "kern
 def render_readme(text: str) -> str:
     def replace(match: re.Match) -> str:
         name = match.group(1)
-        from experiments import report_device, report_kernels, report_serving
+        from experiments import report_device, report_kernels, report_onpolicy, report_serving
         from experiments.report_research import ALIASES as RESEARCH_ALIASES
         from experiments.report_research import research_view
 
@@ -434,7 +434,8 @@ def render_readme(text: str) -> str:
                    **report_serving.ALIASES}
         loaded = _load(aliases.get(name, name))
         view = (VIEWS.get(name) or report_device.VIEWS.get(name) or report_kernels.VIEWS.get(name)
-                or report_serving.VIEWS.get(name) or research_view(name) or generic_block(name))
+                or report_serving.VIEWS.get(name) or report_onpolicy.VIEWS.get(name)
+                or research_view(name) or generic_block(name))
         body = "_not measured yet_" if loaded is None else view(*loaded)
         return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
 

@@ -7,20 +7,19 @@ steps, other chunking, prefix-cache hits), and when the trainer forward
 Hypothesis draws the workload (requests, prompt lengths, a shared prefix the cache can serve,
 n, the chunk size, the prefill policy, a KV pool small enough to preempt); prompts and seeds come
 from a generator seeded by the drawn seed. The CPU engine (torch backend) runs the drawn
-scenarios; the Triton kernels (interpreter) run pinned ones. Negative controls: ``default``,
-path invariance off, a prefill whose attention splits differ from the decode's, and a decode
-GEMM that splits K: each makes the check fail.
+scenarios; the Triton kernels (interpreter) run pinned ones (``test_onpolicy_triton.py``).
+Negative controls: ``default`` and path invariance off here; a prefill whose attention splits
+differ from the decode's and a decode GEMM that splits K there: each makes the check fail.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from corun.llm import LLM
@@ -50,15 +49,18 @@ class Workload:
 @st.composite
 def workloads(draw) -> Workload:
     return Workload(
-        prompt_lens=tuple(draw(st.lists(st.integers(1, 30), min_size=1, max_size=4))),
+        prompt_lens=tuple(draw(st.lists(st.integers(1, 20), min_size=1, max_size=3))),
         shared_prefix=draw(st.sampled_from([0, 8, 16])),
-        max_tokens=draw(st.integers(2, 8)), n=draw(st.sampled_from([1, 2])),
+        max_tokens=draw(st.integers(2, 6)), n=draw(st.sampled_from([1, 2])),
         chunk=draw(st.sampled_from([4, 8])), isolated=draw(st.booleans()),
         tight_kv=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)))
 
 
 PINNED = Workload(prompt_lens=(21, 5, 13), shared_prefix=16, max_tokens=6, n=2, chunk=8,
                   isolated=False, tight_kv=True, seed=7)
+# What the Triton interpreter runs: two prompts over a shared prefix, a few decode steps.
+SMALL = Workload(prompt_lens=(13, 5), shared_prefix=8, max_tokens=4, n=1, chunk=8,
+                 isolated=False, tight_kv=False, seed=7)
 
 
 def _config(family: str, mode: str, w: Workload, **overrides) -> dict:
@@ -117,20 +119,11 @@ NONE = {"scored": 0, "top": 0, "fingerprint": 0, "trainer": 0}
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=2)  # x 12 (family, mode) pairs, each three engine runs of a workload
 @given(w=workloads())
 @example(w=PINNED)
 def test_generated_scored_and_trained_logprobs_are_the_same_bits(family, mode, w):
     assert _mismatches(_config(family, mode, w, backend="torch"), w) == NONE
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family, mode", [("tiny-qwen3", "corun"),
-                                          ("tiny-deepseek-v3", "batch_invariant_tuned")])
-def test_triton_kernels_keep_the_bits_on_every_path(family, mode):
-    """The Triton kernels (decode attention at its splits, prefill attention folding the same
-    splits, batch-invariant GEMMs) through the interpreter, on the pinned workload."""
-    w = dataclasses.replace(PINNED, tight_kv=False)
-    assert _mismatches(_config(family, mode, w, backend="triton"), w) == NONE
 
 
 # -- negative controls -------------------------------------------------------------------------
@@ -149,42 +142,4 @@ def test_path_invariance_off_differs_negative_control():
     multiplies a chunk's queries together)."""
     counts = _mismatches(_config("tiny-qwen3", "corun", PINNED, backend="torch",
                                  path_invariant=False), PINNED)
-    assert counts["scored"] > 0 and counts["trainer"] > 0
-
-
-@pytest.mark.slow
-def test_prefill_attention_at_another_split_size_differs_negative_control(monkeypatch):
-    """Prefill attention folding each row's keys in splits of twice the decode's: every row
-    longer than a decode split gets other bits than its decode."""
-    from models.forward_batch import OpsConfig
-
-    monkeypatch.setattr(OpsConfig, "prefill_split_size",
-                        property(lambda self: 2 * self.decode_split_size))
-    w = dataclasses.replace(PINNED, tight_kv=False)
-    counts = _mismatches(_config("tiny-qwen3", "batch_invariant", w, backend="triton"), w)
-    assert counts["scored"] > 0 and counts["trainer"] > 0
-
-
-@pytest.mark.slow
-def test_split_k_decode_gemm_differs_negative_control(monkeypatch):
-    """A GEMM policy that splits K at a decode's M (what corun's own policy may pick on a GPU):
-    the decode rows' bits are not the prefill rows'."""
-    from kernels import gemm as gemm_module
-
-    policy = gemm_module._m_dependent_config
-
-    def split_small_m(table, portable, m, n, k, dtype, mode):
-        config = policy(table, portable, m, n, k, dtype, mode)
-        if m <= BASE["max_num_seqs"] and k >= 2 * config.block_k:
-            return dataclasses.replace(config, split_k=2)
-        return config
-
-    monkeypatch.setattr(gemm_module, "_m_dependent_config", split_small_m)
-    gemm_module._gemm_config.cache_clear()
-    try:
-        w = dataclasses.replace(PINNED, tight_kv=False)
-        counts = _mismatches(_config("tiny-qwen3", "batch_invariant_tuned", w, backend="triton"),
-                             w)
-    finally:
-        gemm_module._gemm_config.cache_clear()
     assert counts["scored"] > 0 and counts["trainer"] > 0

@@ -72,9 +72,10 @@ def _decode_each(q, k_cache, v_cache, table, split_size, positions):
                             max_seq_len=q.shape[0], mode=Mode.CORUN, split_size=split_size)
 
 
+@settings(max_examples=4)
 @given(
     seed=st.integers(0, 2**32 - 1),
-    length=st.integers(1, 150),
+    length=st.integers(1, 100),
     chunk=st.sampled_from([16, 48, 64, 150]),
     split_size=st.sampled_from([16, 32, 64]),
     group=st.sampled_from([1, 2, 4]),

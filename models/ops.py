@@ -269,6 +269,9 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tens
     ``MLA_TOKENS_PER_LAUNCH`` tokens a launch -> [T, H, Lkv]."""
     store_mla_kv(latent, k_pe, kv_cache, batch.slot_mapping, batch.ops)
     tokens = batch.per_token_decode()
+    # The engine's grid bound is max_model_len (the decode's, whose tile it picks); a direct
+    # caller's prefill batch may leave it 0: then the block tables' capacity.
+    max_seq_len = batch.max_seq_len or batch.block_tables.shape[1] * kv_cache.shape[1]
     outs = []
     for start in range(0, q_latent.shape[0], MLA_TOKENS_PER_LAUNCH):
         end = min(start + MLA_TOKENS_PER_LAUNCH, q_latent.shape[0])
@@ -276,7 +279,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tens
             is_prefill=False, positions=tokens.positions[start:end],
             slot_mapping=tokens.slot_mapping[start:end],
             block_tables=tokens.block_tables[start:end], kv_cache=batch.kv_cache, ops=batch.ops,
-            seq_lens=tokens.seq_lens[start:end], max_seq_len=batch.max_seq_len)
+            seq_lens=tokens.seq_lens[start:end], max_seq_len=max_seq_len)
         outs.append(mla_decode(q_latent[start:end], q_pe[start:end], kv_cache, part, scale))
     return torch.cat(outs)
 

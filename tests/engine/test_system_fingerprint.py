@@ -70,8 +70,8 @@ def test_defaults_fingerprint_follows_the_buckets_the_runner_pads_to(monkeypatch
     for config, tokens in ((mla, []), (explicit, [128, 256])):
         engine = LLMEngine(config)
         assert engine.runner.dynamic_step_tokens == tokens
-        assert engine.system_fingerprint == system_fingerprint(config, engine.eos_token_ids,
-                                                               tokens)
+        assert engine.system_fingerprint == system_fingerprint(
+            config, engine.eos_token_ids, tokens, engine.runner.weights_digest())
 
 
 def test_llm_and_server_share_the_cpu_dtype_default():
