@@ -116,6 +116,9 @@ class EngineConfig:
       closed connections).
     - ``max_logprobs``: the largest top-N a request may ask for (``logprobs``,
       ``prompt_logprobs``; vLLM's default 20).
+    - ``enable_return_routed_experts`` (MoE models): every finished sample carries the experts
+      each MoE layer routed each of its tokens to (``CompletionOutput.routed_experts``; vLLM's
+      flag, for RL frameworks' routing replay), kept per KV slot (``corun.routed_experts``).
     - ``path_invariant`` (the deterministic modes): a token's logprob, top logprobs and logits
       digest have the same bits whether a decode step sampled it or a prefill scored it
       (``LLM.score``, prompt logprobs, ``corun.training``): every GEMM keeps a row's bits at
@@ -154,6 +157,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     path_invariant: bool | None = None
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -247,6 +251,9 @@ class EngineConfig:
         if self.overlap_prefill_decode and self.tensor_parallel_size > 1:
             raise ValueError("overlap_prefill_decode: not supported with tensor_parallel_size "
                              f"{self.tensor_parallel_size} > 1 (collectives on two streams)")
+        if not isinstance(self.enable_return_routed_experts, bool):
+            raise ValueError(f"enable_return_routed_experts: expected a bool, "
+                             f"got {self.enable_return_routed_experts!r}")
         if self.path_invariant is not None and not isinstance(self.path_invariant, bool):
             raise ValueError(f"path_invariant: expected None or a bool, "
                              f"got {self.path_invariant!r}")

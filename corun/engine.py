@@ -387,6 +387,7 @@ class LLMEngine:
                 seq.prompt_logits_digests = scores.digests
             if params.max_tokens == 0:  # scoring the prompt: its prefill was the whole work
                 seq.finish_reason, seq.finish_time = "length", now
+                self._keep_routing(seq)
                 self.scheduler.finish(seq)
                 self.runner.drop_swapped(seq.seq_id)
                 self.runner.release(seq.seq_id)
@@ -407,9 +408,15 @@ class LLMEngine:
                 seq.first_token_time = now
             if self._check_stop(seq):
                 seq.finish_time = now
+                self._keep_routing(seq)
                 self.scheduler.finish(seq)
                 self.runner.release(seq.seq_id)
         return seqs
+
+    def _keep_routing(self, seq: Sequence) -> None:
+        """A finishing sequence's routed experts, read while its blocks still hold them."""
+        seq.routed_experts = self.runner.routed_experts_of(seq.block_table,
+                                                           seq.num_computed_tokens)
 
     def _check_stop(self, seq: Sequence) -> bool:
         """Set the finish reason if ``seq`` just ended; the order follows vLLM's."""
@@ -513,6 +520,7 @@ class LLMEngine:
                 logprobs=seq.logprobs if seq.params.logprobs is not None else None,
                 top_logprobs=seq.top_logprobs if seq.params.logprobs is not None else None,
                 num_preemptions=seq.num_preemptions, token_times=seq.token_times,
+                routed_experts=seq.routed_experts if finished else None,
             ))
         firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
         finishes = [s.finish_time for s in request.seqs]

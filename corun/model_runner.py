@@ -145,9 +145,12 @@ class ModelRunner:
             config.num_kv_blocks or memory_profile.auto_num_blocks(self, spec))
         self.kv_cache = KVCache(spec, self.num_kv_blocks, config.block_size, self.dtype,
                                 self.device)
+        self.routed_experts = self._routed_experts() if config.enable_return_routed_experts \
+            else None
         # Blocks are dim 2 of the MHA storage [L, 2, NB, ...] and dim 1 of the MLA one [L, NB, ...].
         self._block_dim = 2 if spec.kind == "mha" else 1
         self._host_kv: dict[int, torch.Tensor] = {}
+        self._host_routed: dict[int, torch.Tensor] = {}
         self.prompt_scorer = PromptScorer(
             lambda hidden: self.model.compute_logits(hidden, self.ops), self.sampler,
             self.digest)
@@ -283,7 +286,8 @@ class ModelRunner:
         max_seq_len = self.config.max_model_len
         if not shape.is_fixed and self.ops.mode is Mode.DEFAULT:
             max_seq_len = host.max_seq_len
-        return bufs.bind(shape, self.kv_cache, self.ops, max_seq_len, host)
+        return bufs.bind(shape, self.kv_cache, self.ops, max_seq_len, host,
+                         routed_experts=self.routed_experts)
 
     def forward(self, bound: BoundStep, batch: ForwardBatch | None = None,
                 all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -399,6 +403,8 @@ class ModelRunner:
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
         host = self.kv_cache.storage.index_select(self._block_dim, index)
         self._host_kv[seq_id] = host.to("cpu", non_blocking=False)
+        if self.routed_experts is not None:
+            self._host_routed[seq_id] = self.routed_experts.block_rows(blocks)
 
     def swap_in(self, seq_id: int, block_table: list[int]) -> None:
         """Copy the host copy into the first blocks of the sequence's new block table."""
@@ -409,10 +415,13 @@ class ModelRunner:
                                f"{len(block_table)} given back")
         index = torch.tensor(block_table[:num_blocks], dtype=torch.int64, device=self.device)
         self.kv_cache.storage.index_copy_(self._block_dim, index, host.to(self.device))
+        if self.routed_experts is not None:
+            self.routed_experts.restore(block_table[:num_blocks], self._host_routed.pop(seq_id))
 
     def drop_swapped(self, seq_id: int) -> None:
         """Forget a finished or aborted sequence's host state (swapped KV, prompt hidden rows)."""
         self._host_kv.pop(seq_id, None)
+        self._host_routed.pop(seq_id, None)
         self.prompt_scorer.drop(seq_id)
 
     def release(self, seq_id: int) -> None:
@@ -426,6 +435,26 @@ class ModelRunner:
 
     def check_health(self) -> None:
         """Nothing to check at TP=1 (``TPModelRunner`` checks its workers)."""
+
+    # -- routing replay ---------------------------------------------------------------------------
+
+    def _routed_experts(self):
+        from corun.routed_experts import RoutedExperts
+
+        c = self.model_config
+        layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
+        if not layers:
+            raise ValueError(f"enable_return_routed_experts: {self.config.model} has no MoE "
+                             f"layer to route")
+        return RoutedExperts(self.num_kv_blocks * self.config.block_size, self.config.block_size,
+                             layers, c.num_experts_per_tok, c.num_experts, self.device)
+
+    def routed_experts_of(self, block_table: list[int], num_tokens: int):
+        """A sequence's routed experts [num_tokens, MoE layers, k] (numpy), or None when the
+        engine does not record them; read before its blocks are freed."""
+        if self.routed_experts is None:
+            return None
+        return self.routed_experts.read(block_table, num_tokens)
 
     # -- weights ----------------------------------------------------------------------------------
 

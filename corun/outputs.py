@@ -41,6 +41,10 @@ class CompletionOutput:
     # Per step, {token id: logprob} of the params.logprobs most likely tokens, most likely first.
     top_logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
+    # EngineConfig.enable_return_routed_experts, once finished: numpy int [tokens, MoE layers, k],
+    # the experts each MoE layer routed each token the model read to (the prompt and every
+    # sampled token but the last), in rank order.
+    routed_experts: object | None = field(default=None, repr=False)
     # time.perf_counter() at each token's commit (the live list, as token_ids).
     token_times: list[float] | None = None
 

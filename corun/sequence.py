@@ -58,6 +58,8 @@ class Sequence:
     # the (d1, d2) digest of the logits row that predicts it (a fingerprint's integers).
     prompt_token_ranks: list[int | None] | None = None
     prompt_logits_digests: list[tuple[int, int] | None] | None = None
+    # Routing replay (EngineConfig.enable_return_routed_experts): set when it finishes.
+    routed_experts: object | None = None
     # EOS (even with ignore_eos, as vLLM) and the stop ids: masked while fewer than min_tokens
     # were generated.
     min_tokens_masked_ids: frozenset[int] = frozenset()

@@ -155,6 +155,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="corun: each decode step carries one prefill step on a second CUDA stream",
     )
     p.add_argument(
+        "--path-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a token's logprob has the same bits when sampled, re-scored (echo) and in the "
+        "trainer forward (default: on in every mode but default, which refuses it)",
+    )
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="MoE models: each finished choice carries `routed_experts`, the top-k experts of "
+        "every token at every MoE layer (routing replay for RL trainers)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="the fraction of the GPU the engine may use; the KV cache takes what the weights "
+        "and activations leave of it (default: the cache the config can use, at most what 90%% "
+        "of the GPU leaves)",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=SERVE_DEFAULTS["enable_prefix_caching"],
@@ -294,6 +315,9 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        path_invariant=args.path_invariant,
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     return kwargs
 

@@ -132,7 +132,8 @@ class StepBuffers:
                 and shape.num_sample_rows <= samples)
 
     def bind(self, shape: StepShape, kv_cache: KVCache, ops: OpsConfig, max_seq_len: int,
-             host: StepHost | None = None, cache: bool = True) -> BoundStep:
+             host: StepHost | None = None, cache: bool = True,
+             routed_experts: object | None = None) -> BoundStep:
         """The views of ``shape``. A fixed shape's are built once (a graph captures them) unless
         ``cache`` is False; a dynamic step's host ints come from ``host``."""
         cache = cache and shape.is_fixed
@@ -146,7 +147,7 @@ class StepBuffers:
         tables = v["block_tables"][: n * self.block_width].view(n, self.block_width)
         common = dict(positions=v["positions"][:t], slot_mapping=v["slot_mapping"][:t],
                       block_tables=tables, kv_cache=kv_cache, ops=ops,
-                      token_mask=v["token_mask"][:t])
+                      token_mask=v["token_mask"][:t], routed_experts=routed_experts)
         if not shape.is_prefill:
             batch = ForwardBatch(is_prefill=False, seq_lens=v["seq_lens"][:n],
                                  max_seq_len=max_seq_len,

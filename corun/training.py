@@ -99,6 +99,29 @@ class Policy(nn.Module):
                            device=self.device)
         return self.model(ids, self._batch(lengths))
 
+    @torch.no_grad()
+    def routed_experts(self, sequences: Sequence[Sequence[int]]) -> list:
+        """Per sequence, the experts every MoE layer routes each of its tokens to in this
+        forward (numpy [len, MoE layers, k]): to check, or replay, the engine's
+        ``CompletionOutput.routed_experts`` (which ends one token earlier: no step reads the last
+        sampled token)."""
+        from corun.routed_experts import RoutedExperts
+
+        c = self.model_config
+        layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
+        if not layers:
+            raise ValueError(f"sequences: {self.config.model} has no MoE layer to route")
+        lengths = [len(s) for s in sequences]
+        batch = self._batch(lengths)
+        block = self.config.block_size
+        table = RoutedExperts(batch.kv_cache.num_blocks * block, block, layers,
+                              c.num_experts_per_tok, c.num_experts, self.device)
+        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64,
+                           device=self.device)
+        self.model(ids, dataclasses.replace(batch, routed_experts=table))
+        tables = batch.block_tables.tolist()
+        return [table.read(tables[i], n) for i, n in enumerate(lengths)]
+
     def sequence_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Per sequence, the fp32 logprobs of its tokens 1..n-1 given the tokens before them."""
         return self._logprobs(sequences, [1] * len(sequences))

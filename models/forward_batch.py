@@ -139,6 +139,9 @@ class ForwardBatch:
     # expansion) read these instead of syncing the device; None under a CUDA graph capture.
     context_lens_host: tuple[int, ...] | None = None
     decode_arrivals: torch.Tensor | None = None
+    # Routing replay (corun.routed_experts.RoutedExperts): MoE layers record their top-k ids at
+    # ``slot_mapping``; None when the engine does not return routed experts.
+    routed_experts: object | None = None
 
     def __post_init__(self) -> None:
         # Shapes only (no tensor values): a check must not sync the device.

@@ -70,6 +70,9 @@ class CompletionChoice(BaseModel):
     # vLLM's return_token_ids: the prompt's ids (a stream's first chunk of the choice only).
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # --enable-return-routed-experts, once finished: per token the model read (the prompt and
+    # every sampled token but the last), per MoE layer, the top-k expert ids.
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -110,6 +113,7 @@ class ChatChoice(BaseModel):
     seed: int | None = None
     fingerprint: str | None = None
     token_ids: list[int] | None = None
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -256,6 +256,7 @@ class CompletionBuilder(_Builder):
             token_ids=ids if self.body.return_token_ids else None,
             prompt_token_ids=self._prompt_token_ids(choice, first),
             prompt_logprobs=self._prompt_logprobs(choice, first),
+            routed_experts=choice.routed_experts if choice.finished else None,
         )
 
     def chunks(self, changed: list[ChoiceState]) -> list[CompletionChunk]:
@@ -346,6 +347,7 @@ class ChatBuilder(_Builder):
                     seed=choice.seed,
                     fingerprint=choice.fingerprint,
                     token_ids=ids if self.body.return_token_ids else None,
+                    routed_experts=choice.routed_experts,
                 )
             )
         # vLLM: a chat response's prompt ids and prompt logprobs sit at its root (one prompt).

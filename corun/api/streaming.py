@@ -61,6 +61,8 @@ class ChoiceState:
     stop_reason: int | str | None = None
     fingerprint: str | None = None
     seed: int | None = None
+    # The engine's routed experts of the finished sample (enable_return_routed_experts).
+    routed_experts: list | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     _source: Any = field(default=None, repr=False)  # the live token list the lists copy from
@@ -111,6 +113,8 @@ class ChoiceState:
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason
             self.fingerprint = output.fingerprint
+            routed = getattr(output, "routed_experts", None)
+            self.routed_experts = None if routed is None else routed.tolist()
         if output.text is not None:  # the engine's own detokenization, cut and settled
             self.text = output.text
             return gaps

@@ -41,7 +41,11 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, batch)
         h, residual = self.post_attention_layernorm(h, batch.ops, residual)
         if self.is_moe:
-            return self.mlp(h, batch.ops, batch.token_mask), residual
+            record = None
+            if batch.routed_experts is not None:  # routing replay: the ids at the step's slots
+                def record(ids: torch.Tensor) -> None:
+                    batch.routed_experts.record(self.layer_idx, batch.slot_mapping, ids)
+            return self.mlp(h, batch.ops, batch.token_mask, on_routing=record), residual
         return self.mlp(h, batch.ops), residual
 
 
@@ -50,6 +54,8 @@ class DecoderModel(nn.Module):
                  parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, parallel)
+        for index, layer in enumerate(layers):
+            layer.layer_idx = index
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

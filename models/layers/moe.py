@@ -21,6 +21,8 @@ load is balanced whatever the routing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -79,9 +81,13 @@ class SoftmaxTopKMoE(nn.Module):
                                     config.moe_intermediate_size, parallel)
 
     def forward(self, x: torch.Tensor, ops_config: OpsConfig,
-                token_mask: torch.Tensor | None = None) -> torch.Tensor:
+                token_mask: torch.Tensor | None = None,
+                on_routing: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """``on_routing(ids [T, k])``: told the chosen experts (routing replay)."""
         router_logits = self.gate(x, ops_config)
         weights, ids = ops.softmax_topk(router_logits, self.top_k, self.norm_topk_prob, ops_config)
+        if on_routing is not None:
+            on_routing(ids)
         out = self.experts(x, weights, ids, ops_config, token_mask)
         return self.parallel.all_reduce(out, ops_config.mode)
 
@@ -130,12 +136,16 @@ class GroupedTopKMoE(nn.Module):
             if config.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor, ops_config: OpsConfig,
-                token_mask: torch.Tensor | None = None) -> torch.Tensor:
+                token_mask: torch.Tensor | None = None,
+                on_routing: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """``on_routing(ids [T, k])``: told the chosen experts (routing replay)."""
         c = self.config
         router_logits = self.gate(x, ops_config)
         weights, ids = ops.grouped_topk(
             router_logits, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
             c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, ops_config)
+        if on_routing is not None:
+            on_routing(ids)
         out = self.experts(x, weights, ids, ops_config, token_mask)
         if self.shared_experts is not None:
             shared = self.shared_experts(x, ops_config)
