@@ -383,11 +383,17 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
     from corun.engine import LLMEngine
     from models.parallel import WorkerError
 
+    check_model_flag(args)
     try:
         config = EngineConfig(**engine_config_kwargs(args))
     except ValueError as exc:
         raise SystemExit(f"invalid configuration: {exc}") from None
+    if config.is_cuda and not _cuda_available():
+        raise SystemExit(f"--device {config.resolved_device}: this torch sees no CUDA device "
+                         f"(torch.cuda.is_available() is False); serve on the CPU with "
+                         f"--device cpu")
     tokenizer = load_tokenizer(args.model)
+    warn_vocab_mismatch(tokenizer, config.model)
     default_sampling = generation_defaults(args)  # a bad file fails before the engine is built
     if not Path(config.model).is_dir():
         logger.warning(
@@ -443,6 +449,46 @@ def build_app(args: argparse.Namespace, on_engine_failure=None):
     )
 
 
+def warn_vocab_mismatch(tokenizer, model: str) -> None:
+    """Warn when the model's vocabulary is much larger than the tokenizer's (a checkpoint with
+    another model's tokenizer, or none): ids past the tokenizer's decode to ''. Models pad their
+    vocabulary (Qwen3: 151,669 tokens in 151,936 rows; the embedded default: 259 in 384), so a
+    tokenizer of at least half the rows is quiet."""
+    from corun.memory_plan import model_config_of
+
+    config = model_config_of(model)
+    known = getattr(tokenizer, "vocab_size", None)
+    if config is None or known is None or 2 * known >= config.vocab_size:
+        return
+    logger.warning("the model's vocabulary has %d ids, its tokenizer knows %d: sampled ids past "
+                   "%d decode to '' (is this checkpoint's tokenizer.json its own?)",
+                   config.vocab_size, known, known - 1)
+
+
+def check_model_flag(args: argparse.Namespace) -> None:
+    """``--model`` names a named config or a checkpoint directory (said before anything loads)."""
+    from corun.default_model import DEFAULT_MODEL_NAME
+    from models import check_model_source
+
+    try:
+        check_model_source(args.model or DEFAULT_MODEL_NAME)
+    except ValueError as exc:
+        raise SystemExit(f"--model: {exc}") from None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse, before a model is loaded, a host:port that something else listens on."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise SystemExit(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}): "
+                             f"another process holds it; pick another with --port") from None
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     """The server's own flags (EngineConfig checks the engine's)."""
     if args.max_queue_len < 1:
@@ -459,6 +505,8 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     _check_flags(args)
+    check_model_flag(args)
+    check_port_free(args.host, args.port)
     import uvicorn
 
     from corun.api.shutdown import DrainingServer

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -51,6 +52,25 @@ def create_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.devic
     return materialize(model, dtype, device).eval()
 
 
+def check_model_source(name_or_path: str | os.PathLike) -> None:
+    """A named config or a checkpoint directory, else ValueError saying which it is not: a path
+    that does not exist, or a Hugging Face Hub id (never downloaded here)."""
+    name = str(name_or_path)
+    if name in NAMED_CONFIGS or Path(name).is_dir():
+        return
+    known = ", ".join(NAMED_CONFIGS)
+    if Path(name).exists():
+        why = f"{name!r} is a file, not a checkpoint directory"
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.startswith((".", "/")):
+        why = (f"{name!r} is not a local directory; Hugging Face Hub ids are not downloaded: "
+               f"fetch the checkpoint first (`huggingface-cli download {name} --local-dir DIR`) "
+               f"and pass DIR")
+    else:
+        why = f"no directory {name!r}"
+    raise ValueError(f"{why} (a model is a checkpoint directory or one of the named configs: "
+                     f"{known})")
+
+
 def build_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype,
                 device: torch.device | str, seed: int = 0,
                 parallel: ParallelContext = SINGLE) -> tuple[nn.Module, ModelConfig]:
@@ -69,8 +89,8 @@ def build_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype,
         from models.loader import load_model
 
         return load_model(name, dtype=dtype, device=device, parallel=parallel)
-    raise ValueError(f"name_or_path: {name!r} is neither a named config "
-                     f"({', '.join(NAMED_CONFIGS)}) nor a checkpoint directory")
+    check_model_source(name)
+    raise AssertionError("unreachable: check_model_source raised")
 
 
 __all__ = ["MODEL_REGISTRY", "NAMED_CONFIGS", "ModelConfig", "ParallelContext", "build_model",

@@ -163,3 +163,71 @@ def test_serving_defaults_differ_from_the_engine_only_where_the_serving_sweep_ch
     offline = engine_config_kwargs(build_parser().parse_args(
         ["--prefill-step-tokens", "8192", "--prefill-token-budget", "8192"]))
     assert (offline["prefill_step_tokens"], offline["prefill_token_budget"]) == (8192, 8192)
+
+
+def _serve(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "corun.serve", *flags], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_missing_model_path_is_named_before_anything_loads():
+    result = _serve("--model", "/no/such/dir", "--port", "0")
+    assert result.returncode != 0
+    assert "--model: no directory '/no/such/dir'" in result.stderr
+    assert "RANDOM WEIGHTS" not in result.stderr and "named config:" not in result.stderr
+
+
+def test_a_hub_id_says_hub_ids_are_not_downloaded():
+    result = _serve("--model", "Qwen/Qwen3-0.6B")
+    assert result.returncode != 0
+    assert "Hugging Face Hub ids are not downloaded" in result.stderr
+    assert "huggingface-cli download Qwen/Qwen3-0.6B" in result.stderr
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads():
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = _serve("--port", str(port), "--device", "cpu", timeout=60)
+    assert result.returncode != 0
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "listening on" not in result.stderr and "RANDOM WEIGHTS" not in result.stderr
+
+
+def test_cuda_without_a_gpu_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("this machine has a CUDA device: the refusal is for machines without one")
+    result = _serve("--device", "cuda", "--port", "0")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith("--device cuda: this torch sees no")
+    assert "Traceback" not in result.stderr
+
+
+def test_gpu_memory_utilization_is_a_flag():
+    args = build_parser().parse_args(["--gpu-memory-utilization", "0.5"])
+    assert engine_config_kwargs(args)["gpu_memory_utilization"] == 0.5
+
+
+def test_a_tokenizer_much_smaller_than_the_vocabulary_is_warned_about(caplog):
+    """A checkpoint whose config vocabulary (151,936 ids) dwarfs its tokenizer's (259): every
+    sampled id past the tokenizer decodes to '', so the server says so at startup."""
+    import logging
+
+    from corun.serve import warn_vocab_mismatch
+    from corun.tokenizer import tokenizer_for_model
+
+    byte_level = tokenizer_for_model("corun-default")[0]
+    with caplog.at_level(logging.WARNING, logger="corun.serve"):
+        warn_vocab_mismatch(byte_level, "qwen3-0.6b")
+    assert "vocabulary has 151936 ids, its tokenizer knows" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="corun.serve"):
+        warn_vocab_mismatch(byte_level, "corun-default")  # its own: 384 rows, 259 tokens
+    assert caplog.text == ""
