@@ -43,8 +43,9 @@ def _check(model: str, mode: str, max_tokens: int = 6, **config) -> int:
     return preempted
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-hy3"])
-@pytest.mark.parametrize("mode", ["corun", "batch_invariant"])
+@pytest.mark.parametrize("model, mode", [("tiny-qwen3-moe", "corun"),
+                                         ("tiny-deepseek-v3", "batch_invariant"),
+                                         ("tiny-hy3", "batch_invariant_tuned")])
 def test_routed_experts_are_the_trainers_routing(model, mode):
     """Shared prefixes (cache hits) and n = 2 (a sibling's prompt) included."""
     _check(model, mode)
