@@ -86,6 +86,23 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(tokenizer_file)), config, template, eos,
                    has_generation_config=generation_file.is_file())
 
+    def info(self, model_max_length: int | None = None) -> dict[str, Any]:
+        """``GET /tokenizer_info``'s body, as vLLM serves it: tokenizer_config.json's fields
+        (``added_tokens_decoder`` left out: a remote tokenizer asks ``/tokenize`` for ids),
+        special tokens as strings, the chat template in force and ``tokenizer_class``. A client
+        tokenizing through the server (lm-evaluation-harness' ``tokenizer_backend=remote``)
+        reads its EOS, BOS and chat template here."""
+        info = {k: v for k, v in self.config.items() if k != "added_tokens_decoder"}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            if name in info:
+                info[name] = _token_text(info[name])
+        info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        if self.chat_template:
+            info["chat_template"] = self.chat_template
+        if model_max_length is not None:
+            info["model_max_length"] = model_max_length
+        return json.loads(json.dumps(info, default=str))
+
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)

@@ -4,7 +4,8 @@ The README shows only figures that a results file holds: this script rewrites th
 ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` from the file of that name, so a table
 can not drift from its measurement.
 
-    python -m experiments.report            # rewrite README.md and experiments/README.md
+    python -m experiments.report            # rewrite README.md, docs/results/*.md and
+                                            # experiments/README.md
     python -m experiments.report --check    # exit 1 if either is out of date
 """
 
@@ -426,15 +427,22 @@ ALIASES = {"kernels-h200-summary": "kernels-h200", "kernels-h100-summary": "kern
 def render_readme(text: str) -> str:
     def replace(match: re.Match) -> str:
         name = match.group(1)
-        from experiments import report_device, report_kernels, report_onpolicy, report_serving
+        from experiments import (
+            report_device,
+            report_glance,
+            report_kernels,
+            report_onpolicy,
+            report_serving,
+        )
         from experiments.report_research import ALIASES as RESEARCH_ALIASES
         from experiments.report_research import research_view
 
         aliases = {**ALIASES, **RESEARCH_ALIASES, **report_kernels.ALIASES,
-                   **report_serving.ALIASES}
+                   **report_serving.ALIASES, **report_glance.ALIASES}
         loaded = _load(aliases.get(name, name))
         view = (VIEWS.get(name) or report_device.VIEWS.get(name) or report_kernels.VIEWS.get(name)
                 or report_serving.VIEWS.get(name) or report_onpolicy.VIEWS.get(name)
+                or report_glance.VIEWS.get(name)
                 or research_view(name) or generic_block(name))
         body = "_not measured yet_" if loaded is None else view(*loaded)
         return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
@@ -447,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="fail if README.md is out of date")
     args = parser.parse_args(argv)
     stale = []
-    for readme in (ROOT / "README.md", ROOT / "experiments" / "README.md"):
+    for readme in (ROOT / "README.md", ROOT / "experiments" / "README.md",
+                   *sorted((ROOT / "docs" / "results").glob("*.md"))):
         if not readme.exists():
             continue
         text = readme.read_text()

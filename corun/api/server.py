@@ -2,8 +2,8 @@
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` sends
 server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``,
-``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``, ``GET /metrics``
-(Prometheus text).
+``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``, ``GET /health``,
+``GET /version``, ``GET /metrics`` (Prometheus text).
 
 Every request is validated completely before it reaches the engine (``corun.api.preprocess``:
 the pydantic models, then the model name, the prompt's ids and length, and ``SamplingParams``): a
@@ -283,6 +283,10 @@ def create_app(
     @app.get("/is_paused")
     async def is_paused() -> JSONResponse:
         return JSONResponse({"is_paused": state.engine_loop.is_paused})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(state.tokenizer.info(model_max_length=state.max_model_len))
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 
 from tests.api.inprocess import build_engine, serve_in_thread
-from tests.models.helpers import run_sequence
+from tests.models.helpers import engine_logprobs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,15 +32,6 @@ def _post(client: httpx.Client, path: str, body: dict) -> dict:
     return response.json()
 
 
-def _reference_logprobs(engine, ids: list[int]) -> torch.Tensor:
-    """log_softmax of the served model's logits over the whole prompt, [L, V] fp64."""
-    runner = engine.runner
-    with torch.inference_mode():
-        logits = run_sequence(runner.model, torch.tensor(ids), torch.tensor([]), runner.ops,
-                              max_seq_len=engine.config.max_model_len)[0]
-    return torch.log_softmax(logits.double(), -1)
-
-
 def test_lm_eval_loglikelihood_request_returns_prompt_logprobs(served):
     client, engine, tokenizer = served
     body = {"prompt": CONTEXT + CONTINUATION, "max_tokens": 0, "echo": True, "logprobs": 1,
@@ -52,7 +42,7 @@ def test_lm_eval_loglikelihood_request_returns_prompt_logprobs(served):
     assert choice["text"] == tokenizer.decode(ids)
     assert lp["tokens"] == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    ref = _reference_logprobs(engine, ids)
+    ref = engine_logprobs(engine, ids)
     for i in range(1, len(ids)):
         assert lp["token_logprobs"][i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-4)
         top = lp["top_logprobs"][i]
@@ -78,7 +68,7 @@ def test_top_logprobs_are_the_n_most_likely_tokens(served):
             "return_token_ids": True, "return_tokens_as_token_ids": True}
     choice = _post(client, COMPLETIONS, body)["choices"][0]
     ids = [5, 6, 7, 8] + choice["token_ids"]
-    ref = _reference_logprobs(engine, ids)
+    ref = engine_logprobs(engine, ids)
     for step, top in enumerate(choice["logprobs"]["top_logprobs"]):
         row = ref[3 + step]
         want = row.topk(4)
@@ -101,7 +91,7 @@ def test_prompt_logprobs_field(served):
     choice = _post(client, COMPLETIONS, {"prompt": prompt, "max_tokens": 1,
                                          "prompt_logprobs": 2})["choices"][0]
     entries = choice["prompt_logprobs"]
-    ref = _reference_logprobs(engine, prompt)
+    ref = engine_logprobs(engine, prompt)
     assert entries[0] is None and len(entries) == len(prompt)
     outside = 0
     for i, entry in enumerate(entries[1:], start=1):
@@ -171,3 +161,19 @@ def test_echo_scoring_has_the_sampled_tokens_bits(served, max_tokens):
         "temperature": 0})["choices"][0]["logprobs"]["token_logprobs"]
     scored = echoed[len(prompt):len(prompt) + len(completion)]
     assert scored == sampled["logprobs"]["token_logprobs"]
+
+
+def test_top_logprobs_keys_as_vllm(served):
+    """Top-logprob keys are each id's own decoded text, as vLLM: byte-level ids that decode to
+    the same replacement character share a key, so a dict holds fewer than N; with
+    ``return_tokens_as_token_ids`` every one of the N has its own key."""
+    client, _, tokenizer = served
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0, "logprobs": 20}
+    by_id = _post(client, COMPLETIONS, {**body, "return_tokens_as_token_ids": True})
+    by_text = _post(client, COMPLETIONS, body)
+    for ids_top, text_top in zip(by_id["choices"][0]["logprobs"]["top_logprobs"],
+                                 by_text["choices"][0]["logprobs"]["top_logprobs"], strict=True):
+        assert len(ids_top) >= 20
+        ids = [int(key.removeprefix("token_id:")) for key in ids_top]
+        texts = {tokenizer.decode([t], skip_special_tokens=False) for t in ids}
+        assert set(text_top) == texts

@@ -112,3 +112,13 @@ def save_named_checkpoint(name: str, seed: int, path: Path, **config_overrides) 
     save_file({k: v.contiguous().clone() for k, v in checkpoint_views(model).items()},
               path / "model.safetensors")
     return path
+
+
+def engine_logprobs(engine, ids: list[int]) -> torch.Tensor:
+    """log_softmax of ``engine``'s model's logits over the whole of ``ids``, [L, V] fp64: the
+    reference a served logprob is compared with."""
+    runner = engine.runner
+    with torch.inference_mode():
+        logits = run_sequence(runner.model, torch.tensor(ids), torch.tensor([]), runner.ops,
+                              max_seq_len=engine.config.max_model_len)[0]
+    return torch.log_softmax(logits.double(), -1)
